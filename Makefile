@@ -1,0 +1,30 @@
+# The two commands of the README:  `make run`  (the main job)  and  `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# The main job and the tests run on 8 host (CPU) devices.
+HOST8 := XLA_FLAGS=--xla_force_host_platform_device_count=8 TF_CPP_MIN_LOG_LEVEL=2
+
+.PHONY: setup run test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+run: setup  ## GPT pretraining on the embedded corpus over 8 host devices (ARGS="--steps 50" ...)
+	$(HOST8) $(BIN)/python recipes/gpt_pretrain.py $(ARGS)
+
+test: setup  ## the whole test suite (and lint)
+	$(BIN)/ruff check kdist recipes tests
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check kdist recipes tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

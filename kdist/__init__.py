@@ -1,0 +1,33 @@
+"""kdist: sharded Transformer training with Keras 3 on JAX.
+
+A user writes an ordinary Keras script; kdist supplies the distribution, the models, the
+data and the optimizer recipe:
+
+    import keras, kdist
+    keras.distribution.set_distribution(kdist.distribution("fsdp=8"))
+    data = kdist.data.lm_dataset("python-stdlib", sequence_length=256, global_batch_size=32)
+    model = kdist.models.GPTCausalLM.from_preset("gpt-nano", vocabulary_size=data.vocabulary_size)
+    model.compile(optimizer=kdist.optim.adamw(3e-4, warmup_steps=100, decay_steps=2000))
+    model.fit(data.train, validation_data=data.validation, epochs=1, steps_per_epoch=2000)
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+# ruff: noqa: E402
+import keras
+
+if keras.backend.backend() != "jax":
+    raise ImportError(
+        f"kdist needs Keras on the JAX backend, but Keras was loaded with the "
+        f"'{keras.backend.backend()}' backend. Set KERAS_BACKEND=jax in the environment, or "
+        f"import kdist before keras."
+    )
+
+from kdist import data, models, optim
+from kdist.distribution import KdistDistribution, distribution, parse_mesh
+
+__version__ = "0.1.0"
+
+__all__ = ["KdistDistribution", "data", "distribution", "models", "optim", "parse_mesh"]

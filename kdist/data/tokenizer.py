@@ -1,0 +1,92 @@
+"""Byte-pair tokenizers: keras-hub's ``BytePairTokenizer``, trained on the corpus when needed.
+
+keras-hub has no byte-pair trainer, so the merges are learned with the HF ``tokenizers``
+package (installed with keras-hub) using exactly the pre-tokenization keras-hub applies
+(its GPT-2 split pattern, then byte-level), and the result is loaded into
+``keras_hub.tokenizers.BytePairTokenizer``, which is what encodes and decodes everywhere in
+kdist. Trained vocabularies are cached by corpus fingerprint and size, so the second run
+does not train again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import keras_hub
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def cache_root() -> Path:
+    """Where kdist caches tokenizers and token stores: ``$KDIST_CACHE`` or ``~/.cache/kdist``."""
+    root = os.environ.get("KDIST_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kdist"
+    )
+    return Path(root)
+
+
+def train_byte_pair(documents, vocabulary_size: int, directory: Path) -> None:
+    """Learns a byte-level BPE vocabulary of ``vocabulary_size`` entries into ``directory``.
+
+    Writes ``vocabulary.json`` and ``merges.txt`` atomically (temporary names, then rename).
+    """
+    import tokenizers
+    from keras_hub.src.tokenizers.byte_pair_tokenizer import SPLIT_PATTERN_TOKENIZERS
+    from tokenizers import models, pre_tokenizers, trainers
+
+    if vocabulary_size < 257 + 1:
+        raise ValueError(
+            f"vocabulary_size={vocabulary_size} is too small for a byte-level BPE: it needs "
+            f"the 256 byte symbols plus {END_OF_TEXT!r}. Use at least 512."
+        )
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(pattern=tokenizers.Regex(SPLIT_PATTERN_TOKENIZERS),
+                                 behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocabulary_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(documents, trainer=trainer)
+    state = json.loads(tokenizer.to_str())["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["merges"]]
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in (
+        ("vocabulary.json", json.dumps(state["vocab"], ensure_ascii=False)),
+        ("merges.txt", "\n".join(merges) + "\n"),
+    ):
+        tmp = directory / f"{name}.tmp{os.getpid()}"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, directory / name)
+
+
+def load_byte_pair(directory: Path) -> keras_hub.tokenizers.BytePairTokenizer:
+    """Loads a vocabulary written by :func:`train_byte_pair` into keras-hub's tokenizer."""
+    vocabulary = json.loads((directory / "vocabulary.json").read_text(encoding="utf-8"))
+    merges = (directory / "merges.txt").read_text(encoding="utf-8").splitlines()
+    return keras_hub.tokenizers.BytePairTokenizer(
+        vocabulary=vocabulary, merges=[m for m in merges if m], unsplittable_tokens=[END_OF_TEXT]
+    )
+
+
+def byte_pair_tokenizer(corpus, vocabulary_size: int, cache_dir: Path | None = None):
+    """A keras-hub ``BytePairTokenizer`` for a corpus, trained once and then cached.
+
+    Example:
+        >>> from kdist.data.corpus import load_corpus
+        >>> tok = byte_pair_tokenizer(load_corpus(), vocabulary_size=8192)
+        >>> tok.detokenize(tok.tokenize("def f(x):\\n    return x")) == "def f(x):\\n    return x"
+        True
+    """
+    directory = (cache_dir or cache_root()) / f"bpe-{corpus.fingerprint}-{vocabulary_size}"
+    if not (directory / "merges.txt").exists():
+        train_byte_pair(corpus.train, vocabulary_size, directory)
+    return load_byte_pair(directory)

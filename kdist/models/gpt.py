@@ -1,0 +1,422 @@
+"""GPT: a decoder-only, pre-LayerNorm Transformer with tied input/output embeddings."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+
+import keras
+import numpy as np
+from keras import layers, ops
+from keras_hub.layers import ReversibleEmbedding
+
+from kdist.distribution import (
+    check_divisible,
+    gathered,
+    register_logical_axes,
+)
+from kdist.models.layers import PreLNBlock
+from kdist.models.presets import GPT_PRESETS, preset_config
+
+# Weight path -> logical axes, for the sharding rules in kdist.distribution.
+GPT_LOGICAL_AXES = {
+    r"token_embedding/embeddings": ("vocab", "embed"),
+    r"position_embedding/embeddings": ("position", "embed"),
+    r"block_\d+/attention/(query|key|value)/kernel": ("embed", "heads", "head_dim"),
+    r"block_\d+/attention/(query|key|value)/bias": ("heads", "head_dim"),
+    r"block_\d+/attention/attention_output/kernel": ("heads", "head_dim", "embed"),
+    r"block_\d+/attention/attention_output/bias": ("norm",),
+    r"block_\d+/mlp/up/kernel": ("embed", "mlp"),
+    r"block_\d+/mlp/up/bias": ("mlp",),
+    r"block_\d+/mlp/down/kernel": ("mlp", "embed"),
+    r"block_\d+/mlp/down/bias": ("norm",),
+    r"block_\d+/(attention_norm|mlp_norm)/(gamma|beta)": ("norm",),
+    r"final_norm/(gamma|beta)": ("norm",),
+}
+register_logical_axes(GPT_LOGICAL_AXES)
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class TokenEmbedding(ReversibleEmbedding):
+    """keras-hub's tied embedding, with the table all-gathered over ``fsdp`` before lookup.
+
+    ``call(ids)`` embeds ``(B, T)`` ids to ``(B, T, D)``; ``call(x, reverse=True)`` gives
+    logits ``(B, T, V)`` against the same table.
+
+    Example:
+        >>> TokenEmbedding(100, 8)(np.zeros((2, 3), "int32")).shape
+        (2, 3, 8)
+    """
+
+    def call(self, inputs, reverse=False):
+        if reverse:
+            return super().call(inputs, reverse=True)
+        table = gathered(
+            ops.convert_to_tensor(self.embeddings), GPT_LOGICAL_AXES["token_embedding/embeddings"]
+        )
+        return ops.cast(ops.take(table, ops.cast(inputs, "int32"), axis=0), self.compute_dtype)
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class PositionEmbedding(layers.Layer):
+    """Learned absolute position embeddings, refusing sequences longer than the table.
+
+    (Beyond the table a gather would silently clamp to the last row on JAX.)
+
+    Example:
+        >>> PositionEmbedding(max_sequence_length=16)(keras.ops.ones((2, 8, 32))).shape
+        (1, 8, 32)
+    """
+
+    def __init__(self, max_sequence_length: int, initializer_range: float = 0.02, **kwargs):
+        super().__init__(**kwargs)
+        self.max_sequence_length = max_sequence_length
+        self.initializer_range = initializer_range
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(
+            name="embeddings",
+            shape=(self.max_sequence_length, input_shape[-1]),
+            initializer=keras.initializers.RandomNormal(stddev=self.initializer_range),
+        )
+
+    def call(self, x, start_index=0):
+        # x: (B, T, D) -> positions start_index .. start_index + T - 1: (1, T, D)
+        length = x.shape[1]
+        if isinstance(length, int) and length > self.max_sequence_length:
+            raise ValueError(
+                f"Sequence length {length} exceeds the model's max_sequence_length "
+                f"{self.max_sequence_length}. Use sequences of at most "
+                f"{self.max_sequence_length} tokens, or build the model with a larger "
+                f"max_sequence_length."
+            )
+        length = ops.shape(x)[1]
+        table = ops.convert_to_tensor(self.embeddings)
+        rows = ops.slice(table, [start_index, 0], [length, ops.shape(table)[1]])
+        return ops.cast(rows, self.compute_dtype)[None]
+
+    def compute_output_shape(self, input_shape):
+        return (1, input_shape[1], input_shape[2])
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "max_sequence_length": self.max_sequence_length,
+            "initializer_range": self.initializer_range,
+        }
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class GPTBackbone(keras.Model):
+    """The GPT Transformer: token ids ``(B, T)`` to final hidden states ``(B, T, D)``.
+
+    Args:
+        vocabulary_size: number of token ids.
+        num_layers: number of decoder blocks.
+        num_heads: attention heads per block.
+        hidden_dim: model width D (must divide by ``num_heads``).
+        intermediate_dim: MLP width F.
+        max_sequence_length: length of the learned position table.
+        dropout: residual and embedding dropout rate.
+        layer_norm_epsilon: epsilon of every LayerNorm.
+        initializer_range: stddev of the normal weight initialiser (GPT-2: 0.02); the
+            residual output projections use ``initializer_range / sqrt(2 * num_layers)``.
+        remat: rematerialise each block in the backward pass (``keras.RematScope``).
+
+    Build it after setting the distribution: the constructor checks the shape against the
+    active mesh, and every weight is created with its sharded layout.
+
+    Example:
+        >>> backbone = GPTBackbone(vocabulary_size=256, num_layers=2, num_heads=2,
+        ...                        hidden_dim=32, intermediate_dim=64, max_sequence_length=16)
+        >>> backbone(np.zeros((1, 8), "int32")).shape
+        (1, 8, 32)
+    """
+
+    def __init__(
+        self,
+        vocabulary_size: int,
+        num_layers: int,
+        num_heads: int,
+        hidden_dim: int,
+        intermediate_dim: int,
+        max_sequence_length: int,
+        dropout: float = 0.0,
+        layer_norm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        remat: bool = False,
+        **kwargs,
+    ):
+        if hidden_dim % num_heads:
+            raise ValueError(
+                f"hidden_dim={hidden_dim} must be divisible by num_heads={num_heads} "
+                f"(head_dim = hidden_dim / num_heads)."
+            )
+        check_divisible("num_heads", num_heads)
+        check_divisible("intermediate_dim", intermediate_dim)
+        check_divisible("vocabulary_size", vocabulary_size)
+        dtype = kwargs.pop("dtype", None)
+        head_dim = hidden_dim // num_heads
+
+        # === Layers ===
+        self.token_embedding = TokenEmbedding(
+            vocabulary_size,
+            hidden_dim,
+            embeddings_initializer=keras.initializers.RandomNormal(stddev=initializer_range),
+            dtype=dtype,
+            name="token_embedding",
+        )
+        self.position_embedding = PositionEmbedding(
+            max_sequence_length, initializer_range, dtype=dtype, name="position_embedding"
+        )
+        self.embedding_dropout = layers.Dropout(dropout, dtype=dtype, name="embedding_dropout")
+        remat_scope = keras.RematScope(mode="full") if remat else contextlib.nullcontext()
+        with remat_scope:
+            self.blocks = [
+                PreLNBlock(
+                    num_heads,
+                    head_dim,
+                    intermediate_dim,
+                    dropout=dropout,
+                    layer_norm_epsilon=layer_norm_epsilon,
+                    initializer_range=initializer_range,
+                    output_initializer_range=initializer_range / np.sqrt(2 * num_layers),
+                    dtype=dtype,
+                    name=f"block_{i}",
+                )
+                for i in range(num_layers)
+            ]
+        self.final_norm = layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=dtype, name="final_norm"
+        )
+
+        # === Functional Model ===
+        token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
+        x = self.embed(token_ids)
+        for block in self.blocks:
+            x = block(x)
+        outputs = self.final_norm(x)
+        super().__init__(inputs=token_ids, outputs=outputs, dtype=dtype, **kwargs)
+
+        # === Config ===
+        self.vocabulary_size = vocabulary_size
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.max_sequence_length = max_sequence_length
+        self.dropout = dropout
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.initializer_range = initializer_range
+        self.remat = remat
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_dim // self.num_heads
+
+    def embed(self, token_ids, start_index=0):
+        """Token plus position embeddings: ``(B, T)`` ids to ``(B, T, D)``."""
+        x = self.token_embedding(token_ids)
+        x = x + self.position_embedding(x, start_index=start_index)
+        return self.embedding_dropout(x)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.saving.serialize_keras_object(self.dtype_policy),
+            "vocabulary_size": self.vocabulary_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "hidden_dim": self.hidden_dim,
+            "intermediate_dim": self.intermediate_dim,
+            "max_sequence_length": self.max_sequence_length,
+            "dropout": self.dropout,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "initializer_range": self.initializer_range,
+            "remat": self.remat,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.saving.deserialize_keras_object(config["dtype"])
+        return cls(**config)
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides) -> GPTBackbone:
+        """A randomly initialised backbone of a preset's shape (see ``GPT_PRESETS``).
+
+        Example:
+            >>> GPTBackbone.from_preset("gpt-nano", vocabulary_size=512).num_layers
+            4
+        """
+        return cls(**preset_config(GPT_PRESETS, preset, **overrides))
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class GPTCausalLM(keras.Model):
+    """Next-token prediction on top of a :class:`GPTBackbone`, with cached generation.
+
+    The output head is the token embedding transposed (tied weights); logits are cast to
+    float32 so the loss is computed in float32 under ``mixed_bfloat16``. ``compile()``
+    defaults to sparse categorical cross-entropy on the logits.
+
+    Example:
+        >>> lm = GPTCausalLM.from_preset("gpt-nano", vocabulary_size=512, num_layers=1)
+        >>> lm.compile(optimizer="adam")
+        >>> x = np.random.randint(0, 512, (2, 16)).astype("int32")
+        >>> float(lm.train_on_batch(x[:, :-1], x[:, 1:])) > 0
+        True
+        >>> lm.generate(x[:, :4], max_length=8, sampler="greedy").shape
+        (2, 8)
+    """
+
+    def __init__(self, backbone: GPTBackbone, **kwargs):
+        # === Layers ===
+        self.backbone = backbone
+
+        # === Functional Model ===
+        token_ids = backbone.input
+        hidden = backbone(token_ids)
+        logits = backbone.token_embedding(hidden, reverse=True)  # (B, T, V)
+        logits = layers.Activation("linear", dtype="float32", name="logits")(logits)
+        super().__init__(inputs=token_ids, outputs=logits, **kwargs)
+
+    def compile(self, optimizer="adamw", loss=None, **kwargs):
+        if loss is None:
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "backbone": keras.saving.serialize_keras_object(self.backbone),
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
+        return cls(**config)
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides) -> GPTCausalLM:
+        """A randomly initialised causal LM of a preset's shape; overrides replace fields.
+
+        Example:
+            >>> GPTCausalLM.from_preset("gpt-nano", vocabulary_size=512).backbone.hidden_dim
+            256
+        """
+        return cls(GPTBackbone.from_preset(preset, **overrides))
+
+    # === Generation ===
+
+    def call_with_cache(self, token_ids, cache, cache_index):
+        """One forward pass over ``token_ids`` (B, T) at positions ``cache_index ...``.
+
+        ``cache`` is ``(B, L, 2, S, N, H)``: keys and values of every layer. Returns
+        ``(logits (B, T, V) float32, updated cache)``.
+        """
+        b = self.backbone
+        x = b.embed(token_ids, start_index=cache_index)
+        caches = []
+        for i, block in enumerate(b.blocks):
+            x, layer_cache = block(x, cache=cache[:, i], cache_index=cache_index)
+            caches.append(layer_cache)
+        logits = b.token_embedding(b.final_norm(x), reverse=True)
+        return ops.cast(logits, "float32"), ops.stack(caches, axis=1)
+
+    def _generate_step(self, prompt, prompt_length, sampler):
+        b = self.backbone
+        batch, max_length = ops.shape(prompt)
+        cache = ops.zeros(
+            (batch, b.num_layers, 2, max_length, b.num_heads, b.head_dim), self.compute_dtype
+        )
+        # Fill the cache with the prompt (positions 0 .. prompt_length - 2): the sampler
+        # feeds the last prompt token itself.
+        _, cache = self.call_with_cache(prompt, cache, 0)
+
+        def next_logits(prompt, cache, index):
+            token = ops.slice(prompt, [0, index - 1], [batch, 1])  # (B, 1)
+            logits, cache = self.call_with_cache(token, cache, index - 1)
+            return logits[:, 0], None, cache
+
+        return sampler(next=next_logits, prompt=prompt, cache=cache, index=prompt_length)
+
+    def generate(
+        self,
+        prompt_ids,
+        max_length: int,
+        sampler="top_k",
+        seed: int | None = None,
+    ) -> np.ndarray:
+        """Extends ``prompt_ids`` (B, P) to ``(B, max_length)`` tokens with a key/value cache.
+
+        ``sampler`` is a keras-hub sampler or one of ``"greedy"``, ``"top_k"`` (k=10),
+        ``"top_p"`` (p=0.9), ``"random"``. Runs as one compiled program (a ``while_loop``
+        over decode steps, compiled once per sampler and prompt length) and works under any
+        kdist distribution.
+
+        Example:
+            >>> lm = GPTCausalLM.from_preset("gpt-nano", vocabulary_size=64, num_layers=1)
+            >>> lm.generate(np.zeros((1, 3), "int32"), max_length=6, sampler="greedy").shape
+            (1, 6)
+        """
+        import jax
+
+        prompt_ids = np.asarray(prompt_ids, dtype="int32")
+        if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
+            raise ValueError(
+                f"prompt_ids must be a (batch, length >= 1) int array; got shape "
+                f"{prompt_ids.shape}."
+            )
+        prompt_length = prompt_ids.shape[1]
+        if not prompt_length < max_length <= self.backbone.max_sequence_length:
+            raise ValueError(
+                f"max_length={max_length} must exceed the prompt length {prompt_length} and "
+                f"be at most the model's max_sequence_length "
+                f"{self.backbone.max_sequence_length}."
+            )
+        sampler = _make_sampler(sampler, seed)
+        prompt = np.zeros((prompt_ids.shape[0], max_length), "int32")
+        prompt[:, :prompt_length] = prompt_ids
+
+        @functools.partial(jax.jit, static_argnums=1)
+        def run(prompt, prompt_length, sampler_state, weights):
+            mapping = itertools.chain(
+                zip(sampler.variables, sampler_state), zip(self.weights, weights)
+            )
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                out = self._generate_step(prompt, prompt_length, sampler)
+            return out, [scope.get_current_value(v) for v in sampler.variables]
+
+        out, sampler_state = run(
+            prompt,
+            prompt_length,
+            [v.value for v in sampler.variables],
+            [w.value for w in self.weights],
+        )
+        return np.asarray(out)
+
+
+def _make_sampler(sampler, seed):
+    import keras_hub
+
+    if not isinstance(sampler, str):
+        return sampler
+    factories = {
+        "greedy": lambda: keras_hub.samplers.GreedySampler(),
+        "top_k": lambda: keras_hub.samplers.TopKSampler(k=10, seed=seed),
+        "top_p": lambda: keras_hub.samplers.TopPSampler(p=0.9, seed=seed),
+        "random": lambda: keras_hub.samplers.RandomSampler(seed=seed),
+    }
+    if sampler not in factories:
+        raise ValueError(
+            f"Unknown sampler '{sampler}'. Use one of {sorted(factories)} or pass a "
+            f"keras_hub.samplers.Sampler instance."
+        )
+    return factories[sampler]()

@@ -1,0 +1,42 @@
+"""Named model shapes. Presets are shapes only: no weights are downloaded."""
+
+from __future__ import annotations
+
+# GPT-2 shapes from Radford et al. (2019); max_sequence_length is GPT-2's context.
+# `gpt-nano` is sized to learn visibly in minutes on 2 CPU cores.
+GPT_PRESETS: dict[str, dict] = {
+    "gpt-nano": dict(
+        vocabulary_size=8192, num_layers=4, num_heads=4, hidden_dim=256,
+        intermediate_dim=1024, max_sequence_length=256,
+    ),
+    "gpt2-small": dict(
+        vocabulary_size=50257, num_layers=12, num_heads=12, hidden_dim=768,
+        intermediate_dim=3072, max_sequence_length=1024,
+    ),
+    "gpt2-medium": dict(
+        vocabulary_size=50257, num_layers=24, num_heads=16, hidden_dim=1024,
+        intermediate_dim=4096, max_sequence_length=1024,
+    ),
+    "gpt2-large": dict(
+        vocabulary_size=50257, num_layers=36, num_heads=20, hidden_dim=1280,
+        intermediate_dim=5120, max_sequence_length=1024,
+    ),
+    "gpt2-xl": dict(
+        vocabulary_size=50257, num_layers=48, num_heads=25, hidden_dim=1600,
+        intermediate_dim=6400, max_sequence_length=1024,
+    ),
+}
+
+
+def preset_config(presets: dict[str, dict], name: str, **overrides) -> dict:
+    """The config of a preset with overrides applied; unknown names fail with the choices.
+
+    Example:
+        >>> preset_config(GPT_PRESETS, "gpt-nano", vocabulary_size=4096)["vocabulary_size"]
+        4096
+    """
+    if name not in presets:
+        raise ValueError(
+            f"Unknown preset '{name}'. Available presets: {', '.join(presets)}."
+        )
+    return {**presets[name], **overrides}

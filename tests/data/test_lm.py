@@ -1,0 +1,80 @@
+"""Tokenizer caching and the deterministic, per-process batches."""
+
+import numpy as np
+import pytest
+
+import kdist.data.tokenizer as tokenizer_module
+from kdist.data import END_OF_TEXT, LMBatches, lm_dataset
+from kdist.data.corpus import load_corpus
+from kdist.data.tokenizer import byte_pair_tokenizer
+
+
+@pytest.fixture(scope="module")
+def data():
+    return lm_dataset(sequence_length=64, global_batch_size=8, vocabulary_size=1024)
+
+
+def test_tokenizer_round_trips_and_is_cached(data, monkeypatch):
+    tok = data.tokenizer
+    text = load_corpus().validation[0][:3000]
+    assert tok.detokenize(tok.tokenize(text)) == text
+    assert tok.vocabulary_size() == 1024 == data.vocabulary_size
+    assert len(tok.tokenize(text)) < len(text) / 2  # it learned merges
+    # A second request loads the cached vocabulary instead of training again.
+    monkeypatch.setattr(tokenizer_module, "train_byte_pair", lambda *a: pytest.fail("retrained"))
+    again = byte_pair_tokenizer(load_corpus(), 1024)
+    assert again.get_vocabulary() == tok.get_vocabulary()
+
+
+def test_documents_are_separated_by_end_of_text(data):
+    eot = data.tokenizer.token_to_id(END_OF_TEXT)
+    stream = data.train.tokens
+    assert stream[-1] == eot
+    assert np.count_nonzero(np.asarray(stream) == eot) == len(load_corpus().train)
+    assert data.train_tokens == len(stream)
+
+
+def test_batches_are_shifted_windows(data):
+    x, y = data.train[3]
+    assert x.shape == y.shape == (8, 64) and x.dtype == np.int32
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    tokens = np.arange(10_000)
+    a = LMBatches(tokens, 16, 8, seed=1)
+    b = LMBatches(tokens, 16, 8, seed=1)
+    for step in [5, 0, 100, 3]:  # any order, any step
+        np.testing.assert_array_equal(a[step][0], b[step][0])
+    assert not np.array_equal(a[0][0], LMBatches(tokens, 16, 8, seed=2)[0][0])
+    resumed = LMBatches(tokens, 16, 8, seed=1, start_step=7)
+    np.testing.assert_array_equal(resumed[0][0], a[7][0])
+
+
+def test_each_window_once_per_epoch_and_epochs_differ():
+    tokens = np.arange(16 * 64 + 1)  # exactly 64 windows of 16
+    ds = LMBatches(tokens, 16, 8, seed=0)
+    epoch0 = np.concatenate([ds.windows(s) for s in range(8)])
+    epoch1 = np.concatenate([ds.windows(s) for s in range(8, 16)])
+    assert sorted(epoch0) == sorted(epoch1) == list(range(64))
+    assert not np.array_equal(epoch0, epoch1)
+
+
+def test_processes_read_disjoint_shares_of_the_global_batch():
+    tokens = np.arange(50_000)
+    whole = LMBatches(tokens, 32, 12, seed=4)
+    shares = [LMBatches(tokens, 32, 12, seed=4, process_index=p, process_count=3)
+              for p in range(3)]
+    for step in (0, 9):
+        parts = [s[step][0] for s in shares]
+        assert all(p.shape == (4, 32) for p in parts)
+        np.testing.assert_array_equal(np.concatenate(parts), whole[step][0])
+    with pytest.raises(ValueError, match="does not divide by the 5 processes"):
+        LMBatches(tokens, 32, 12, process_count=5)
+
+
+def test_validation_is_finite_and_in_order(data):
+    assert data.validation.num_batches == len(data.validation) > 0
+    np.testing.assert_array_equal(data.validation.windows(0), np.arange(8))
+    with pytest.raises(IndexError):
+        data.validation[len(data.validation)]

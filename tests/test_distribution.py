@@ -1,0 +1,112 @@
+"""Mesh specs, layouts and the checks that run before anything compiles."""
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import kdist
+from kdist.distribution import BatchLayout, parse_mesh
+from kdist.models import GPTBackbone
+from tests.helpers import TINY_GPT, tiny_gpt
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("fsdp=8", (1, 8, 1)),
+        ("data=2,model=4", (2, 1, 4)),
+        ("data=2,fsdp=2,model=2", (2, 2, 2)),
+        ("model=2,fsdp=-1", (1, 4, 2)),
+        ("auto", (1, 8, 1)),
+        ("dp", (8, 1, 1)),
+        ("tp", (1, 1, 8)),
+        (" Data = 8 ", (8, 1, 1)),
+    ],
+)
+def test_parse_mesh(spec, expected):
+    assert tuple(parse_mesh(spec, 8).values()) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("fsdp=4", "describes 4 devices, but 8 are available"),
+        ("fsdp=16", "describes 16 devices"),
+        ("pipeline=8", "unknown axis 'pipeline'"),
+        ("fsdp=-1,data=-1", "only one axis may be -1"),
+        ("model=3,fsdp=-1", "does not divide"),
+        ("fsdp=two", "must be an integer"),
+        ("fsdp=0", "positive integer"),
+        ("fsdp=4,fsdp=2", "given twice"),
+        ("fsdp8", "not of the form"),
+        ("", "non-empty"),
+    ],
+)
+def test_bad_mesh_specs(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_mesh(spec, 8)
+
+
+def test_distribution_mesh_and_batch_layout():
+    dist = kdist.distribution("data=2,fsdp=2,model=2")
+    assert dist.mesh_shape == {"data": 2, "fsdp": 2, "model": 2}
+    assert dist.num_model_replicas == 4
+    assert dist.spec == "data=2,fsdp=2,model=2"
+    layout = dist.get_data_layout((16, 32))
+    assert isinstance(layout, BatchLayout)
+    sharding = layout.backend_layout
+    assert tuple(sharding.spec) == (("data", "fsdp"), None)
+    # The batch is split 4 ways over the replicas and replicated over `model`.
+    x = jax.device_put(np.arange(16 * 32).reshape(16, 32), sharding)
+    assert {s.data.shape for s in x.addressable_shards} == {(4, 32)}
+
+
+def test_fsdp_bytes_per_device_are_an_eighth():
+    model = tiny_gpt("fsdp=8", vocabulary_size=512, hidden_dim=128, intermediate_dim=512)
+    model.compile(optimizer=kdist.optim.adamw())
+    model.optimizer.build(model.trainable_variables)
+    variables = model.weights + model.optimizer.variables
+    total = sum(v.value.nbytes for v in variables)
+    per_device = sum(v.value.addressable_shards[0].data.nbytes for v in variables)
+    replicated = sum(v.value.nbytes for v in variables if v.value.sharding.is_fully_replicated)
+    assert per_device <= total / 8 + replicated
+    assert replicated < 0.02 * total  # only norms, biases over embed and counters
+    assert per_device < total / 7
+
+
+def test_large_weight_without_table_entry_is_refused():
+    keras.distribution.set_distribution(kdist.distribution("fsdp=8"))
+    layer = keras.layers.Dense(256, name="unlisted")
+    with pytest.raises(ValueError, match="unlisted/kernel.*matches no entry.*silently replicated"):
+        layer.build((None, 256))
+
+
+def test_small_unlisted_weights_are_replicated():
+    keras.distribution.set_distribution(kdist.distribution("fsdp=8"))
+    layer = keras.layers.Dense(4, name="small")
+    layer.build((None, 4))
+    assert layer.kernel.value.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize(
+    "mesh, overrides, message",
+    [
+        ("model=8", dict(num_heads=4, hidden_dim=64), "num_heads=4 is not divisible by the"),
+        ("model=8", dict(intermediate_dim=100), "intermediate_dim=100 is not divisible"),
+        ("model=8", dict(vocabulary_size=250), "vocabulary_size=250 is not divisible"),
+        ("fsdp=8", dict(hidden_dim=36, num_heads=4), "dimension 1 \\('embed', size 36\\)"),
+    ],
+)
+def test_indivisible_shapes_fail_before_building(mesh, overrides, message):
+    keras.distribution.set_distribution(kdist.distribution(mesh))
+    with pytest.raises(ValueError, match=message):
+        GPTBackbone(**{**TINY_GPT, **overrides})
+
+
+def test_global_batch_must_divide_by_replicas():
+    keras.distribution.set_distribution(kdist.distribution("data=2,fsdp=2,model=2"))
+    with pytest.raises(ValueError, match="global_batch_size=6 is not divisible by the 4"):
+        kdist.data.lm_dataset(global_batch_size=6, sequence_length=16)
+
+
