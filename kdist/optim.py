@@ -8,7 +8,12 @@
 * global-norm gradient clipping (``global_clipnorm``);
 * gradient accumulation: Keras' ``gradient_accumulation_steps`` — each ``fit`` step is then
   a micro-batch, the update is applied every N steps with the mean gradient, and
-  ``optimizer.iterations`` (hence the schedule) counts updates.
+  ``optimizer.iterations`` counts updates.
+
+Where Keras falls short: with gradient accumulation, Keras 3.15 evaluates a learning-rate
+schedule at the raw micro-step counter (``optimizer._iterations``), not at the update count
+(``optimizer.iterations``), so warmup and decay run N times too fast. :class:`AdamW` fixes
+that; nothing else differs from ``keras.optimizers.AdamW``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,20 @@ import keras
 
 # Variable names (the last path component) that get no weight decay.
 NO_DECAY_NAMES = ("bias", "gamma", "beta", "embeddings")
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class AdamW(keras.optimizers.AdamW):
+    """``keras.optimizers.AdamW`` whose schedule counts optimizer updates, not micro-batches.
+
+    Example:
+        >>> opt = AdamW(learning_rate=warmup_cosine(1.0, 10, 100), gradient_accumulation_steps=4)
+    """
+
+    def _get_current_learning_rate(self):
+        if isinstance(self._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            return self._learning_rate(self.iterations)
+        return super()._get_current_learning_rate()
 
 
 def warmup_cosine(
@@ -57,7 +76,7 @@ def adamw(
     epsilon: float = 1e-8,
     clipnorm: float | None = 1.0,
     gradient_accumulation_steps: int | None = None,
-) -> keras.optimizers.AdamW:
+) -> AdamW:
     """A Keras ``AdamW`` with warmup + cosine schedule, decay mask and clipping.
 
     ``decay_steps`` counts optimizer updates (after warmup), not micro-batches.
@@ -72,7 +91,7 @@ def adamw(
             f"gradient_accumulation_steps must be a positive integer or None; got "
             f"{gradient_accumulation_steps}."
         )
-    optimizer = keras.optimizers.AdamW(
+    optimizer = AdamW(
         learning_rate=warmup_cosine(learning_rate, warmup_steps, decay_steps,
                                     min_learning_rate_ratio),
         weight_decay=weight_decay,

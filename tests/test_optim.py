@@ -6,7 +6,7 @@ import pytest
 
 import kdist
 from kdist.optim import adamw, warmup_cosine
-from tests.helpers import tiny_gpt, token_batches, train, weights
+from tests.helpers import parity_optimizer, tiny_gpt, token_batches, train, weights
 
 
 def test_warmup_then_cosine():
@@ -34,18 +34,31 @@ def test_global_norm_clipping_bounds_the_first_update():
 
 
 def test_gradient_accumulation_equals_the_large_batch():
-    """Two micro-batches of 4 with accumulation = one batch of 8 (mean loss per batch)."""
-    (x, y), = token_batches(1, batch=8)
+    """2 updates from micro-batches of 4 with accumulation = 2 updates from batches of 8.
+
+    The first update has learning rate 0 (warmup) and the second the peak, so a schedule
+    that counted micro-batches instead of updates (Keras 3.15 does) would fail this.
+    """
+    batches = token_batches(2, batch=8)
     large = tiny_gpt()
-    train(large, [(x, y)], optimizer=adamw(1e-2, warmup_steps=0, decay_steps=10))
+    train(large, batches)
     keras.utils.clear_session()
     accumulated = tiny_gpt()
-    train(accumulated, [(x[:4], y[:4]), (x[4:], y[4:])],
-          optimizer=adamw(1e-2, warmup_steps=0, decay_steps=10, gradient_accumulation_steps=2))
-    assert int(accumulated.optimizer.iterations) == 1
+    micro = [(x[half], y[half]) for x, y in batches for half in (slice(0, 4), slice(4, 8))]
+    train(accumulated, micro, optimizer=parity_optimizer(gradient_accumulation_steps=2))
+    assert int(accumulated.optimizer.iterations) == 2
     reference = weights(large)
     for path, value in weights(accumulated).items():
         np.testing.assert_allclose(value, reference[path], atol=2e-6, err_msg=path)
+    assert not np.allclose(reference["block_0/mlp/up/kernel"],
+                           weights(tiny_gpt())["block_0/mlp/up/kernel"])  # it did train
+
+
+def test_schedule_counts_updates_under_accumulation():
+    optimizer = adamw(1e-3, warmup_steps=10, decay_steps=100, gradient_accumulation_steps=4)
+    optimizer.build([keras.Variable(np.zeros(2, "float32"))])
+    optimizer._iterations.assign(20)  # 20 micro-batches = 5 updates
+    np.testing.assert_allclose(float(optimizer.learning_rate), 5e-4, rtol=1e-6)
 
 
 def test_bad_accumulation_is_refused():

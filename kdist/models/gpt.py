@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 
@@ -122,7 +121,7 @@ class GPTBackbone(keras.Model):
         layer_norm_epsilon: epsilon of every LayerNorm.
         initializer_range: stddev of the normal weight initialiser (GPT-2: 0.02); the
             residual output projections use ``initializer_range / sqrt(2 * num_layers)``.
-        remat: rematerialise each block in the backward pass (``keras.RematScope``).
+        remat: rematerialise each block in the backward pass (``keras.remat``).
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -171,22 +170,21 @@ class GPTBackbone(keras.Model):
             max_sequence_length, initializer_range, dtype=dtype, name="position_embedding"
         )
         self.embedding_dropout = layers.Dropout(dropout, dtype=dtype, name="embedding_dropout")
-        remat_scope = keras.RematScope(mode="full") if remat else contextlib.nullcontext()
-        with remat_scope:
-            self.blocks = [
-                PreLNBlock(
-                    num_heads,
-                    head_dim,
-                    intermediate_dim,
-                    dropout=dropout,
-                    layer_norm_epsilon=layer_norm_epsilon,
-                    initializer_range=initializer_range,
-                    output_initializer_range=initializer_range / np.sqrt(2 * num_layers),
-                    dtype=dtype,
-                    name=f"block_{i}",
-                )
-                for i in range(num_layers)
-            ]
+        self.blocks = [
+            PreLNBlock(
+                num_heads,
+                head_dim,
+                intermediate_dim,
+                dropout=dropout,
+                layer_norm_epsilon=layer_norm_epsilon,
+                initializer_range=initializer_range,
+                output_initializer_range=initializer_range / np.sqrt(2 * num_layers),
+                remat=remat,
+                dtype=dtype,
+                name=f"block_{i}",
+            )
+            for i in range(num_layers)
+        ]
         self.final_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="final_norm"
         )
@@ -289,6 +287,12 @@ class GPTCausalLM(keras.Model):
         if loss is None:
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
+
+    def compile_from_config(self, config):
+        # Keras skips compiling on load when compile() is overridden; ours takes its config.
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
 
     def get_config(self):
         return {

@@ -155,9 +155,11 @@ class PreLNBlock(layers.Layer):
     """A pre-LayerNorm decoder block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``.
 
     Layer norms compute in float32 under mixed precision (Keras does this for
-    ``LayerNormalization``). When the block is built under ``keras.RematScope``, its whole
-    call is rematerialised once; its sublayers are built outside any remat scope so the
-    recompute is not nested.
+    ``LayerNormalization``). With ``remat=True`` the block's forward pass is wrapped in
+    ``keras.remat`` (``jax.checkpoint``): only the block input is kept for the backward
+    pass. (``keras.RematScope(mode="full")`` cannot be used here: Keras 3.15 checkpoints
+    ``Layer.__call__`` with every keyword argument traced, so ``training=False`` becomes a
+    tracer and Dropout's ``if training`` fails.)
 
     Example:
         >>> block = PreLNBlock(num_heads=4, head_dim=16, intermediate_dim=128)
@@ -174,56 +176,61 @@ class PreLNBlock(layers.Layer):
         layer_norm_epsilon: float = 1e-5,
         initializer_range: float = 0.02,
         output_initializer_range: float | None = None,
+        remat: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.intermediate_dim = intermediate_dim
+        self.remat = remat
         self.dropout = dropout
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         self.output_initializer_range = output_initializer_range
-        with keras.RematScope(mode=None):
-            self.attention_norm = layers.LayerNormalization(
-                epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="attention_norm"
-            )
-            self.attention = CausalSelfAttention(
-                num_heads,
-                head_dim,
-                initializer_range,
-                output_initializer_range,
-                dtype=self.dtype_policy,
-                name="attention",
-            )
-            self.mlp_norm = layers.LayerNormalization(
-                epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="mlp_norm"
-            )
-            self.mlp = MLP(
-                intermediate_dim,
-                initializer_range,
-                output_initializer_range,
-                dtype=self.dtype_policy,
-                name="mlp",
-            )
-            self.attention_dropout = layers.Dropout(dropout, dtype=self.dtype_policy)
-            self.mlp_dropout = layers.Dropout(dropout, dtype=self.dtype_policy)
+        self.attention_norm = layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="attention_norm"
+        )
+        self.attention = CausalSelfAttention(
+            num_heads,
+            head_dim,
+            initializer_range,
+            output_initializer_range,
+            dtype=self.dtype_policy,
+            name="attention",
+        )
+        self.mlp_norm = layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="mlp_norm"
+        )
+        self.mlp = MLP(
+            intermediate_dim,
+            initializer_range,
+            output_initializer_range,
+            dtype=self.dtype_policy,
+            name="mlp",
+        )
+        self.attention_dropout = layers.Dropout(dropout, dtype=self.dtype_policy)
+        self.mlp_dropout = layers.Dropout(dropout, dtype=self.dtype_policy)
 
     def build(self, input_shape):
         for sublayer in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
             sublayer.build(input_shape)
 
     def call(self, x, cache=None, cache_index=None, training=None):
-        # x: (B, T, D)
-        h = self.attention_norm(x)
-        if cache is None:
-            h = self.attention(h)
-        else:
-            h, cache = self.attention(h, cache=cache, cache_index=cache_index)
-        x = x + self.attention_dropout(h, training=training)
+        """``(B, T, D) -> (B, T, D)``; with a cache, also returns the updated cache."""
+        if cache is not None:
+            h, cache = self.attention(self.attention_norm(x), cache=cache, cache_index=cache_index)
+            return self._mlp_residual(x + h, training), cache
+
+        def forward(x):
+            h = self.attention(self.attention_norm(x))
+            return self._mlp_residual(x + self.attention_dropout(h, training=training), training)
+
+        return keras.remat(forward)(x) if self.remat else forward(x)
+
+    def _mlp_residual(self, x, training):
         x = x + self.mlp_dropout(self.mlp(self.mlp_norm(x)), training=training)
-        x = shard_batch(x)  # (B, T, D), B split over data x fsdp
-        return x if cache is None else (x, cache)
+        return shard_batch(x)  # (B, T, D), B split over data x fsdp
 
     def get_config(self):
         return {
@@ -235,4 +242,5 @@ class PreLNBlock(layers.Layer):
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "initializer_range": self.initializer_range,
             "output_initializer_range": self.output_initializer_range,
+            "remat": self.remat,
         }
