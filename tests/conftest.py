@@ -3,8 +3,11 @@
 import os
 import tempfile
 
-# Must happen before jax is first imported (by keras or kdist).
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# Must happen before jax is first imported (by keras or kdist). Single-threaded Eigen per
+# device: see kdist/__init__.py (a shared Eigen pool stalled a collective rendezvous).
+os.environ["XLA_FLAGS"] = (
+    "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false"
+)
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Tokenizers and token stores of the test session live in one temporary cache.
