@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-# The main job and the tests run on 8 host (CPU) devices (kdist adds
-# --xla_cpu_multi_thread_eigen=false when it sees this flag; see kdist/__init__.py).
-HOST8 := XLA_FLAGS=--xla_force_host_platform_device_count=8 TF_CPP_MIN_LOG_LEVEL=2
+# The main job runs on 8 host (CPU) devices, one Eigen thread each (see kdist/__init__.py).
+HOST8 := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false" \
+	TF_CPP_MIN_LOG_LEVEL=2
 
 .PHONY: setup run test lint clean
 

@@ -17,17 +17,15 @@ With --grad-accum N, each step is N micro-batches of 16 / N sequences: same toke
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 
-os.environ.setdefault("KERAS_BACKEND", "jax")
+import kdist  # before jax: it selects Keras' JAX backend and XLA:CPU flags
 
-import jax  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-import kdist  # noqa: E402
+# isort: split
+import jax
+import keras
+import numpy as np
 
 
 def parse_args(argv=None):
