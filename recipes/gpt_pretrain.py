@@ -11,6 +11,7 @@ Token arithmetic of the defaults:
 With --grad-accum N, each step is N micro-batches of 16 / N sequences: same tokens per step.
 
     python recipes/gpt_pretrain.py --mesh data=2,fsdp=2,model=2 --steps 100
+    python recipes/gpt_pretrain.py --preset llama-nano --document-mask
     python recipes/gpt_pretrain.py --preset gpt2-small --sequence-length 1024 --precision bfloat16
 """
 
@@ -45,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--document-mask", action="store_true",
+                   help="attention stays within each packed document; positions restart")
     p.add_argument("--eval-every", type=int, default=50, help="steps between validations")
     p.add_argument("--eval-steps", type=int, default=16, help="validation batches")
     p.add_argument("--sample-length", type=int, default=64, help="tokens to generate at the end")
@@ -81,9 +84,14 @@ def main(argv=None):
         vocabulary_size=args.vocabulary_size,
         seed=args.seed,
         validation_steps=args.eval_steps,
+        document_mask=args.document_mask,
     )
     model = kdist.models.GPTCausalLM.from_preset(
-        args.preset, vocabulary_size=data.vocabulary_size, dropout=args.dropout, remat=args.remat
+        args.preset,
+        vocabulary_size=data.vocabulary_size,
+        dropout=args.dropout,
+        remat=args.remat,
+        document_mask=args.document_mask,
     )
     model.compile(
         optimizer=kdist.optim.adamw(

@@ -13,6 +13,12 @@ TINY_GPT = dict(
     vocabulary_size=256, num_layers=2, num_heads=8, hidden_dim=64,
     intermediate_dim=128, max_sequence_length=32,
 )
+# The Llama-style variant of it: RoPE, RMSNorm, SwiGLU, 2 query heads per key/value head,
+# untied output, no biases.
+TINY_LLAMA = dict(
+    TINY_GPT, num_key_value_heads=4, position_embedding="rotary", norm="rms_norm",
+    mlp_activation="swiglu", use_bias=False, tie_embeddings=False,
+)
 
 
 def tiny_gpt(mesh: str | None = None, seed: int = 0, **overrides) -> GPTCausalLM:
@@ -58,3 +64,15 @@ def train(model, batches, optimizer=None) -> list[float]:
 def weights(model) -> dict[str, np.ndarray]:
     """Every model weight gathered to the host, keyed by path."""
     return {w.path: np.asarray(w.value) for w in model.weights}
+
+
+def uncached_greedy(model, prompt: np.ndarray, max_length: int) -> np.ndarray:
+    """Greedy decoding by full forward passes over a fixed-length (zero-padded) buffer:
+    causal attention makes the padding invisible to earlier positions, and one shape means
+    one compilation."""
+    batch, length = prompt.shape
+    tokens = np.zeros((batch, max_length), "int32")
+    tokens[:, :length] = prompt
+    for t in range(length, max_length):
+        tokens[:, t] = model.predict_on_batch(tokens)[:, t - 1].argmax(-1)
+    return tokens

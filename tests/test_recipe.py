@@ -46,3 +46,11 @@ def test_recipe_with_gradient_accumulation(tmp_path):
                                         "--output-dir", str(tmp_path)])
     assert summary["tokens"] == 8 * 8 * 64
     assert summary["validation_loss_after"] < summary["validation_loss_before"]
+
+
+@pytest.mark.slow
+def test_recipe_llama_with_document_mask(tmp_path):
+    summary = gpt_pretrain.main(TINY + ["--preset", "llama-nano", "--document-mask",
+                                        "--mesh", "fsdp=4,model=2",
+                                        "--output-dir", str(tmp_path)])
+    assert summary["validation_loss_after"] < summary["validation_loss_before"] - 0.5

@@ -58,6 +58,9 @@ class LMBatches(keras.utils.PyDataset):
         num_steps: length of the dataset; None means endless (training, with
             ``steps_per_epoch``).
         process_index, process_count: which share of each global batch this process reads.
+        end_of_text_id: if set, inputs are ``{"token_ids", "segment_ids"}`` where segment
+            ids count the documents (end-of-text tokens) before each position, for
+            document-aware attention; the end-of-text token closes its own document.
 
     Example:
         >>> ds = LMBatches(np.arange(1000), sequence_length=8, global_batch_size=4)
@@ -77,6 +80,7 @@ class LMBatches(keras.utils.PyDataset):
         num_steps: int | None = None,
         process_index: int = 0,
         process_count: int = 1,
+        end_of_text_id: int | None = None,
     ):
         super().__init__()
         if global_batch_size % process_count:
@@ -93,6 +97,7 @@ class LMBatches(keras.utils.PyDataset):
         self.num_steps = num_steps
         self.process_index = process_index
         self.process_count = process_count
+        self.end_of_text_id = end_of_text_id
         self.num_windows = (len(tokens) - 1) // sequence_length
         if self.num_windows < 1:
             raise ValueError(
@@ -132,7 +137,12 @@ class LMBatches(keras.utils.PyDataset):
             raise IndexError(f"Batch {index} is out of range for {self.num_steps} batches.")
         starts = self.windows(self.start_step + index) * self.sequence_length
         rows = np.asarray(self.tokens[starts[:, None] + self._offsets], dtype=np.int32)
-        return rows[:, :-1], rows[:, 1:]
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        if self.end_of_text_id is None:
+            return inputs, targets
+        ends = np.cumsum(inputs == self.end_of_text_id, axis=1, dtype=np.int32)
+        segment_ids = np.pad(ends[:, :-1], ((0, 0), (1, 0)))  # documents ended before t
+        return {"token_ids": inputs, "segment_ids": segment_ids}, targets
 
 
 @dataclasses.dataclass
@@ -155,14 +165,16 @@ def lm_dataset(
     seed: int = 0,
     start_step: int = 0,
     validation_steps: int | None = None,
+    document_mask: bool = False,
     cache_dir: str | os.PathLike | None = None,
 ) -> LMData:
     """Causal-LM data from a corpus: tokenizer, token store, train and validation batches.
 
     The tokenizer is trained on the training split when not cached yet; the token store is
-    written once per (corpus, tokenizer). The global batch must divide by the number of
-    replicas of the active distribution (``data * fsdp``) and by the process count; each
-    process's datasets yield only its share of every global batch.
+    written once per (corpus, tokenizer). With ``document_mask=True`` the inputs carry
+    segment ids, for a model built with ``document_mask=True``. The global batch must
+    divide by the number of replicas of the active distribution (``data * fsdp``) and by
+    the process count; each process's datasets yield only its share of every global batch.
 
     Example:
         >>> data = lm_dataset("python-stdlib", sequence_length=128, global_batch_size=8)
@@ -197,7 +209,11 @@ def lm_dataset(
         )
         for split in ("train", "validation")
     }
-    process = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    process = dict(
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        end_of_text_id=tokenizer.token_to_id(END_OF_TEXT) if document_mask else None,
+    )
     train = LMBatches(stores["train"], sequence_length, global_batch_size, seed,
                       start_step=start_step, **process)
     full_validation_steps = (len(stores["validation"]) - 1) // sequence_length // global_batch_size

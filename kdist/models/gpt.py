@@ -1,4 +1,9 @@
-"""GPT: a decoder-only, pre-LayerNorm Transformer with tied input/output embeddings."""
+"""GPT: a decoder-only, pre-norm Transformer — GPT-2 by default, Llama-style by config.
+
+One model, configured: learned or rotary positions, LayerNorm or RMSNorm, GELU or SwiGLU
+MLP, multi-head or grouped-query attention, tied or untied output embedding, with or
+without biases, and optional document-aware attention over packed sequences.
+"""
 
 from __future__ import annotations
 
@@ -8,60 +13,74 @@ import itertools
 import keras
 import numpy as np
 from keras import layers, ops
-from keras_hub.layers import ReversibleEmbedding
 
-from kdist.distribution import (
-    check_divisible,
-    gathered,
-    register_logical_axes,
-)
-from kdist.models.layers import PreLNBlock
+from kdist.distribution import check_divisible, gathered, register_logical_axes
+from kdist.models.layers import PreNormBlock, document_mask_and_positions, normalization
 from kdist.models.presets import GPT_PRESETS, preset_config
 
 # Weight path -> logical axes, for the sharding rules in kdist.distribution.
 GPT_LOGICAL_AXES = {
     r"token_embedding/embeddings": ("vocab", "embed"),
+    r"token_embedding/reverse_embeddings": ("embed", "vocab"),
     r"position_embedding/embeddings": ("position", "embed"),
-    r"block_\d+/attention/(query|key|value)/kernel": ("embed", "heads", "head_dim"),
-    r"block_\d+/attention/(query|key|value)/bias": ("heads", "head_dim"),
+    r"block_\d+/attention/query/kernel": ("embed", "heads", "head_dim"),
+    r"block_\d+/attention/query/bias": ("heads", "head_dim"),
+    r"block_\d+/attention/(key|value)/kernel": ("embed", "kv_heads", "head_dim"),
+    r"block_\d+/attention/(key|value)/bias": ("kv_heads", "head_dim"),
     r"block_\d+/attention/attention_output/kernel": ("heads", "head_dim", "embed"),
     r"block_\d+/attention/attention_output/bias": ("norm",),
-    r"block_\d+/mlp/up/kernel": ("embed", "mlp"),
-    r"block_\d+/mlp/up/bias": ("mlp",),
+    r"block_\d+/mlp/(up|gate)/kernel": ("embed", "mlp"),
+    r"block_\d+/mlp/(up|gate)/bias": ("mlp",),
     r"block_\d+/mlp/down/kernel": ("mlp", "embed"),
     r"block_\d+/mlp/down/bias": ("norm",),
-    r"block_\d+/(attention_norm|mlp_norm)/(gamma|beta)": ("norm",),
-    r"final_norm/(gamma|beta)": ("norm",),
+    r"(block_\d+/(attention_norm|mlp_norm)|final_norm)/(gamma|beta|scale)": ("norm",),
 }
 register_logical_axes(GPT_LOGICAL_AXES)
 
 
 @keras.saving.register_keras_serializable(package="kdist")
-class TokenEmbedding(ReversibleEmbedding):
-    """keras-hub's tied embedding, with the table all-gathered over ``fsdp`` before lookup.
+class TokenEmbedding(keras.layers.ReversibleEmbedding):
+    """Keras' reversible embedding that all-gathers its table over ``fsdp`` before lookup
+    and refuses sequences longer than ``max_sequence_length``.
 
     ``call(ids)`` embeds ``(B, T)`` ids to ``(B, T, D)``; ``call(x, reverse=True)`` gives
-    logits ``(B, T, V)`` against the same table.
+    logits ``(B, T, V)`` (tied: against the same table; else ``reverse_embeddings``).
 
     Example:
-        >>> TokenEmbedding(100, 8)(np.zeros((2, 3), "int32")).shape
+        >>> TokenEmbedding(100, 8, max_sequence_length=4)(np.zeros((2, 3), "int32")).shape
         (2, 3, 8)
     """
+
+    def __init__(self, *args, max_sequence_length: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_sequence_length = max_sequence_length
 
     def call(self, inputs, reverse=False):
         if reverse:
             return super().call(inputs, reverse=True)
+        length = inputs.shape[1]
+        if isinstance(length, int) and length > (self.max_sequence_length or length):
+            raise ValueError(
+                f"Sequence length {length} exceeds the model's max_sequence_length "
+                f"{self.max_sequence_length}. Use sequences of at most "
+                f"{self.max_sequence_length} tokens, or build the model with a larger "
+                f"max_sequence_length."
+            )
         table = gathered(
             ops.convert_to_tensor(self.embeddings), GPT_LOGICAL_AXES["token_embedding/embeddings"]
         )
         return ops.cast(ops.take(table, ops.cast(inputs, "int32"), axis=0), self.compute_dtype)
 
+    def get_config(self):
+        return {**super().get_config(), "max_sequence_length": self.max_sequence_length}
+
 
 @keras.saving.register_keras_serializable(package="kdist")
 class PositionEmbedding(layers.Layer):
-    """Learned absolute position embeddings, refusing sequences longer than the table.
+    """Learned absolute position embeddings.
 
-    (Beyond the table a gather would silently clamp to the last row on JAX.)
+    ``call(x)`` gives rows ``start_index ...`` as ``(1, T, D)``; ``call(x, positions=p)``
+    gathers rows ``p`` ``(B, T)`` (positions restarting per packed document).
 
     Example:
         >>> PositionEmbedding(max_sequence_length=16)(keras.ops.ones((2, 8, 32))).shape
@@ -80,23 +99,16 @@ class PositionEmbedding(layers.Layer):
             initializer=keras.initializers.RandomNormal(stddev=self.initializer_range),
         )
 
-    def call(self, x, start_index=0):
-        # x: (B, T, D) -> positions start_index .. start_index + T - 1: (1, T, D)
-        length = x.shape[1]
-        if isinstance(length, int) and length > self.max_sequence_length:
-            raise ValueError(
-                f"Sequence length {length} exceeds the model's max_sequence_length "
-                f"{self.max_sequence_length}. Use sequences of at most "
-                f"{self.max_sequence_length} tokens, or build the model with a larger "
-                f"max_sequence_length."
-            )
-        length = ops.shape(x)[1]
-        table = ops.convert_to_tensor(self.embeddings)
-        rows = ops.slice(table, [start_index, 0], [length, ops.shape(table)[1]])
-        return ops.cast(rows, self.compute_dtype)[None]
+    def call(self, x, start_index=0, positions=None):
+        table = ops.convert_to_tensor(self.embeddings)  # (max_sequence_length, D)
+        if positions is not None:
+            return ops.cast(ops.take(table, positions, axis=0), self.compute_dtype)  # (B, T, D)
+        rows = ops.slice(table, [start_index, 0], [ops.shape(x)[1], ops.shape(table)[1]])
+        return ops.cast(rows, self.compute_dtype)[None]  # (1, T, D)
 
-    def compute_output_shape(self, input_shape):
-        return (1, input_shape[1], input_shape[2])
+    def compute_output_spec(self, x, start_index=0, positions=None):
+        batch = 1 if positions is None else positions.shape[0]
+        return keras.KerasTensor((batch, x.shape[1], x.shape[2]), self.compute_dtype)
 
     def get_config(self):
         return {
@@ -107,18 +119,43 @@ class PositionEmbedding(layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="kdist")
+class DocumentMask(layers.Layer):
+    """Segment ids ``(B, T)`` to a same-document attention mask ``(B, 1, T, T)`` and
+    per-document positions ``(B, T)`` (see ``document_mask_and_positions``)."""
+
+    def call(self, segment_ids):
+        return document_mask_and_positions(segment_ids)
+
+    def compute_output_spec(self, segment_ids):
+        b, t = segment_ids.shape
+        return (keras.KerasTensor((b, 1, t, t), "bool"), keras.KerasTensor((b, t), "int32"))
+
+
+@keras.saving.register_keras_serializable(package="kdist")
 class GPTBackbone(keras.Model):
     """The GPT Transformer: token ids ``(B, T)`` to final hidden states ``(B, T, D)``.
 
     Args:
         vocabulary_size: number of token ids.
         num_layers: number of decoder blocks.
-        num_heads: attention heads per block.
+        num_heads: query heads per block.
         hidden_dim: model width D (must divide by ``num_heads``).
         intermediate_dim: MLP width F.
-        max_sequence_length: length of the learned position table.
+        max_sequence_length: the longest sequence accepted (and the learned position
+            table's length).
+        num_key_value_heads: key/value heads for grouped-query attention (None: as many as
+            query heads). Under tensor parallelism it must divide by the ``model`` axis:
+            kdist refuses rather than silently replicating key/value heads.
+        position_embedding: ``"learned"`` (GPT-2) or ``"rotary"`` (RoPE, Llama).
+        rotary_max_wavelength: RoPE base (Llama 3: 500000).
+        norm: ``"layer_norm"`` (GPT-2) or ``"rms_norm"`` (Llama).
+        mlp_activation: ``"gelu"`` (GPT-2) or ``"swiglu"`` (Llama).
+        use_bias: biases on the attention and MLP projections (GPT-2: yes; Llama: no).
+        tie_embeddings: output projection = token embedding transposed.
+        document_mask: inputs become ``{"token_ids", "segment_ids"}``; attention does not
+            cross a document boundary and positions restart per document.
         dropout: residual and embedding dropout rate.
-        layer_norm_epsilon: epsilon of every LayerNorm.
+        layer_norm_epsilon: epsilon of every norm.
         initializer_range: stddev of the normal weight initialiser (GPT-2: 0.02); the
             residual output projections use ``initializer_range / sqrt(2 * num_layers)``.
         remat: rematerialise each block in the backward pass (``keras.remat``).
@@ -141,6 +178,14 @@ class GPTBackbone(keras.Model):
         hidden_dim: int,
         intermediate_dim: int,
         max_sequence_length: int,
+        num_key_value_heads: int | None = None,
+        position_embedding: str = "learned",
+        rotary_max_wavelength: float = 10000.0,
+        norm: str = "layer_norm",
+        mlp_activation: str = "gelu",
+        use_bias: bool = True,
+        tie_embeddings: bool = True,
+        document_mask: bool = False,
         dropout: float = 0.0,
         layer_norm_epsilon: float = 1e-5,
         initializer_range: float = 0.02,
@@ -152,29 +197,42 @@ class GPTBackbone(keras.Model):
                 f"hidden_dim={hidden_dim} must be divisible by num_heads={num_heads} "
                 f"(head_dim = hidden_dim / num_heads)."
             )
+        if position_embedding not in ("learned", "rotary"):
+            raise ValueError(
+                f"Unknown position_embedding '{position_embedding}'. Use 'learned' or 'rotary'."
+            )
         check_divisible("num_heads", num_heads)
+        check_divisible("num_key_value_heads", num_key_value_heads or num_heads)
         check_divisible("intermediate_dim", intermediate_dim)
         check_divisible("vocabulary_size", vocabulary_size)
         dtype = kwargs.pop("dtype", None)
         head_dim = hidden_dim // num_heads
+        rotary = position_embedding == "rotary"
 
         # === Layers ===
         self.token_embedding = TokenEmbedding(
             vocabulary_size,
             hidden_dim,
+            tie_weights=tie_embeddings,
             embeddings_initializer=keras.initializers.RandomNormal(stddev=initializer_range),
+            max_sequence_length=max_sequence_length,
             dtype=dtype,
             name="token_embedding",
         )
-        self.position_embedding = PositionEmbedding(
+        self.position_embedding = None if rotary else PositionEmbedding(
             max_sequence_length, initializer_range, dtype=dtype, name="position_embedding"
         )
         self.embedding_dropout = layers.Dropout(dropout, dtype=dtype, name="embedding_dropout")
         self.blocks = [
-            PreLNBlock(
+            PreNormBlock(
                 num_heads,
                 head_dim,
                 intermediate_dim,
+                num_key_value_heads=num_key_value_heads,
+                rotary_max_wavelength=rotary_max_wavelength if rotary else None,
+                norm=norm,
+                mlp_activation=mlp_activation,
+                use_bias=use_bias,
                 dropout=dropout,
                 layer_norm_epsilon=layer_norm_epsilon,
                 initializer_range=initializer_range,
@@ -185,17 +243,22 @@ class GPTBackbone(keras.Model):
             )
             for i in range(num_layers)
         ]
-        self.final_norm = layers.LayerNormalization(
-            epsilon=layer_norm_epsilon, dtype=dtype, name="final_norm"
-        )
+        self.final_norm = normalization(norm, layer_norm_epsilon, "final_norm", dtype)
 
         # === Functional Model ===
         token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
-        x = self.embed(token_ids)
+        mask = positions = None
+        if document_mask:
+            segment_ids = keras.Input(shape=(None,), dtype="int32", name="segment_ids")
+            inputs = {"token_ids": token_ids, "segment_ids": segment_ids}
+            mask, positions = DocumentMask(name="document_mask")(segment_ids)
+        else:
+            inputs = token_ids
+        x = self.embed(token_ids, positions=positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, attention_mask=mask, positions=positions if rotary else None)
         outputs = self.final_norm(x)
-        super().__init__(inputs=token_ids, outputs=outputs, dtype=dtype, **kwargs)
+        super().__init__(inputs=inputs, outputs=outputs, dtype=dtype, **kwargs)
 
         # === Config ===
         self.vocabulary_size = vocabulary_size
@@ -204,6 +267,14 @@ class GPTBackbone(keras.Model):
         self.hidden_dim = hidden_dim
         self.intermediate_dim = intermediate_dim
         self.max_sequence_length = max_sequence_length
+        self.num_key_value_heads = num_key_value_heads
+        self.position_embedding_type = position_embedding
+        self.rotary_max_wavelength = rotary_max_wavelength
+        self.norm = norm
+        self.mlp_activation = mlp_activation
+        self.use_bias = use_bias
+        self.tie_embeddings = tie_embeddings
+        self.document_mask = document_mask
         self.dropout = dropout
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
@@ -213,10 +284,15 @@ class GPTBackbone(keras.Model):
     def head_dim(self) -> int:
         return self.hidden_dim // self.num_heads
 
-    def embed(self, token_ids, start_index=0):
-        """Token plus position embeddings: ``(B, T)`` ids to ``(B, T, D)``."""
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_heads
+
+    def embed(self, token_ids, start_index=0, positions=None):
+        """Token (plus learned position) embeddings: ``(B, T)`` ids to ``(B, T, D)``."""
         x = self.token_embedding(token_ids)
-        x = x + self.position_embedding(x, start_index=start_index)
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(x, start_index=start_index, positions=positions)
         return self.embedding_dropout(x)
 
     def get_config(self):
@@ -230,6 +306,14 @@ class GPTBackbone(keras.Model):
             "hidden_dim": self.hidden_dim,
             "intermediate_dim": self.intermediate_dim,
             "max_sequence_length": self.max_sequence_length,
+            "num_key_value_heads": self.num_key_value_heads,
+            "position_embedding": self.position_embedding_type,
+            "rotary_max_wavelength": self.rotary_max_wavelength,
+            "norm": self.norm,
+            "mlp_activation": self.mlp_activation,
+            "use_bias": self.use_bias,
+            "tie_embeddings": self.tie_embeddings,
+            "document_mask": self.document_mask,
             "dropout": self.dropout,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "initializer_range": self.initializer_range,
@@ -258,7 +342,8 @@ class GPTBackbone(keras.Model):
 class GPTCausalLM(keras.Model):
     """Next-token prediction on top of a :class:`GPTBackbone`, with cached generation.
 
-    The output head is the token embedding transposed (tied weights); logits are cast to
+    The output head is the token embedding transposed (or its own matrix when
+    ``tie_embeddings=False``); logits are cast to
     float32 so the loss is computed in float32 under ``mixed_bfloat16``. ``compile()``
     defaults to sparse categorical cross-entropy on the logits.
 
@@ -322,7 +407,7 @@ class GPTCausalLM(keras.Model):
     def call_with_cache(self, token_ids, cache, cache_index):
         """One forward pass over ``token_ids`` (B, T) at positions ``cache_index ...``.
 
-        ``cache`` is ``(B, L, 2, S, N, H)``: keys and values of every layer. Returns
+        ``cache`` is ``(B, L, 2, S, K, H)``: keys and values of every layer. Returns
         ``(logits (B, T, V) float32, updated cache)``.
         """
         b = self.backbone
@@ -338,7 +423,7 @@ class GPTCausalLM(keras.Model):
         b = self.backbone
         batch, max_length = ops.shape(prompt)
         cache = ops.zeros(
-            (batch, b.num_layers, 2, max_length, b.num_heads, b.head_dim), self.compute_dtype
+            (batch, b.num_layers, 2, max_length, b.kv_heads, b.head_dim), self.compute_dtype
         )
         # Fill the cache with the prompt (positions 0 .. prompt_length - 2): the sampler
         # feeds the last prompt token itself.

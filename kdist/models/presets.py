@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 # GPT-2 shapes from Radford et al. (2019); max_sequence_length is GPT-2's context.
+# Llama 3.x uses RoPE scaling for its 128k context; kdist's presets use plain RoPE.
 # `gpt-nano` is sized to learn visibly in minutes on 2 CPU cores.
 GPT_PRESETS: dict[str, dict] = {
     "gpt-nano": dict(
@@ -26,6 +27,34 @@ GPT_PRESETS: dict[str, dict] = {
         intermediate_dim=6400, max_sequence_length=1024,
     ),
 }
+
+# Llama-style decoders: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases.
+_LLAMA = dict(position_embedding="rotary", norm="rms_norm", mlp_activation="swiglu",
+              use_bias=False, layer_norm_epsilon=1e-5)
+GPT_PRESETS.update({
+    # CPU-minutes size; untied output like Llama 3 8B.
+    "llama-nano": dict(
+        _LLAMA, vocabulary_size=8192, num_layers=4, num_heads=8, num_key_value_heads=2,
+        hidden_dim=256, intermediate_dim=768, max_sequence_length=256,
+        rotary_max_wavelength=10000.0, tie_embeddings=False,
+    ),
+    # Shapes of Llama 3.2 1B / 3B (tied embeddings) and Llama 3.1 8B (untied), as published.
+    "llama-1b": dict(
+        _LLAMA, vocabulary_size=128256, num_layers=16, num_heads=32, num_key_value_heads=8,
+        hidden_dim=2048, intermediate_dim=8192, max_sequence_length=131072,
+        rotary_max_wavelength=500000.0, tie_embeddings=True,
+    ),
+    "llama-3b": dict(
+        _LLAMA, vocabulary_size=128256, num_layers=28, num_heads=24, num_key_value_heads=8,
+        hidden_dim=3072, intermediate_dim=8192, max_sequence_length=131072,
+        rotary_max_wavelength=500000.0, tie_embeddings=True,
+    ),
+    "llama-8b": dict(
+        _LLAMA, vocabulary_size=128256, num_layers=32, num_heads=32, num_key_value_heads=8,
+        hidden_dim=4096, intermediate_dim=14336, max_sequence_length=131072,
+        rotary_max_wavelength=500000.0, tie_embeddings=False,
+    ),
+})
 
 
 def preset_config(presets: dict[str, dict], name: str, **overrides) -> dict:

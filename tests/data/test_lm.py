@@ -78,3 +78,13 @@ def test_validation_is_finite_and_in_order(data):
     np.testing.assert_array_equal(data.validation.windows(0), np.arange(8))
     with pytest.raises(IndexError):
         data.validation[len(data.validation)]
+
+
+def test_segment_ids_count_documents_ended_before_each_position():
+    eot = 9
+    tokens = np.array([1, 2, eot, 3, eot, eot, 4, 5, 6])
+    ds = LMBatches(tokens, 8, 1, shuffle=False, end_of_text_id=eot)
+    inputs, targets = ds[0]
+    assert inputs["token_ids"].tolist() == [[1, 2, eot, 3, eot, eot, 4, 5]]
+    assert inputs["segment_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 3, 3]]
+    assert targets.tolist() == [[2, eot, 3, eot, eot, 4, 5, 6]]

@@ -6,7 +6,7 @@ import pytest
 
 import kdist
 from kdist.models import GPT_PRESETS, GPTBackbone, GPTCausalLM
-from tests.helpers import TINY_GPT, tiny_gpt, token_batches, train
+from tests.helpers import TINY_GPT, tiny_gpt, token_batches, train, uncached_greedy
 
 
 def test_forward_shapes_and_dtypes():
@@ -88,18 +88,6 @@ def test_mixed_bfloat16_keeps_float32_where_it_matters():
     block = model.backbone.blocks[0]
     assert block.attention.query.compute_dtype == "bfloat16"
     assert block.attention_norm(np.ones((1, 2, 64), "float32")).dtype == "bfloat16"
-
-
-def uncached_greedy(model, prompt, max_length):
-    """Greedy decoding by full forward passes over a fixed-length (zero-padded) buffer:
-    causal attention makes the padding invisible to earlier positions, and one shape means
-    one compilation."""
-    batch, length = prompt.shape
-    tokens = np.zeros((batch, max_length), "int32")
-    tokens[:, :length] = prompt
-    for t in range(length, max_length):
-        tokens[:, t] = model.predict_on_batch(tokens)[:, t - 1].argmax(-1)
-    return tokens
 
 
 @pytest.mark.parametrize("mesh, batch", [(None, 8), ("data=2,fsdp=2,model=2", 8), ("fsdp=8", 1)])
