@@ -367,6 +367,7 @@ class GPTCausalLM(keras.Model):
         logits = backbone.token_embedding(hidden, reverse=True)  # (B, T, V)
         logits = layers.Activation("linear", dtype="float32", name="logits")(logits)
         super().__init__(inputs=token_ids, outputs=logits, **kwargs)
+        self._generators = {}  # sampler key -> (sampler, jitted decode loop)
 
     def compile(self, optimizer="adamw", loss=None, **kwargs):
         if loss is None:
@@ -446,17 +447,16 @@ class GPTCausalLM(keras.Model):
         """Extends ``prompt_ids`` (B, P) to ``(B, max_length)`` tokens with a key/value cache.
 
         ``sampler`` is a keras-hub sampler or one of ``"greedy"``, ``"top_k"`` (k=10),
-        ``"top_p"`` (p=0.9), ``"random"``. Runs as one compiled program (a ``while_loop``
-        over decode steps, compiled once per sampler and prompt length) and works under any
-        kdist distribution.
+        ``"top_p"`` (p=0.9), ``"random"``. With a ``seed`` the result is reproducible call
+        after call; without, each call draws anew. Runs as one compiled program (a
+        ``while_loop`` over decode steps, reused across calls with the same sampler and
+        shapes) and works under any kdist distribution.
 
         Example:
             >>> lm = GPTCausalLM.from_preset("gpt-nano", vocabulary_size=64, num_layers=1)
             >>> lm.generate(np.zeros((1, 3), "int32"), max_length=6, sampler="greedy").shape
             (1, 6)
         """
-        import jax
-
         prompt_ids = np.asarray(prompt_ids, dtype="int32")
         if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
             raise ValueError(
@@ -470,9 +470,30 @@ class GPTCausalLM(keras.Model):
                 f"be at most the model's max_sequence_length "
                 f"{self.backbone.max_sequence_length}."
             )
-        sampler = _make_sampler(sampler, seed)
+        key = (sampler, seed) if isinstance(sampler, str) else id(sampler)
+        if key not in self._generators:
+            self._generators[key] = self._compile_generator(_make_sampler(sampler, seed))
+        sampler, run = self._generators[key]
         prompt = np.zeros((prompt_ids.shape[0], max_length), "int32")
         prompt[:, :prompt_length] = prompt_ids
+        out, sampler_state = run(
+            prompt,
+            prompt_length,
+            [v.value for v in sampler.variables],
+            [w.value for w in self.weights],
+        )
+        if seed is None:  # unseeded: advance the sampler's RNG so the next call differs
+            for variable, value in zip(sampler.variables, sampler_state):
+                variable.assign(value)
+        return np.asarray(out)
+
+    def _compile_generator(self, sampler):
+        """The sampler and a jitted ``run(prompt, prompt_length, sampler_state, weights)``.
+
+        Kept per sampler, so repeated calls reuse the compiled program (jax.jit retraces
+        only for a new batch size, prompt length or max_length).
+        """
+        import jax
 
         @functools.partial(jax.jit, static_argnums=1)
         def run(prompt, prompt_length, sampler_state, weights):
@@ -483,13 +504,7 @@ class GPTCausalLM(keras.Model):
                 out = self._generate_step(prompt, prompt_length, sampler)
             return out, [scope.get_current_value(v) for v in sampler.variables]
 
-        out, sampler_state = run(
-            prompt,
-            prompt_length,
-            [v.value for v in sampler.variables],
-            [w.value for w in self.weights],
-        )
-        return np.asarray(out)
+        return sampler, run
 
 
 def _make_sampler(sampler, seed):

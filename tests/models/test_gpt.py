@@ -103,9 +103,13 @@ def test_cached_generation_equals_uncached_greedy(mesh, batch):
 def test_sampling_is_seeded_and_bad_arguments_are_refused():
     model = tiny_gpt()
     prompt = np.zeros((2, 3), "int32")
-    a = model.generate(prompt, max_length=12, sampler="top_k", seed=3)
-    b = model.generate(prompt, max_length=12, sampler="top_k", seed=3)
+    a = model.generate(prompt, max_length=12, sampler="random", seed=3)
+    b = model.generate(prompt, max_length=12, sampler="random", seed=3)
     np.testing.assert_array_equal(a, b)
+    unseeded = [model.generate(prompt, max_length=12, sampler="random") for _ in range(2)]
+    assert not np.array_equal(*unseeded)  # the RNG advances between unseeded calls
+    _, run = model._generators[("random", 3)]
+    assert run._cache_size() == 1  # one compilation served both seeded calls
     assert model.generate(prompt, max_length=12, sampler="top_p", seed=1).shape == (2, 12)
     with pytest.raises(ValueError, match="max_length=40 must exceed .* at most .* 32"):
         model.generate(prompt, max_length=40)
