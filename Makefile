@@ -21,11 +21,11 @@ run: setup  ## GPT pretraining on the embedded corpus over 8 host devices (ARGS=
 	$(HOST8) $(BIN)/python recipes/gpt_pretrain.py $(ARGS)
 
 test: setup  ## the whole test suite (and lint)
-	$(BIN)/ruff check kdist recipes tests
+	$(BIN)/ruff check kdist recipes tests benchmarks
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check kdist recipes tests
+	$(BIN)/ruff check kdist recipes tests benchmarks
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
