@@ -7,13 +7,18 @@ What is measured, and how (all wall-clock, ``time.perf_counter()`` on the host):
   Python floats, which waits for the step to finish on the device. That conversion is
   Keras' own and happens anyway: on a worker thread when every callback is
   ``async_safe`` (this one is, so adding it keeps Keras' asynchronous dispatch), else on the
-  training thread. So a step's time is the gap between consecutive batch ends; after a
-  pause (epoch start, evaluation, a reported stall) it is measured from the step's own
-  begin instead, so the pause is not counted as a step.
+  training thread. A step's end is when its hook ran, bounded by any later step's hook
+  (steps finish in order, but Keras' worker threads may report them out of order), and its
+  time is the gap to the previous step's end; after a pause (epoch start, evaluation, a
+  reported stall) it is timed from its own dispatch instead, so the pause is not a step.
+  Steps of a few milliseconds can report in bursts, which blurs single-step percentiles
+  (not interval throughput: the gaps add up to the same total).
 * **Compile time** is the first step's time (tracing + XLA compilation + one step).
 * **Goodput** is the share of wall time since ``on_train_begin`` spent in productive steps:
-  not in compilation, evaluation (``on_test_begin``..``on_test_end``), reported stalls
-  (:meth:`Throughput.report_stall`, e.g. a synchronous checkpoint save) or between steps.
+  not in compilation, evaluation (``on_test_begin``..``on_test_end``, less the time the
+  device was still finishing training steps dispatched before it), reported stalls
+  (:meth:`Throughput.report_stall`, e.g. a synchronous checkpoint save; starting and
+  writing a profiler trace counts as one) or pauses between epochs.
 * **Tokens** are counted from ``global_batch_size x sequence_length``; with gradient
   accumulation each ``fit`` step is one micro-batch of ``global_batch_size / N`` sequences
   and ``step`` counts optimizer updates. With ``steps_per_execution = k`` the batch hooks
@@ -152,7 +157,9 @@ class Throughput(keras.callbacks.Callback):
         self.profile_steps = profile_steps
         self.progress_bar = progress_bar
         self.rows: list[dict[str, Any]] = []  # every row written, also when log_dir is None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # counters; held for microseconds
+        self._io_lock = threading.Lock()  # files; never taken on the training thread per step
+        self._pending: list[dict[str, Any]] = []  # rows computed, not yet written
         self._jsonl = None
         self._writer = None
 
@@ -175,6 +182,7 @@ class Throughput(keras.callbacks.Callback):
         updates = int(keras.ops.convert_to_numpy(optimizer.iterations))  # > 0 when resumed
         self._initial_fit_steps = updates * self._accumulation
         self._schedule = getattr(optimizer, "_learning_rate", None)
+        self._schedule_fn = None
         self._schedule_counts_updates = isinstance(optimizer, AdamW)
         if self.flops_per_token is not None:
             self._flops = None
@@ -224,6 +232,7 @@ class Throughput(keras.callbacks.Callback):
         self._step_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._progress: dict[str, float] = {}
         self._tracing = False
+        self._stop_trace_pending = False
         self._training = True
         self._open_outputs()
         self._write({
@@ -283,6 +292,8 @@ class Throughput(keras.callbacks.Callback):
                 self._next_execution += 1
             if self.progress_bar and logs is not None and self._progress:
                 logs.update(self._progress)  # Keras' progress bar shows every logs key
+        if self._pending or self._stop_trace_pending:  # once per interval
+            self._flush()  # outside self._lock
 
     def _finalize(self, execution: int) -> None:
         # With self._lock held.
@@ -314,7 +325,8 @@ class Throughput(keras.callbacks.Callback):
         if step - self._last_row_step >= self.log_every:
             self._emit_interval(step)
         if self._tracing and step >= self.profile_steps[1]:
-            self._stop_trace()  # writes the trace: counted as a stall
+            self._tracing = False
+            self._stop_trace_pending = True  # done by _flush, outside self._lock
 
     def _pause(self) -> None:
         # With self._lock held: the next execution to be dispatched is timed from its own
@@ -348,10 +360,10 @@ class Throughput(keras.callbacks.Callback):
                if k.startswith("val_") and isinstance(v, (int, float))}
         if val:
             with self._lock:
-                row = {"kind": "validation", "step": self._optimizer_step(self._fit_steps),
-                       "epoch": epoch, "time": time.time(), **val}
-                self._write(row)
-                self._scalars(row["step"], val)
+                self._pending.append({"kind": "validation", "epoch": epoch,
+                                      "step": self._optimizer_step(self._fit_steps),
+                                      "time": time.time(), **val})
+        self._flush()
 
     def on_train_end(self, logs=None):
         with self._lock:
@@ -361,9 +373,9 @@ class Throughput(keras.callbacks.Callback):
             if step > self._last_row_step:
                 self._emit_interval(step)
             if self._tracing:
-                self._stop_trace()
+                self._tracing, self._stop_trace_pending = False, True
             wall = time.perf_counter() - self._t0
-            self._write({
+            self._pending.append({
                 "kind": "end", "step": step, "time": time.time(),
                 "tokens": self._tokens(), "elapsed_s": wall,
                 "compile_s": self._compile_s, "eval_s": self._eval_s,
@@ -371,6 +383,8 @@ class Throughput(keras.callbacks.Callback):
                 "goodput": self._productive_s / wall if wall > 0 else None,
             })
             self._training = False
+        self._flush()
+        with self._io_lock:
             self._close_outputs()
 
     # === Stalls reported by other callbacks ===
@@ -424,11 +438,15 @@ class Throughput(keras.callbacks.Callback):
         return self._fit_steps * self._tokens_per_fit_step
 
     def _emit_interval(self, step: int) -> None:
-        # Called with self._lock held, once per interval: the only place that does work.
+        # With self._lock held, once per interval: arithmetic only; _flush does the rest.
         n_dev = len(self._devices)
+        # The step count the learning-rate schedule saw for the last update: kdist's AdamW
+        # counts updates, Keras' own optimizers micro-steps (see kdist.optim).
+        lr_at = step - 1 if self._schedule_counts_updates else (
+            self._initial_fit_steps + self._fit_steps - 1)
         row: dict[str, Any] = {"kind": "interval", "step": step, "epoch": self._epoch,
                                "time": time.time(), "tokens": self._tokens(),
-                               "loss": self._last_loss, "lr": self._learning_rate(step)}
+                               "loss": self._last_loss, "lr": None, "_lr_at": lr_at}
         if self._interval_s > 0 and self._step_times:
             tokens_per_s = self._interval_tokens / self._interval_s
             tflops = tokens_per_s * self._training_flops / n_dev / 1e12
@@ -448,18 +466,37 @@ class Throughput(keras.callbacks.Callback):
             self._progress = {"tok/s": round(tokens_per_s, 1), "mfu": round(row["mfu"], 4)}
         wall = time.perf_counter() - self._t0
         row.update(compile_s=self._compile_s, eval_s=self._eval_s, stall_s=self._stall_s,
-                   elapsed_s=wall, goodput=self._productive_s / wall if wall > 0 else None,
-                   **_memory(self._local_devices))
-        self._write(row)
-        self._scalars(step, {k: v for k, v in row.items()
-                             if k not in ("kind", "step", "epoch", "time")})
+                   elapsed_s=wall, goodput=self._productive_s / wall if wall > 0 else None)
+        self._pending.append(row)
         self._last_row_step = step
         self._interval_tokens, self._interval_s = 0, 0.0
         self._step_times.clear()
 
-    def _learning_rate(self, step: int) -> float | None:
-        """The learning rate of the last update, from the schedule, evaluated on the host
-        CPU (reading the optimizer's variable would sync the training state)."""
+    def _flush(self) -> None:
+        """Writes the pending rows: learning rate, memory, JSONL, TensorBoard.
+
+        Runs on whichever thread called the hook, never holding self._lock, so the training
+        thread's batch-begin hook does not wait for file or TensorFlow work.
+        """
+        with self._io_lock:
+            with self._lock:
+                rows, self._pending = self._pending, []
+                stop_trace, self._stop_trace_pending = self._stop_trace_pending, False
+            if stop_trace:
+                self._stop_trace()
+            for row in rows:
+                if row["kind"] == "interval":
+                    row["lr"] = self._learning_rate(row.pop("_lr_at"))
+                    row.update(_memory(self._local_devices))
+                self._write(row)
+                if row["kind"] in ("interval", "validation"):
+                    self._scalars(row["step"], {
+                        k: v for k, v in row.items() if k not in ("kind", "step", "epoch", "time")
+                    })
+
+    def _learning_rate(self, at: int) -> float | None:
+        """The schedule's learning rate at step count ``at``, evaluated on the host CPU
+        (reading the optimizer's variable would sync the training state)."""
         import jax
 
         schedule = self._schedule
@@ -469,12 +506,10 @@ class Throughput(keras.callbacks.Callback):
             return float(schedule)
         if not callable(schedule):
             return None
-        # kdist's AdamW evaluates the schedule at the update count; Keras' own optimizers
-        # at the micro-step count (see kdist.optim).
-        at = step - 1 if self._schedule_counts_updates else (
-            self._initial_fit_steps + self._fit_steps - 1)
-        with jax.default_device(jax.devices("cpu")[0]):
-            return float(np.asarray(schedule(max(at, 0))))
+        if self._schedule_fn is None:  # compiled once: eager evaluation costs ~50 ms
+            self._schedule_fn = jax.jit(schedule)
+        cpu = jax.devices("cpu")[0]
+        return float(self._schedule_fn(jax.device_put(np.int32(max(at, 0)), cpu)))
 
     def _open_outputs(self) -> None:
         if not self._is_writer:
@@ -516,13 +551,12 @@ class Throughput(keras.callbacks.Callback):
             self._add_stall(time.perf_counter() - start)  # profiler start-up is not a step
 
     def _stop_trace(self) -> None:
-        # With self._lock held.
         import jax
 
         start = time.perf_counter()
         jax.profiler.stop_trace()
-        self._tracing = False
-        self._add_stall(time.perf_counter() - start)
+        with self._lock:
+            self._add_stall(time.perf_counter() - start)
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -552,7 +586,7 @@ def _memory(devices: list) -> dict[str, Any]:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         rss = peak_rss
-    return {"memory_in_use_bytes": rss, "memory_peak_bytes": peak_rss,
+    return {"memory_in_use_bytes": rss, "memory_peak_bytes": max(peak_rss, rss),
             "memory_source": "process_rss"}
 
 
