@@ -167,7 +167,7 @@ def transformer_flops_per_token(
     Example:
         >>> f = transformer_flops_per_token(12, 768, 12, 3072, 50257, 1024, causal_half=False)
         >>> round(f.training / 1e9, 3)  # GFLOPs per trained token, GPT-2 small
-        0.86
+        0.854
     """
     ints = dict(num_layers=num_layers, hidden_dim=hidden_dim, num_heads=num_heads,
                 intermediate_dim=intermediate_dim, vocabulary_size=vocabulary_size,
@@ -349,7 +349,7 @@ def device_peak(
     :func:`measured_peak_tflops`), labelled ``"measured"``.
 
     Example:
-        >>> device_peak(override_tflops=100.0).describe()
+        >>> device_peak(override_tflops=100.0).describe()  # doctest: +ELLIPSIS
         '100 TFLOP/s bfloat16 per device (override: ...)'
     """
     import jax
