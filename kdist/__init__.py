@@ -43,9 +43,12 @@ if keras.backend.backend() != "jax":
         f"import kdist before keras."
     )
 
-from kdist import data, models, optim
+from kdist import callbacks, data, flops, models, optim
 from kdist.distribution import KdistDistribution, distribution, parse_mesh
 
 __version__ = "0.1.0"
 
-__all__ = ["KdistDistribution", "data", "distribution", "models", "optim", "parse_mesh"]
+__all__ = [
+    "KdistDistribution", "callbacks", "data", "distribution", "flops", "models", "optim",
+    "parse_mesh",
+]

@@ -13,6 +13,7 @@ With --grad-accum N, each step is N micro-batches of 16 / N sequences: same toke
     python recipes/gpt_pretrain.py --mesh data=2,fsdp=2,model=2 --steps 100
     python recipes/gpt_pretrain.py --preset llama-nano --document-mask
     python recipes/gpt_pretrain.py --preset gpt2-small --sequence-length 1024 --precision bfloat16
+    python recipes/gpt_pretrain.py --steps 50 --profile-steps 20:22; kdist report runs/gpt_pretrain
 """
 
 import argparse
@@ -52,6 +53,11 @@ def parse_args(argv=None):
     p.add_argument("--eval-steps", type=int, default=16, help="validation batches")
     p.add_argument("--sample-length", type=int, default=64, help="tokens to generate at the end")
     p.add_argument("--output-dir", default="runs/gpt_pretrain")
+    p.add_argument("--log-every", type=int, default=10, help="steps per throughput log row")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-device dense peak for MFU (default: table, or measured on CPU)")
+    p.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="JAX profiler trace of steps A..B into OUTPUT_DIR/tensorboard")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -66,6 +72,7 @@ def main(argv=None):
         raise ValueError(f"--grad-accum ({args.grad_accum}) must be a positive divisor of "
                          f"--global-batch-size ({args.global_batch_size}).")
     kdist.models.presets.preset_config(kdist.models.GPT_PRESETS, args.preset)  # fail early
+    profile_steps = kdist.callbacks.parse_profile_steps(args.profile_steps)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -117,7 +124,15 @@ def main(argv=None):
         epochs=args.steps // eval_every,
         steps_per_epoch=eval_every * args.grad_accum,
         shuffle=False,  # batches come shuffled from the dataset
-        callbacks=[keras.callbacks.CSVLogger(str(output_dir / "log.csv"))],
+        callbacks=[
+            # tokens/s, MFU, memory, goodput -> throughput.jsonl, TensorBoard, progress bar
+            kdist.callbacks.Throughput(
+                args.global_batch_size, args.sequence_length, log_dir=output_dir,
+                log_every=args.log_every, peak_tflops=args.peak_tflops,
+                profile_steps=profile_steps,
+            ),
+            keras.callbacks.CSVLogger(str(output_dir / "log.csv")),
+        ],
     )
     wall = time.time() - start
     trained = history.history["val_loss"][-1]
@@ -139,7 +154,8 @@ def main(argv=None):
                    history=history.history, sample=sample)
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     print(f"outputs written to {output_dir.resolve()}: model.keras, vocabulary.json, "
-          f"merges.txt, log.csv, summary.json")
+          f"merges.txt, log.csv, summary.json, throughput.jsonl, tensorboard/ "
+          f"(plot: kdist report {output_dir})")
     return summary
 
 

@@ -1,0 +1,122 @@
+"""The Throughput callback inside real `fit` runs: rows, token counts, no per-batch syncs."""
+
+import json
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from kdist.callbacks import Throughput, parse_profile_steps
+from kdist.callbacks.throughput import JSONL_NAME
+from tests.helpers import TINY_GPT, parity_optimizer, tiny_gpt
+
+BATCH, LENGTH = 16, 32  # steps of a few milliseconds: long enough to time
+
+
+def data(steps, batch=BATCH):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, TINY_GPT["vocabulary_size"], (steps * batch, LENGTH + 1))
+    return tokens[:, :-1].astype("int32"), tokens[:, 1:].astype("int32")
+
+
+def rows_of(log_dir, kind):
+    rows = [json.loads(line) for line in (log_dir / JSONL_NAME).read_text().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def check_intervals(rows, global_batch, steps, log_every):
+    assert [r["step"] for r in rows] == list(range(log_every, steps + 1, log_every))
+    for r in rows:
+        assert r["tokens"] == global_batch * LENGTH * r["step"]  # exact
+        for key in ("tokens_per_s", "tokens_per_s_per_device", "examples_per_s", "mfu",
+                    "tflops_per_device", "step_time_p90_s", "loss",
+                    "memory_in_use_bytes", "memory_peak_bytes"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["lr"] >= 0  # warmup starts from 0
+        # Millisecond steps can report in bursts (a median of 0); their sum is still exact.
+        assert r["step_time_p90_s"] >= r["step_time_median_s"] >= 0
+        assert r["examples_per_s"] == pytest.approx(r["tokens_per_s"] / LENGTH)
+        assert 0 < r["goodput"] < 1 and r["compile_s"] > 0
+
+
+def test_fit_writes_exact_rows_with_validation_and_profile(tmp_path):
+    model = tiny_gpt()
+    model.compile(optimizer=parity_optimizer())
+    cb = Throughput(BATCH, LENGTH, log_dir=tmp_path, log_every=4, profile_steps=(3, 4))
+    x, y = data(8)
+    model.fit(x, y, batch_size=BATCH, epochs=2, validation_data=data(1), verbose=0,
+              shuffle=False, callbacks=[cb])
+    check_intervals(rows_of(tmp_path, "interval"), BATCH, 16, 4)
+    (config,) = rows_of(tmp_path, "config")
+    assert config["peak_source"] == "measured" and config["num_devices"] == 1
+    assert "causal attention counted as half" in config["flops_convention"]
+    assert [r["step"] for r in rows_of(tmp_path, "validation")] == [8, 16]
+    (end,) = rows_of(tmp_path, "end")
+    assert end["tokens"] == 16 * BATCH * LENGTH and end["eval_s"] > 0
+    assert 0 < end["goodput"] < 1
+    # Goodput excludes compilation and evaluation.
+    assert end["productive_s"] + end["compile_s"] + end["eval_s"] <= end["elapsed_s"]
+    assert list((tmp_path / "tensorboard" / "train").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "tensorboard" / "plugins" / "profile").rglob("*.xplane.pb"))
+
+
+@pytest.mark.parametrize("accumulation,steps_per_execution", [(2, 1), (1, 2), (2, 2)])
+def test_counts_optimizer_steps_with_accumulation_and_steps_per_execution(
+    tmp_path, accumulation, steps_per_execution
+):
+    # Each fit batch is a micro-batch of BATCH sequences; an optimizer step holds
+    # `accumulation` of them.
+    model = tiny_gpt()
+    model.compile(optimizer=parity_optimizer(gradient_accumulation_steps=accumulation),
+                  steps_per_execution=steps_per_execution)
+    global_batch = BATCH * accumulation
+    # An interval spans four hook calls, so it holds timed steps besides the compiling one.
+    log_every = 4 * steps_per_execution // accumulation
+    cb = Throughput(global_batch, LENGTH, log_dir=tmp_path, log_every=log_every,
+                    peak_tflops=1.0)
+    model.fit(*data(16 * accumulation), batch_size=BATCH, verbose=0, shuffle=False,
+              callbacks=[cb])
+    check_intervals(rows_of(tmp_path, "interval"), global_batch, 16, log_every)
+    (config,) = rows_of(tmp_path, "config")
+    assert config["peak_source"] == "override"
+    assert config["gradient_accumulation_steps"] == accumulation
+    assert rows_of(tmp_path, "end")[0]["tokens"] == 16 * global_batch * LENGTH
+
+
+def test_no_state_sync_per_batch_and_async_dispatch_kept(monkeypatch):
+    model = tiny_gpt(mesh="fsdp=8")
+    model.compile(optimizer=parity_optimizer())
+    syncs = []
+    original = model.jax_state_sync
+    monkeypatch.setattr(model, "jax_state_sync", lambda: (syncs.append(1), original())[1])
+    x, y = data(8)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)  # compiles; baseline count
+    baseline, syncs[:] = len(syncs), []
+    cb = Throughput(BATCH, LENGTH, log_every=1, peak_tflops=1.0, tensorboard=False)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[cb])
+    # One extra sync, in on_train_begin (reading the optimizer), none per batch.
+    assert len(syncs) == baseline + 1
+    assert [r["step"] for r in cb.rows if r["kind"] == "interval"] == list(range(17, 33))
+    assert cb.rows[0]["num_devices"] == 8
+    # Keras runs batch-end hooks off the training thread only if every callback allows it.
+    assert keras.callbacks.CallbackList([cb])._async_train
+
+
+def test_reported_stalls_and_argument_errors():
+    cb = Throughput(BATCH, LENGTH)
+    cb.report_stall(0.25)
+    with cb.stall():
+        pass
+    assert 0.25 <= cb._stall_s < 0.3
+    with pytest.raises(ValueError, match="global_batch_size must be a positive int"):
+        Throughput(0, LENGTH)
+    with pytest.raises(ValueError, match="needs a log_dir"):
+        Throughput(BATCH, LENGTH, profile_steps=(1, 2))
+    assert parse_profile_steps("3:5") == (3, 5) and parse_profile_steps(None) is None
+    with pytest.raises(ValueError, match="'A:B' with 1 <= A <= B"):
+        parse_profile_steps("5:3")
+    model = tiny_gpt()
+    model.compile(optimizer=parity_optimizer(gradient_accumulation_steps=3))
+    with pytest.raises(ValueError, match="not divisible by the optimizer's gradient_accum"):
+        model.fit(*data(3), batch_size=BATCH, verbose=0, callbacks=[Throughput(16, LENGTH)])

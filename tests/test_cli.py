@@ -1,0 +1,43 @@
+"""`kdist report` on a synthetic run log (finished and running)."""
+
+import json
+
+import matplotlib.image
+import pytest
+
+from kdist import cli
+
+
+def write_run(run_dir, steps=30, finished=True):
+    rows = [{"kind": "config", "step": 0, "num_devices": 8, "device_kind": "cpu",
+             "peak": "0.02 TFLOP/s float32 per device (measured: cpu)",
+             "flops_per_token": 1.2e6, "flops_convention": "matmul FLOPs only"}]
+    for step in range(10, steps + 1, 10):
+        rows.append({"kind": "interval", "step": step, "tokens": step * 4096, "loss": 9 - step / 10,
+                     "lr": 1e-3, "tokens_per_s": 2000.0 + step, "tokens_per_s_per_device": 250.0,
+                     "examples_per_s": 8.0, "step_time_median_s": 2.0, "step_time_p90_s": 2.2,
+                     "tflops_per_device": 0.01, "mfu": 0.5, "compile_s": 5.0, "eval_s": 3.0,
+                     "stall_s": 0.0, "elapsed_s": 2.1 * step, "goodput": 0.9,
+                     "memory_in_use_bytes": 2**30, "memory_peak_bytes": 2**31,
+                     "memory_source": "process_rss"})
+        rows.append({"kind": "validation", "step": step, "val_loss": 9.5 - step / 10})
+    if finished:
+        rows.append({"kind": "end", "step": steps})
+    text = "\n".join(json.dumps(r) for r in rows) + "\n"
+    (run_dir / "throughput.jsonl").write_text(text if finished else text + '{"kind": "inter')
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_report_writes_png_and_summary(tmp_path, capsys, finished):
+    write_run(tmp_path, finished=finished)
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ("finished" if finished else "running") + ", step 30, 122,880 tokens" in out
+    assert "MFU 50.0%" in out and "goodput 90.0%" in out and "validation 6.5000" in out
+    image = matplotlib.image.imread(tmp_path / "report.png")
+    assert image.shape[:2] == (800, 1200) and (image[..., :3] < 0.5).mean() > 0.001
+
+
+def test_report_explains_a_missing_log(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "No throughput.jsonl" in capsys.readouterr().err
