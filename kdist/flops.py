@@ -287,10 +287,11 @@ def model_flops_per_token(
         *(int(config[key]) for key in _CONFIG_KEYS),
         sequence_length,
         head_dim=config.get("head_dim"),
-        num_kv_heads=config.get("num_kv_heads"),
+        # kdist's GPTBackbone calls these num_key_value_heads and mlp_activation="swiglu".
+        num_kv_heads=config.get("num_kv_heads", config.get("num_key_value_heads")),
         causal=config.get("causal", True) if causal is None else causal,
         causal_half=causal_half,
-        gated_mlp=bool(config.get("gated_mlp", False)),
+        gated_mlp=bool(config.get("gated_mlp", config.get("mlp_activation") == "swiglu")),
         remat=bool(config.get("remat", False)),
     )
 

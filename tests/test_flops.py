@@ -59,6 +59,9 @@ XLA_CASES = {  # name: (preset overrides, batch, sequence length, max relative r
     "gpt-nano": (dict(GPT_PRESETS["gpt-nano"]), 4, 256, 0.10),
     "gpt2-small-2-layers": (dict(GPT_PRESETS["gpt2-small"], num_layers=2,
                                  vocabulary_size=16384), 2, 512, 0.10),
+    # GQA (8 query / 2 key-value heads), SwiGLU, untied output, RoPE: the config reader
+    # must see the smaller K/V projections and the third MLP matmul.
+    "llama-nano": (dict(GPT_PRESETS["llama-nano"]), 4, 256, 0.10),
 }
 
 
