@@ -25,6 +25,21 @@ def rows_of(log_dir, kind):
     return [r for r in rows if r["kind"] == kind]
 
 
+def tensorboard_scalars(path):
+    """{(tag, step): value} of the scalar summaries in an event file, read with TensorFlow."""
+    import tensorflow as tf
+
+    out, plugins = {}, {}
+    for event in tf.compat.v1.train.summary_iterator(str(path)):
+        for value in event.summary.value:
+            if value.metadata.plugin_data.plugin_name:  # written with a tag's first value
+                plugins[value.tag] = value.metadata.plugin_data.plugin_name
+            out[(value.tag, event.step)] = float(tf.make_ndarray(value.tensor))
+    assert plugins and set(plugins.values()) == {"scalars"}
+    assert {tag for tag, _ in out} == set(plugins)
+    return out
+
+
 def check_intervals(rows, global_batch, steps, log_every):
     assert [r["step"] for r in rows] == list(range(log_every, steps + 1, log_every))
     for r in rows:
@@ -57,7 +72,12 @@ def test_fit_writes_exact_rows_with_validation_and_profile(tmp_path):
     assert 0 < end["goodput"] < 1
     # Goodput excludes compilation and evaluation.
     assert end["productive_s"] + end["compile_s"] + end["eval_s"] <= end["elapsed_s"]
-    assert list((tmp_path / "tensorboard" / "train").glob("events.out.tfevents.*"))
+    # TensorBoard holds the same figures as the JSONL, as scalars-plugin summaries.
+    (events,) = (tmp_path / "tensorboard" / "train").glob("events.out.tfevents.*")
+    scalars = tensorboard_scalars(events)
+    for row in rows_of(tmp_path, "interval"):
+        assert scalars[("tokens_per_s", row["step"])] == pytest.approx(row["tokens_per_s"])
+        assert scalars[("mfu", row["step"])] == pytest.approx(row["mfu"])
     assert list((tmp_path / "tensorboard" / "plugins" / "profile").rglob("*.xplane.pb"))
 
 
