@@ -75,6 +75,9 @@ def main(argv=None):
     profile_steps = kdist.callbacks.parse_profile_steps(args.profile_steps)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    # This recipe does not resume yet, and rewrites every output: start the log afresh too
+    # (Throughput appends, so that a resumed run continues its file).
+    (output_dir / kdist.callbacks.throughput.JSONL_NAME).unlink(missing_ok=True)
 
     keras.utils.set_random_seed(args.seed)
     keras.distribution.set_distribution(kdist.distribution(args.mesh))

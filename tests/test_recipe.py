@@ -12,7 +12,7 @@ import gpt_pretrain  # noqa: E402
 
 TINY = ["--steps", "8", "--eval-every", "4", "--eval-steps", "2", "--global-batch-size", "8",
         "--sequence-length", "64", "--vocabulary-size", "1024", "--warmup-steps", "2",
-        "--learning-rate", "3e-3", "--sample-length", "8"]
+        "--learning-rate", "3e-3", "--sample-length", "8", "--log-every", "4"]
 
 
 @pytest.mark.slow
@@ -27,6 +27,10 @@ def test_recipe_runs_and_learns(tmp_path, capsys):
     for name in ("model.keras", "vocabulary.json", "merges.txt", "log.csv", "summary.json"):
         assert (tmp_path / name).exists(), name
     assert json.loads((tmp_path / "summary.json").read_text())["mesh"] == "data=2,fsdp=2,model=2"
+    rows = [json.loads(line) for line in (tmp_path / "throughput.jsonl").read_text().splitlines()]
+    intervals = [r for r in rows if r["kind"] == "interval"]
+    assert [r["step"] for r in intervals] == [4, 8]
+    assert intervals[-1]["tokens"] == summary["tokens"] and intervals[-1]["mfu"] > 0
 
 
 def test_recipe_flags_are_checked_before_work(tmp_path):
