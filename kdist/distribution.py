@@ -238,12 +238,11 @@ class KdistDistribution(ModelParallel):
             mesh_axis = self.mesh_axis_for(logical_axis)
             if mesh_axis is not None and size % self.mesh_shape[mesh_axis]:
                 n = self.mesh_shape[mesh_axis]
-                divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
                 raise ValueError(
                     f"Weight '{path}' (shape {shape}) cannot be sharded: dimension {dim} "
                     f"('{logical_axis}', size {size}) does not divide by the '{mesh_axis}' mesh "
-                    f"axis of size {n}. Use a '{mesh_axis}' size among {divisors}, or change the "
-                    f"model so that '{logical_axis}' is a multiple of {n}."
+                    f"axis of size {n}. Use a '{mesh_axis}' size among {_divisors(size)}, or "
+                    f"change the model so that '{logical_axis}' is a multiple of {n}."
                 )
             axes.append(mesh_axis)
         return TensorLayout(tuple(axes), self.device_mesh)
@@ -264,12 +263,9 @@ def distribution(spec: str = "auto", devices: Sequence | None = None) -> KdistDi
         >>> keras.distribution.set_distribution(kdist.distribution("auto"))
     """
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
-    sizes = parse_mesh(spec, len(devices))
-    mesh = DeviceMesh(
-        shape=tuple(sizes[a] for a in MESH_AXES),
-        axis_names=MESH_AXES,
-        devices=np.asarray(devices).reshape(tuple(sizes[a] for a in MESH_AXES)),
-    )
+    shape = tuple(parse_mesh(spec, len(devices)).values())  # (data, fsdp, model)
+    mesh = DeviceMesh(shape=shape, axis_names=MESH_AXES,
+                      devices=np.asarray(devices).reshape(shape))
     return KdistDistribution(mesh)
 
 
@@ -301,8 +297,7 @@ def gathered(x, logical_axes: Sequence[str | None]):
     dist = keras.distribution.distribution()
     if not isinstance(dist, KdistDistribution):
         return x
-    axes = tuple(None if dist.mesh_axis_for(a) == "fsdp" else dist.mesh_axis_for(a)
-                 for a in logical_axes)
+    axes = tuple(m if m != "fsdp" else None for m in map(dist.mesh_axis_for, logical_axes))
     return keras.distribution.distribute_tensor(x, TensorLayout(axes, dist.device_mesh))
 
 
@@ -322,6 +317,11 @@ def replica_count() -> int:
     return shape["data"] * shape["fsdp"]
 
 
+def _divisors(n: int, at_most: int = 64) -> list[int]:
+    """Mesh-axis sizes that divide ``n`` (up to ``at_most``), for error messages."""
+    return [d for d in range(1, min(n, at_most) + 1) if n % d == 0]
+
+
 def check_divisible(what: str, value: int, axis: str = "model") -> None:
     """Raises a ``ValueError`` with a fix if ``value`` does not divide by the mesh ``axis``.
 
@@ -329,8 +329,8 @@ def check_divisible(what: str, value: int, axis: str = "model") -> None:
     """
     n = current_mesh_shape()[axis]
     if value % n:
-        options = [d for d in range(1, min(value, 64) + 1) if value % d == 0]
         raise ValueError(
             f"{what}={value} is not divisible by the '{axis}' mesh axis of size {n}. "
-            f"Use a '{axis}' size among {options}, or choose {what} as a multiple of {n}."
+            f"Use a '{axis}' size among {_divisors(value)}, or choose {what} as a multiple "
+            f"of {n}."
         )
