@@ -24,7 +24,7 @@ import numpy as np
 
 from kdist.data.corpus import STDLIB, load_corpus
 from kdist.data.tokenizer import END_OF_TEXT, byte_pair_tokenizer, cache_root
-from kdist.distribution import replica_count
+from kdist.distribution import process_batch_share, replica_count
 
 _ENCODE_CHUNK = 64  # documents per tokenizer call
 
@@ -182,7 +182,6 @@ def lm_dataset(
         >>> x.shape
         (8, 128)
     """
-    import jax
 
     for name, value in (("sequence_length", sequence_length),
                         ("global_batch_size", global_batch_size)):
@@ -209,9 +208,10 @@ def lm_dataset(
         )
         for split in ("train", "validation")
     }
+    share, shares = process_batch_share(global_batch_size)
     process = dict(
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
+        process_index=share,
+        process_count=shares,
         end_of_text_id=tokenizer.token_to_id(END_OF_TEXT) if document_mask else None,
     )
     train = LMBatches(stores["train"], sequence_length, global_batch_size, seed,

@@ -1,0 +1,241 @@
+"""Multi-process start-up: ``kdist.initialize()`` joins this process to a JAX cluster.
+
+Call it first in a training script, before anything touches a device. It reads the standard
+environment, in this order:
+
+1. explicit arguments;
+2. Keras' variables ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` (comma-separated; the first is the
+   coordinator), ``KERAS_DISTRIBUTION_NUM_PROCESSES``, ``KERAS_DISTRIBUTION_PROCESS_ID``
+   (what ``python -m kdist.launch`` sets), and JAX's ``JAX_COORDINATOR_ADDRESS``;
+3. whatever JAX detects by itself: SLURM (``SLURM_*``), Open MPI (``OMPI_*``), Kubernetes
+   indexed Jobs and TPU pod slices (the TPU metadata server).
+
+With none of these, or with one process, it does nothing, so the same script runs on a
+laptop and on a cluster. Otherwise it calls ``jax.distributed.initialize`` with a bounded
+timeout, selects gloo for cross-process collectives on CPU devices, seeds Keras' RNG the same
+in every process (as ``keras.distribution.initialize`` does), and checks that every process
+agrees on the process count. An unreachable coordinator, an inconsistent process count or a
+call after JAX already started are errors that say what to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+_ADDRESS = re.compile(r"^\[?[\w.:-]+\]?:\d+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process stands in the cluster, as :func:`initialize` returns it."""
+
+    process_index: int
+    process_count: int
+    local_device_count: int
+    device_count: int
+    coordinator_address: str | None = None
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"Environment variable {name}={value!r} must be an integer.") from None
+
+
+def _cluster_detected() -> str | None:
+    """The name of the cluster environment JAX would auto-detect (SLURM, Open MPI, ...)."""
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:  # a JAX without the cluster registry: nothing to detect
+        return None
+    for env in ClusterEnv._cluster_types:
+        if getattr(env, "opt_in_only_method", False):
+            continue
+        try:
+            if env.is_env_present():
+                return env.__name__
+        except Exception:  # a detector that cannot even look counts as absent
+            continue
+    return None
+
+
+def process_info() -> ProcessInfo:
+    """This process's index and the process and device counts (initialized or not).
+
+    Example:
+        >>> process_info().process_count
+        1
+    """
+    import jax
+
+    from jax._src import distributed
+
+    return ProcessInfo(
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        local_device_count=jax.local_device_count(),
+        device_count=jax.device_count(),
+        coordinator_address=distributed.global_state.coordinator_address,
+    )
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    timeout: int = 120,
+    cpu_collectives: str = "gloo",
+) -> ProcessInfo:
+    """Joins this process to the cluster (``jax.distributed``); a no-op on one process.
+
+    Args:
+        coordinator_address: ``host:port`` of process 0. Default: from the environment
+            (see the module docstring).
+        num_processes: processes in the job. Default: from the environment.
+        process_id: this process's index, ``0 .. num_processes - 1``.
+        timeout: seconds to wait for the coordinator and the other processes before
+            failing. JAX's own default is 300 s.
+        cpu_collectives: cross-process collectives for CPU devices (``"gloo"``; ``"mpi"``
+            needs an MPI library). Accelerators use their own (NCCL, ICI) regardless.
+
+    Returns:
+        The :class:`ProcessInfo` of this process.
+
+    Example:
+        >>> import kdist
+        >>> kdist.initialize().process_count    # alone: nothing to join
+        1
+    """
+    import jax
+    from jax._src import distributed, xla_bridge
+
+    if distributed.global_state.client is not None:  # already initialized: idempotent
+        return process_info()
+
+    addresses = os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "")
+    if coordinator_address is None:
+        coordinator_address = (addresses.split(",")[0].strip() or None) if addresses else None
+    if coordinator_address is None:
+        coordinator_address = os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+    if num_processes is None:
+        num_processes = _env_int("KERAS_DISTRIBUTION_NUM_PROCESSES")
+    if process_id is None:
+        process_id = _env_int("KERAS_DISTRIBUTION_PROCESS_ID")
+    cluster = _cluster_detected()
+
+    configured = (coordinator_address, num_processes, process_id)
+    if num_processes == 1 or (all(v is None for v in configured) and cluster is None):
+        return process_info()  # one process: nothing to join
+
+    _check_arguments(coordinator_address, num_processes, process_id, timeout, cluster)
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "kdist.initialize() must run before JAX starts its devices, but JAX already has "
+            "(something called jax.devices(), created an array or built a Keras model). Call "
+            "kdist.initialize() at the top of the script, right after the imports."
+        )
+    if cpu_collectives and not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
+        # Without it, CPU devices of different processes cannot run collectives at all.
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+
+    where = coordinator_address or f"the coordinator that {cluster} names"
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=int(timeout),
+        )
+    except Exception as error:  # XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
+        text = str(error)
+        if "DEADLINE_EXCEEDED" in text or "UNAVAILABLE" in text or "timed out" in text.lower():
+            raise ConnectionError(
+                f"Process {process_id} of {num_processes} could not join the cluster at {where} "
+                f"within {timeout} s. Check that process 0 is running and listens on that "
+                f"address (host reachable, port open, the same address in every process), "
+                f"and that all {num_processes} processes were started; raise `timeout` if they "
+                f"start slowly. JAX said: {text.splitlines()[0] if text else type(error)}"
+            ) from error
+        raise
+
+    _check_process_count(num_processes, timeout)
+    _sync_keras_seed()
+    return process_info()
+
+
+def _check_arguments(coordinator_address, num_processes, process_id, timeout, cluster) -> None:
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}.")
+    if cluster is None:
+        missing = [name for name, value in (
+            ("coordinator address (KERAS_DISTRIBUTION_JOB_ADDRESSES)", coordinator_address),
+            ("number of processes (KERAS_DISTRIBUTION_NUM_PROCESSES)", num_processes),
+            ("process id (KERAS_DISTRIBUTION_PROCESS_ID)", process_id),
+        ) if value is None]
+        if missing:
+            raise ValueError(
+                f"Multi-process setup is incomplete: no {', no '.join(missing)}, and no cluster "
+                f"environment (SLURM, Open MPI, Kubernetes, TPU) was detected. Set all three, "
+                f"or none for a single process; `python -m kdist.launch` sets them locally."
+            )
+    if coordinator_address is not None and not _ADDRESS.match(coordinator_address):
+        raise ValueError(
+            f"Coordinator address {coordinator_address!r} is not of the form HOST:PORT "
+            f"(e.g. '10.0.0.1:1234' or '127.0.0.1:5678')."
+        )
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"num_processes must be at least 1; got {num_processes}.")
+    if process_id is not None and num_processes is not None and not (
+        0 <= process_id < num_processes
+    ):
+        raise ValueError(
+            f"process_id={process_id} is outside 0..{num_processes - 1} for "
+            f"num_processes={num_processes}. Give each process a distinct id below the count."
+        )
+
+
+def _check_process_count(requested: int | None, timeout: int) -> None:
+    """Every process must agree on the process count; a mismatch would hang a collective.
+
+    JAX takes the count from process 0; a process started with another count is told here,
+    and so is process 0 (each process publishes its own view in the coordinator's store).
+    """
+    import jax
+    from jax._src import distributed
+
+    actual = jax.process_count()
+    me = jax.process_index()
+    if requested is not None and requested != actual:
+        raise ValueError(
+            f"Inconsistent process counts: process {me} was started with num_processes="
+            f"{requested}, but the coordinator runs a job of {actual} processes. Start every "
+            f"process with the same count (KERAS_DISTRIBUTION_NUM_PROCESSES)."
+        )
+    client = distributed.global_state.client
+    client.key_value_set(f"kdist/num_processes/{me}", str(requested or actual))
+    views = {}
+    for other in range(actual):
+        views[other] = client.blocking_key_value_get(
+            f"kdist/num_processes/{other}", int(timeout) * 1000
+        )
+    if len(set(views.values())) > 1:
+        raise ValueError(
+            f"Inconsistent process counts: the processes were started with num_processes "
+            f"{views} (process: count). Start every process with the same count."
+        )
+
+
+def _sync_keras_seed() -> None:
+    """The same Keras seed in every process, as ``keras.distribution.initialize`` does."""
+    try:
+        from keras.src.backend.jax.distribution_lib import initialize_rng
+    except ImportError:  # a Keras without it: nothing to align
+        return
+    initialize_rng()
