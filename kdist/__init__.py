@@ -45,7 +45,6 @@ if keras.backend.backend() != "jax":
 
 from kdist import callbacks, data, flops, models, optim
 from kdist.distribution import KdistDistribution, distribution, parse_mesh
-from kdist import multihost
 from kdist.multihost import initialize
 
 __version__ = "0.1.0"
@@ -53,5 +52,5 @@ __version__ = "0.1.0"
 __all__ = [
     "KdistDistribution", "callbacks", "data", "distribution", "flops", "models", "optim",
     "parse_mesh",
-    "initialize", "multihost",
+    "initialize",
 ]

@@ -73,7 +73,6 @@ def process_info() -> ProcessInfo:
         1
     """
     import jax
-
     from jax._src import distributed
 
     return ProcessInfo(
@@ -212,19 +211,20 @@ def _check_process_count(requested: int | None, timeout: int) -> None:
 
     actual = jax.process_count()
     me = jax.process_index()
+    client = distributed.global_state.client
+    # Publish first, so that the others learn of a mismatch here too.
+    client.key_value_set(f"kdist/num_processes/{me}", str(requested or actual))
     if requested is not None and requested != actual:
         raise ValueError(
             f"Inconsistent process counts: process {me} was started with num_processes="
             f"{requested}, but the coordinator runs a job of {actual} processes. Start every "
             f"process with the same count (KERAS_DISTRIBUTION_NUM_PROCESSES)."
         )
-    client = distributed.global_state.client
-    client.key_value_set(f"kdist/num_processes/{me}", str(requested or actual))
     views = {}
     for other in range(actual):
-        views[other] = client.blocking_key_value_get(
+        views[other] = int(client.blocking_key_value_get(
             f"kdist/num_processes/{other}", int(timeout) * 1000
-        )
+        ))
     if len(set(views.values())) > 1:
         raise ValueError(
             f"Inconsistent process counts: the processes were started with num_processes "

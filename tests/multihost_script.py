@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+import time
 from pathlib import Path
 
 import kdist  # before jax: Keras' JAX backend and XLA:CPU flags
@@ -24,7 +24,6 @@ import kdist  # before jax: Keras' JAX backend and XLA:CPU flags
 # isort: split
 import jax
 import keras
-import numpy as np
 
 # A GPT small enough to compile in seconds, every dimension divisible by 8 (as tests/helpers).
 TINY_GPT = dict(num_layers=2, num_heads=8, hidden_dim=64, intermediate_dim=128,
@@ -93,17 +92,20 @@ def train(args) -> dict:
     )
 
 
-def crash(args) -> dict:
-    """Joins the cluster; rank 1 then dies, and the others wait in a collective for it."""
+def hang(args) -> dict:
+    """Joins the cluster, says "ready", then runs cross-process barriers until killed."""
+    from jax.experimental import multihost_utils
+
     info = setup(args.mesh)
+    multihost_utils.sync_global_devices("start")
     print(f"rank {info.process_index} ready", flush=True)
-    if info.process_index == 1:
-        os._exit(3)
-    total = jax.jit(lambda x: x.sum())(jax.numpy.ones(jax.device_count()))  # needs rank 1
-    return dict(total=float(total))
+    for beat in range(10_000):
+        multihost_utils.sync_global_devices(f"beat{beat}")
+        time.sleep(0.2)
+    return {}
 
 
-COMMANDS = {"train": train, "crash": crash}
+COMMANDS = {"train": train, "hang": hang}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,169 @@
+"""Multi-process training on 127.0.0.1: kdist.initialize, kdist.launch, per-process data.
+
+The multi-process runs go through ``kdist.launch`` with ``tests/multihost_script.py``; the
+one-process reference calls the same function of that script in this (8-device) process.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import kdist
+from kdist import launch
+from tests import multihost_script
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "multihost_script.py")
+KERAS_VARS = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
+              "KERAS_DISTRIBUTION_PROCESS_ID")
+
+
+@pytest.fixture
+def child_env(monkeypatch):
+    """Children import this worktree's kdist, print little, and start from a clean cluster env."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    for name in KERAS_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def run_launcher(*args, timeout=300):
+    """``python -m kdist.launch ARGS`` in a subprocess; returns (status, output, seconds)."""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "kdist.launch", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["fsdp=8", "data=2,model=4"])
+def test_two_processes_train_like_one(mesh, tmp_path, child_env):
+    status = launch.launch([sys.executable, SCRIPT, "train", "--mesh", mesh, "--steps", "3",
+                            "--out", str(tmp_path)], processes=2, devices_per_process=4)
+    assert status == 0
+    ranks = [json.loads((tmp_path / f"train-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["process_index"], r["process_count"], r["devices"], r["local_devices"])
+            for r in ranks] == [(0, 2, 8, 4), (1, 2, 8, 4)]
+
+    # The same script in one process of 8 devices, reusing the cache the ranks wrote.
+    args = argparse.Namespace(mesh=mesh, steps=3, out=str(tmp_path))
+    reference = multihost_script.train(args)
+    assert reference["devices"] == 8 and reference["mesh"] == ranks[0]["mesh"] == mesh
+    for rank in ranks:
+        np.testing.assert_allclose(rank["losses"], reference["losses"], rtol=2e-6)
+    assert reference["losses"][2] < reference["losses"][0]  # it trained
+
+    for step in map(str, range(3)):
+        shares = [np.asarray(r["rows"][step]) for r in ranks]
+        assert all(s.shape == (4, multihost_script.SEQUENCE_LENGTH) for s in shares)
+        # Disjoint windows, and together exactly the one-process global batch, in order.
+        assert not set(ranks[0]["windows"][step]) & set(ranks[1]["windows"][step])
+        np.testing.assert_array_equal(np.concatenate(shares), reference["rows"][step])
+
+
+def test_launcher_ends_the_others_when_one_is_killed(tmp_path, child_env):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kdist.launch", "--processes", "2", "--devices-per-process", "2",
+         "--grace", "5", SCRIPT, "hang", "--mesh", "data=4", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )
+    pids, ready, lines = {}, set(), []
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:  # until both ranks joined the cluster and wait in a collective
+        lines.append(line)
+        if line.startswith("[launch] rank "):
+            _, _, rank, _, pid = line.split()
+            pids[int(rank)] = int(pid)
+        if "ready" in line and line[:3] in ("[0]", "[1]"):
+            ready.add(int(line[1]))
+        if ready == {0, 1} or time.monotonic() > deadline:
+            break
+    assert ready == {0, 1}, "".join(lines)
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    status = proc.wait(timeout=60)
+    elapsed = time.monotonic() - killed_at
+    rest = proc.stdout.read()
+    assert status == 128 + signal.SIGKILL, rest
+    assert "rank 1 exited with status 137; stopping the others" in rest
+    assert elapsed < 5 + 5  # the grace period, plus polling and exit
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)  # rank 0 is gone too
+
+
+def test_launcher_forwards_sigterm_and_prefixes_output(tmp_path, child_env):
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, signal, sys, time\n"
+        "rank = os.environ['KERAS_DISTRIBUTION_PROCESS_ID']\n"
+        "def stop(signum, frame):\n"
+        "    open(os.path.join(sys.argv[1], 'term' + rank), 'w').write(str(signum))\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('ready', os.environ['KERAS_DISTRIBUTION_NUM_PROCESSES'],\n"
+        "      os.environ['XLA_FLAGS'].split()[-1], flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kdist.launch", "--processes", "2", "--devices-per-process", "3",
+         str(child), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if sum("ready" in x for x in lines) == 2:
+            break
+    assert sorted(x for x in lines if "ready" in x) == [
+        f"[{r}] ready 2 --xla_force_host_platform_device_count=3\n" for r in (0, 1)
+    ]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert [(tmp_path / f"term{r}").read_text() for r in (0, 1)] == [str(signal.SIGTERM)] * 2
+
+
+def test_initialize_is_a_no_op_in_one_process(monkeypatch):
+    for name in KERAS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    info = kdist.initialize()
+    assert (info.process_index, info.process_count, info.device_count) == (0, 1, 8)
+    assert not jax.distributed.is_initialized()
+    monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "1")  # one process, said explicitly
+    assert kdist.initialize().process_count == 1 and not jax.distributed.is_initialized()
+
+
+def test_initialize_checks_its_arguments_before_connecting(monkeypatch):
+    for name in KERAS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="process_id=2 is outside 0..1"):
+        kdist.initialize("127.0.0.1:1234", num_processes=2, process_id=2)
+    with pytest.raises(ValueError, match="not of the form HOST:PORT"):
+        kdist.initialize("localhost", num_processes=2, process_id=0)
+    monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match="no coordinator address .* no process id"):
+        kdist.initialize()
+    # In this process JAX has started its devices already: too late to join a cluster.
+    with pytest.raises(RuntimeError, match="must run before JAX starts its devices"):
+        kdist.initialize("127.0.0.1:1234", num_processes=2, process_id=1)
+
+
+def test_initialize_fails_clearly_on_an_unreachable_coordinator(child_env):
+    port = launch.free_port()  # nobody listens there
+    code = (f"import kdist; kdist.initialize('127.0.0.1:{port}', num_processes=2, "
+            f"process_id=1, timeout=5)")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode != 0
+    assert f"could not join the cluster at 127.0.0.1:{port} within 5 s" in done.stderr
+    assert "ConnectionError" in done.stderr
+    assert time.monotonic() - start < 90  # import (slow on a busy machine) + 5 s + exit
