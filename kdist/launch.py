@@ -111,20 +111,23 @@ def launch(
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
-        failed_at = None
-        while any(c.poll() is None for c in children):
-            failures = [c for c in children if c.returncode not in (None, 0)]
-            if failures and failed_at is None:
-                first = failures[0]
-                status = _status(first.returncode)
-                with lock:
-                    print(f"[launch] rank {children.index(first)} exited with status {status}; "
-                          f"stopping the others", flush=True)
-                failed_at = time.monotonic()
-                for child in children:
-                    if child.poll() is None:
-                        child.terminate()
-            if failed_at is not None and time.monotonic() - failed_at > grace:
+        kill_at = None  # once set: SIGKILL whatever still runs at that time
+        while [c.poll() for c in children].count(None):  # poll every child, each time
+            if kill_at is None:
+                failures = [c for c in children if c.returncode not in (None, 0)]
+                if failures:
+                    first = failures[0]
+                    status = _status(first.returncode)
+                    with lock:
+                        print(f"[launch] rank {children.index(first)} exited with status "
+                              f"{status}; stopping the others", flush=True)
+                    for child in children:
+                        if child.poll() is None:
+                            child.terminate()
+                    kill_at = time.monotonic() + grace
+                elif received:  # forwarded already; a rank that ignores it is killed later
+                    kill_at = time.monotonic() + grace
+            elif time.monotonic() > kill_at:
                 for child in children:
                     if child.poll() is None:
                         child.kill()

@@ -23,6 +23,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
+import sys
+import threading
+import time
 
 _ADDRESS = re.compile(r"^\[?[\w.:-]+\]?:\d+$")
 
@@ -144,29 +148,63 @@ def initialize(
         # Without it, CPU devices of different processes cannot run collectives at all.
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
 
-    where = coordinator_address or f"the coordinator that {cluster} names"
+    start = time.monotonic()
+    if coordinator_address is not None and process_id not in (None, 0):
+        # JAX's client aborts the whole process (a C++ fatal error, not an exception) when
+        # the coordinator never answers; find out first, and raise something readable.
+        _wait_for_coordinator(coordinator_address, process_id, num_processes, timeout)
+    remaining = max(1, int(timeout - (time.monotonic() - start)))
+    # JAX also aborts the process when the others do not all join in time (a missing
+    # process, or one started with another count): say why just before that happens.
+    watchdog = threading.Timer(max(0.5, remaining - 0.5), _say_why_it_hangs,
+                               (coordinator_address or cluster, process_id, num_processes,
+                                timeout))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,
             num_processes=num_processes,
             process_id=process_id,
-            initialization_timeout=int(timeout),
+            initialization_timeout=remaining,
         )
-    except Exception as error:  # XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
-        text = str(error)
-        if "DEADLINE_EXCEEDED" in text or "UNAVAILABLE" in text or "timed out" in text.lower():
-            raise ConnectionError(
-                f"Process {process_id} of {num_processes} could not join the cluster at {where} "
-                f"within {timeout} s. Check that process 0 is running and listens on that "
-                f"address (host reachable, port open, the same address in every process), "
-                f"and that all {num_processes} processes were started; raise `timeout` if they "
-                f"start slowly. JAX said: {text.splitlines()[0] if text else type(error)}"
-            ) from error
-        raise
+    finally:
+        watchdog.cancel()
 
     _check_process_count(num_processes, timeout)
     _sync_keras_seed()
     return process_info()
+
+
+def _wait_for_coordinator(address: str, process_id, num_processes, timeout: float) -> None:
+    """Returns once ``address`` accepts TCP connections; ``ConnectionError`` after ``timeout``."""
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"Process {process_id} of {num_processes} could not reach the coordinator "
+                    f"at {address} within {timeout:g} s ({error}). Check that process 0 is "
+                    f"running and was given the same address, that the host name resolves "
+                    f"and the port is open between the hosts; raise `timeout` if process 0 "
+                    f"starts slowly."
+                ) from None
+            time.sleep(0.25)
+
+
+def _say_why_it_hangs(where, process_id, num_processes, timeout) -> None:
+    print(
+        f"kdist.initialize: the cluster at {where} has not formed after {timeout:g} s "
+        f"(this is process {process_id} of {num_processes}); JAX is about to stop this process. "
+        f"Check that all {num_processes} processes were started, with the same process count "
+        f"and coordinator address, and distinct process ids.",
+        file=sys.stderr, flush=True,
+    )
 
 
 def _check_arguments(coordinator_address, num_processes, process_id, timeout, cluster) -> None:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,14 +35,6 @@ def child_env(monkeypatch):
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
     for name in KERAS_VARS:
         monkeypatch.delenv(name, raising=False)
-
-
-def run_launcher(*args, timeout=300):
-    """``python -m kdist.launch ARGS`` in a subprocess; returns (status, output, seconds)."""
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "kdist.launch", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
-    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 
 
 @pytest.mark.slow
@@ -70,31 +63,52 @@ def test_two_processes_train_like_one(mesh, tmp_path, child_env):
         np.testing.assert_array_equal(np.concatenate(shares), reference["rows"][step])
 
 
+class Launched:
+    """``python -m kdist.launch ARGS`` in the background; its output is read as it comes
+    (an unread pipe would fill up and stall the launcher)."""
+
+    def __init__(self, *args):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kdist.launch", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout))
+        self.reader.start()
+
+    def wait_for(self, predicate, timeout=240):
+        deadline = time.monotonic() + timeout
+        while not predicate(self.lines) and time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert predicate(self.lines), "".join(self.lines)
+
+    def pids(self) -> dict[int, int]:
+        return {int(x.split()[2]): int(x.split()[4]) for x in self.lines
+                if x.startswith("[launch] rank ")}
+
+    def finish(self, timeout) -> tuple[int, str]:
+        status = self.proc.wait(timeout=timeout)
+        self.reader.join()
+        return status, "".join(self.lines)
+
+
+def both_ready(lines):
+    return {x[:3] for x in lines if "ready" in x} == {"[0]", "[1]"}
+
+
 def test_launcher_ends_the_others_when_one_is_killed(tmp_path, child_env):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kdist.launch", "--processes", "2", "--devices-per-process", "2",
-         "--grace", "5", SCRIPT, "hang", "--mesh", "data=4", "--out", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-    )
-    pids, ready, lines = {}, set(), []
-    deadline = time.monotonic() + 240
-    for line in proc.stdout:  # until both ranks joined the cluster and wait in a collective
-        lines.append(line)
-        if line.startswith("[launch] rank "):
-            _, _, rank, _, pid = line.split()
-            pids[int(rank)] = int(pid)
-        if "ready" in line and line[:3] in ("[0]", "[1]"):
-            ready.add(int(line[1]))
-        if ready == {0, 1} or time.monotonic() > deadline:
-            break
-    assert ready == {0, 1}, "".join(lines)
+    run = Launched("--processes", "2", "--devices-per-process", "2", "--grace", "5",
+                   SCRIPT, "hang", "--mesh", "data=4", "--out", str(tmp_path))
+    run.wait_for(both_ready)  # both joined the cluster and run cross-process barriers
+    pids = run.pids()
     killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
-    status = proc.wait(timeout=60)
+    status, output = run.finish(timeout=60)
     elapsed = time.monotonic() - killed_at
-    rest = proc.stdout.read()
-    assert status == 128 + signal.SIGKILL, rest
-    assert "rank 1 exited with status 137; stopping the others" in rest
+    assert status == 128 + signal.SIGKILL, output
+    assert "[launch] rank 1 exited with status 137; stopping the others" in output
     assert elapsed < 5 + 5  # the grace period, plus polling and exit
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)  # rank 0 is gone too
@@ -113,21 +127,14 @@ def test_launcher_forwards_sigterm_and_prefixes_output(tmp_path, child_env):
         "      os.environ['XLA_FLAGS'].split()[-1], flush=True)\n"
         "time.sleep(120)\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kdist.launch", "--processes", "2", "--devices-per-process", "3",
-         str(child), str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-    )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if sum("ready" in x for x in lines) == 2:
-            break
-    assert sorted(x for x in lines if "ready" in x) == [
+    run = Launched("--processes", "2", "--devices-per-process", "3", str(child), str(tmp_path))
+    run.wait_for(both_ready)
+    assert sorted(x for x in run.lines if "ready" in x) == [
         f"[{r}] ready 2 --xla_force_host_platform_device_count=3\n" for r in (0, 1)
     ]
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    run.proc.send_signal(signal.SIGTERM)
+    status, output = run.finish(timeout=30)
+    assert status == 128 + signal.SIGTERM, output
     assert [(tmp_path / f"term{r}").read_text() for r in (0, 1)] == [str(signal.SIGTERM)] * 2
 
 
@@ -156,14 +163,19 @@ def test_initialize_checks_its_arguments_before_connecting(monkeypatch):
         kdist.initialize("127.0.0.1:1234", num_processes=2, process_id=1)
 
 
-def test_initialize_fails_clearly_on_an_unreachable_coordinator(child_env):
+def test_initialize_fails_clearly_and_in_bounded_time(child_env):
+    """Process 1 with no coordinator: ConnectionError. Process 0 whose peer never comes:
+    JAX aborts the process at the timeout, and kdist says why just before."""
     port = launch.free_port()  # nobody listens there
-    code = (f"import kdist; kdist.initialize('127.0.0.1:{port}', num_processes=2, "
-            f"process_id=1, timeout=5)")
+    code = "import kdist; kdist.initialize('127.0.0.1:{}', num_processes=2, process_id={}, timeout=5)"
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert done.returncode != 0
-    assert f"could not join the cluster at 127.0.0.1:{port} within 5 s" in done.stderr
-    assert "ConnectionError" in done.stderr
-    assert time.monotonic() - start < 90  # import (slow on a busy machine) + 5 s + exit
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(port + rank, rank)],
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}) for rank in (1, 0)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert time.monotonic() - start < 90  # imports (slow on a busy machine) + 5 s + exit
+    assert all(p.returncode != 0 for p in procs)
+    assert (f"ConnectionError: Process 1 of 2 could not reach the coordinator at "
+            f"127.0.0.1:{port + 1} within 5 s") in errors[0]
+    assert (f"the cluster at 127.0.0.1:{port} has not formed after 5 s (this is process 0 "
+            f"of 2)") in errors[1]
