@@ -167,7 +167,8 @@ def test_initialize_fails_clearly_and_in_bounded_time(child_env):
     """Process 1 with no coordinator: ConnectionError. Process 0 whose peer never comes:
     JAX aborts the process at the timeout, and kdist says why just before."""
     port = launch.free_port()  # nobody listens there
-    code = "import kdist; kdist.initialize('127.0.0.1:{}', num_processes=2, process_id={}, timeout=5)"
+    code = ("import kdist; "
+            "kdist.initialize('127.0.0.1:{}', num_processes=2, process_id={}, timeout=5)")
     start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-c", code.format(port + rank, rank)],
                               stderr=subprocess.PIPE, text=True, cwd=ROOT,
