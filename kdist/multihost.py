@@ -52,8 +52,8 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"Environment variable {name}={value!r} must be an integer.") from None
 
 
-def _cluster_detected() -> str | None:
-    """The name of the cluster environment JAX would auto-detect (SLURM, Open MPI, ...)."""
+def _cluster_detected():
+    """The cluster environment JAX would auto-detect (SLURM, Open MPI, ...), or None."""
     try:
         from jax._src.clusters import ClusterEnv
     except ImportError:  # a JAX without the cluster registry: nothing to detect
@@ -63,10 +63,18 @@ def _cluster_detected() -> str | None:
             continue
         try:
             if env.is_env_present():
-                return env.__name__
+                return env
         except Exception:  # a detector that cannot even look counts as absent
             continue
     return None
+
+
+def _cluster_process_count(cluster) -> int | None:
+    """The process count the cluster environment gives (a single-task job is one process)."""
+    try:
+        return int(cluster.get_process_count())
+    except Exception:  # let jax.distributed.initialize find out, and report, itself
+        return None
 
 
 def process_info() -> ProcessInfo:
@@ -132,11 +140,14 @@ def initialize(
     if process_id is None:
         process_id = _env_int("KERAS_DISTRIBUTION_PROCESS_ID")
     cluster = _cluster_detected()
+    if num_processes is None and cluster is not None:
+        num_processes = _cluster_process_count(cluster)  # e.g. SLURM_NTASKS
 
     configured = (coordinator_address, num_processes, process_id)
     if num_processes == 1 or (all(v is None for v in configured) and cluster is None):
         return process_info()  # one process: nothing to join
 
+    cluster = None if cluster is None else cluster.__name__
     _check_arguments(coordinator_address, num_processes, process_id, timeout, cluster)
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(

@@ -148,6 +148,19 @@ def test_initialize_is_a_no_op_in_one_process(monkeypatch):
     assert kdist.initialize().process_count == 1 and not jax.distributed.is_initialized()
 
 
+def test_initialize_reads_a_slurm_job(monkeypatch):
+    for name in KERAS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="node[003-004]", SLURM_NTASKS="1",
+                 SLURM_PROCID="0", SLURM_LOCALID="0")
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    assert kdist.initialize().process_count == 1  # a one-task job: nothing to join
+    monkeypatch.setenv("SLURM_NTASKS", "2")  # a real cluster: it would join (too late here)
+    with pytest.raises(RuntimeError, match="must run before JAX starts its devices"):
+        kdist.initialize()
+
+
 def test_initialize_checks_its_arguments_before_connecting(monkeypatch):
     for name in KERAS_VARS:
         monkeypatch.delenv(name, raising=False)
