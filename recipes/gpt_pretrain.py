@@ -144,7 +144,7 @@ def main(argv=None):
                 log_every=args.log_every, peak_tflops=args.peak_tflops,
                 profile_steps=profile_steps,
             ),
-            keras.callbacks.CSVLogger(str(output_dir / "log.csv")),
+            *[keras.callbacks.CSVLogger(str(output_dir / "log.csv"))][jax.process_index():],
         ],
     )
     wall = time.time() - start
@@ -152,6 +152,11 @@ def main(argv=None):
     tokens = args.steps * args.global_batch_size * args.sequence_length
     print(f"validation loss after training: {trained:.4f} (before: {untrained:.4f}); "
           f"{tokens:,} tokens in {wall:.0f} s")
+    if jax.process_count() > 1:  # generate() and model.save() need every weight in one process
+        print(f"{jax.process_count()} processes: no sample and no model.keras (single-process "
+              f"only for now); logs in {output_dir.resolve()}")
+        return dict(vars(args), mesh=mesh, validation_loss_before=untrained,
+                    validation_loss_after=trained, history=history.history)
 
     prompt = np.asarray(data.tokenizer.tokenize("def "), "int32")[None]
     length = min(prompt.shape[1] + args.sample_length, model.backbone.max_sequence_length)
