@@ -144,7 +144,8 @@ def main(argv=None):
                 log_every=args.log_every, peak_tflops=args.peak_tflops,
                 profile_steps=profile_steps,
             ),
-            *[keras.callbacks.CSVLogger(str(output_dir / "log.csv"))][jax.process_index():],
+            *([keras.callbacks.CSVLogger(str(output_dir / "log.csv"))]
+              if jax.process_index() == 0 else []),  # one writer when there are several
         ],
     )
     wall = time.time() - start
