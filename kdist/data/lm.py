@@ -98,29 +98,29 @@ def _write_token_store(documents, tokenizer, path, num_documents, verbose) -> No
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     progress = None
     if verbose:
-        progress = keras.utils.Progbar(num_documents, unit_name="document",
-                                       stateful_metrics=["tokens"])
-    if verbose:
         print(f"Tokenizing into {path.name} (once; later runs reuse it)", flush=True)
+        progress = keras.utils.Progbar(num_documents, unit_name="document")
     length = done = 0
+    documents = iter(documents)
     with open(tmp, "wb") as out:
         out.write(_npy_header(dtype, 0))
-        documents = (d for d in documents if d.strip())
         while chunk := list(itertools.islice(documents, _ENCODE_CHUNK)):
-            pieces = []
-            for ids in tokenizer.tokenize(chunk):
-                pieces += [np.asarray(ids, dtype=dtype), np.asarray([eot], dtype=dtype)]
-            array = np.concatenate(pieces)
-            out.write(array.tobytes())
-            length += array.size
             done += len(chunk)
+            texts = [d for d in chunk if d.strip()]  # blank documents are left out
+            pieces = []
+            for ids in tokenizer.tokenize(texts) if texts else []:
+                pieces += [np.asarray(ids, dtype=dtype), np.asarray([eot], dtype=dtype)]
+            if pieces:
+                array = np.concatenate(pieces)
+                out.write(array.tobytes())
+                length += array.size
             if progress is not None:
-                progress.update(done, values=[("tokens", length)])
+                progress.update(done)
         out.seek(0)
         out.write(_npy_header(dtype, length))
         out.flush()
         os.fsync(out.fileno())
-    if progress is not None and num_documents is None:
+    if verbose:
         print(f"{done:,} documents, {length:,} tokens", flush=True)
     os.replace(tmp, path)
 
