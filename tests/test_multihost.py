@@ -38,8 +38,10 @@ def child_env(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["fsdp=8", "data=2,model=4"])
-def test_two_processes_train_like_one(mesh, tmp_path, child_env):
+@pytest.mark.parametrize("mesh, shares", [("fsdp=8", 2), ("data=2,model=4", 2), ("model=8", 1)])
+def test_two_processes_train_like_one(mesh, shares, tmp_path, child_env):
+    """``shares``: distinct row sets per step. Under model=8 the one replica spans both
+    processes, so each must feed the whole (identical) global batch."""
     status = launch.launch([sys.executable, SCRIPT, "train", "--mesh", mesh, "--steps", "3",
                             "--out", str(tmp_path)], processes=2, devices_per_process=4)
     assert status == 0
@@ -55,12 +57,16 @@ def test_two_processes_train_like_one(mesh, tmp_path, child_env):
         np.testing.assert_allclose(rank["losses"], reference["losses"], rtol=2e-6)
     assert reference["losses"][2] < reference["losses"][0]  # it trained
 
+    local = multihost_script.GLOBAL_BATCH_SIZE // shares
     for step in map(str, range(3)):
-        shares = [np.asarray(r["rows"][step]) for r in ranks]
-        assert all(s.shape == (4, multihost_script.SEQUENCE_LENGTH) for s in shares)
-        # Disjoint windows, and together exactly the one-process global batch, in order.
-        assert not set(ranks[0]["windows"][step]) & set(ranks[1]["windows"][step])
-        np.testing.assert_array_equal(np.concatenate(shares), reference["rows"][step])
+        rows = [np.asarray(r["rows"][step]) for r in ranks]
+        assert all(r.shape == (local, multihost_script.SEQUENCE_LENGTH) for r in rows)
+        if shares == 2:  # disjoint windows, together exactly the global batch, in order
+            assert not set(ranks[0]["windows"][step]) & set(ranks[1]["windows"][step])
+            np.testing.assert_array_equal(np.concatenate(rows), reference["rows"][step])
+        else:  # both feed the global batch
+            for r in rows:
+                np.testing.assert_array_equal(r, reference["rows"][step])
 
 
 class Launched:
