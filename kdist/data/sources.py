@@ -256,7 +256,10 @@ class TFDSSource(TextSource):
         import tensorflow as tf
         import tensorflow_datasets as tfds
 
-        tf.config.set_visible_devices([], "GPU")  # the accelerator memory is JAX's
+        try:
+            tf.config.set_visible_devices([], "GPU")  # the accelerator memory is JAX's
+        except RuntimeError:  # TensorFlow started its devices already; nothing to change
+            pass
         dataset = tfds.load(
             self._load_name, split=split, data_dir=self._data_dir,
             download=False, shuffle_files=False,
