@@ -185,17 +185,19 @@ def test_initialize_checks_its_arguments_before_connecting(monkeypatch):
 def test_initialize_fails_clearly_and_in_bounded_time(child_env):
     """Process 1 with no coordinator: ConnectionError. Process 0 whose peer never comes:
     JAX aborts the process at the timeout, and kdist says why just before."""
-    port = launch.free_port()  # nobody listens there
+    ports = {0: launch.free_port()}  # nobody listens there
+    while ports.setdefault(1, launch.free_port()) == ports[0]:  # two different clusters
+        del ports[1]
     code = ("import kdist; "
             "kdist.initialize('127.0.0.1:{}', num_processes=2, process_id={}, timeout=5)")
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, "-c", code.format(port + rank, rank)],
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(ports[rank], rank)],
                               stderr=subprocess.PIPE, text=True, cwd=ROOT,
                               env={**os.environ, "JAX_PLATFORMS": "cpu"}) for rank in (1, 0)]
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert time.monotonic() - start < 90  # imports (slow on a busy machine) + 5 s + exit
     assert all(p.returncode != 0 for p in procs)
     assert (f"ConnectionError: Process 1 of 2 could not reach the coordinator at "
-            f"127.0.0.1:{port + 1} within 5 s") in errors[0]
-    assert (f"the cluster at 127.0.0.1:{port} has not formed after 5 s (this is process 0 "
+            f"127.0.0.1:{ports[1]} within 5 s") in errors[0]
+    assert (f"the cluster at 127.0.0.1:{ports[0]} has not formed after 5 s (this is process 0 "
             f"of 2)") in errors[1]
