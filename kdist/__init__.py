@@ -45,10 +45,12 @@ if keras.backend.backend() != "jax":
 
 from kdist import callbacks, data, flops, models, optim
 from kdist.distribution import KdistDistribution, distribution, parse_mesh
+from kdist.multihost import initialize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KdistDistribution", "callbacks", "data", "distribution", "flops", "models", "optim",
     "parse_mesh",
+    "initialize",
 ]

@@ -189,11 +189,13 @@ class KdistDistribution(ModelParallel):
     """
 
     def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True):
+        # Before Keras' __init__, which reads num_model_replicas when there are several
+        # processes.
+        self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
         layout_map = LayoutMap(device_mesh)
         super().__init__(
             layout_map=layout_map, batch_dim_name="data", auto_shard_dataset=auto_shard_dataset
         )
-        self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
 
     @property
     def num_model_replicas(self) -> int:
@@ -253,10 +255,16 @@ class KdistDistribution(ModelParallel):
         return self.layout_for(variable.path, variable.shape)
 
 
-def distribution(spec: str = "auto", devices: Sequence | None = None) -> KdistDistribution:
+def distribution(
+    spec: str = "auto", devices: Sequence | None = None, auto_shard_dataset: bool = False
+) -> KdistDistribution:
     """Builds the Keras distribution for a mesh spec over all (or the given) devices.
 
-    Set it before building the model; ``compile`` and ``fit`` then run sharded.
+    Set it before building the model; ``compile`` and ``fit`` then run sharded. With several
+    processes, kdist's datasets already yield each process's own share of the global batch
+    (see :func:`process_batch_share`), so Keras' auto-sharding stays off; pass
+    ``auto_shard_dataset=True`` to feed a global ``tf.data.Dataset`` instead, which Keras
+    then splits by process.
 
     Example:
         >>> import keras, kdist
@@ -266,7 +274,7 @@ def distribution(spec: str = "auto", devices: Sequence | None = None) -> KdistDi
     shape = tuple(parse_mesh(spec, len(devices)).values())  # (data, fsdp, model)
     mesh = DeviceMesh(shape=shape, axis_names=MESH_AXES,
                       devices=np.asarray(devices).reshape(shape))
-    return KdistDistribution(mesh)
+    return KdistDistribution(mesh, auto_shard_dataset=auto_shard_dataset)
 
 
 def shard_batch(x):
@@ -334,3 +342,44 @@ def check_divisible(what: str, value: int, axis: str = "model") -> None:
             f"Use a '{axis}' size among {_divisors(value)}, or choose {what} as a multiple "
             f"of {n}."
         )
+
+
+def process_batch_share(global_batch_size: int) -> tuple[int, int]:
+    """Which share of each global batch this process feeds: ``(share_index, share_count)``.
+
+    Under a distribution, the JAX trainer assembles the global batch with
+    ``jax.make_array_from_process_local_data``: each process passes the rows that live on its
+    own devices. Those rows follow from the data layout, not from the process index: a
+    process holds rows ``share_index * n ... (share_index + 1) * n`` with
+    ``n = global_batch_size // share_count``, and processes whose devices hold the same
+    replica (a ``model`` axis spanning processes) feed the same rows. ``(0, 1)`` on one
+    process or without a distribution.
+
+    Example:
+        >>> process_batch_share(32)   # one process: the whole batch
+        (0, 1)
+    """
+    import jax
+
+    dist = keras.distribution.distribution()
+    if dist is None or jax.process_count() == 1:
+        return 0, 1
+    shape = (global_batch_size, 1)
+    sharding = dist.get_data_layout(shape).backend_layout
+    spans = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows = index[0]
+        spans.add((rows.start or 0, global_batch_size if rows.stop is None else rows.stop))
+    start, stop = min(s for s, _ in spans), max(e for _, e in spans)
+    covered = np.zeros(global_batch_size, bool)
+    for s, e in spans:
+        covered[s:e] = True
+    size = stop - start
+    if not covered[start:stop].all() or global_batch_size % size or start % size:
+        raise ValueError(
+            f"This process's devices hold batch rows {sorted(spans)} of {global_batch_size}, "
+            f"which is not one contiguous, evenly sized share of the global batch, so a "
+            f"per-process loader cannot feed it. Order the mesh devices process by process "
+            f"(kdist.distribution() does, with jax.devices())."
+        )
+    return start // size, global_batch_size // size

@@ -14,6 +14,8 @@ With --grad-accum N, each step is N micro-batches of 16 / N sequences: same toke
     python recipes/gpt_pretrain.py --preset llama-nano --document-mask
     python recipes/gpt_pretrain.py --preset gpt2-small --sequence-length 1024 --precision bfloat16
     python recipes/gpt_pretrain.py --steps 50 --profile-steps 20:22; kdist report runs/gpt_pretrain
+    python recipes/gpt_pretrain.py --data tfds:tiny_shakespeare --tfds-manual-dir ~/downloads
+    python -m kdist.launch --processes 2 --devices-per-process 4 recipes/gpt_pretrain.py --steps 50
 """
 
 import argparse
@@ -34,7 +36,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="gpt-nano", help="see kdist.models.GPT_PRESETS")
     p.add_argument("--mesh", default="auto", help="e.g. auto, fsdp=8, data=2,model=4")
-    p.add_argument("--data", default="python-stdlib", help="python-stdlib or a text file/dir/glob")
+    p.add_argument("--data", default="python-stdlib",
+                   help="python-stdlib, a text file/dir/glob, or tfds:NAME (e.g. tfds:lm1b)")
+    p.add_argument("--tfds-data-dir", default=None, help="where TFDS datasets are prepared")
+    p.add_argument("--tfds-manual-dir", default=None, help="a TFDS dataset's manual download")
+    p.add_argument("--tfds-download", action="store_true", help="let TFDS download and prepare")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--global-batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--sequence-length", type=int, default=256)
@@ -79,6 +85,7 @@ def main(argv=None):
     # (Throughput appends, so that a resumed run continues its file).
     (output_dir / kdist.callbacks.throughput.JSONL_NAME).unlink(missing_ok=True)
 
+    kdist.initialize()  # joins the cluster when launched as several processes; else no-op
     keras.utils.set_random_seed(args.seed)
     keras.distribution.set_distribution(kdist.distribution(args.mesh))
     precision = args.precision
@@ -95,6 +102,9 @@ def main(argv=None):
         seed=args.seed,
         validation_steps=args.eval_steps,
         document_mask=args.document_mask,
+        tfds_data_dir=args.tfds_data_dir,
+        tfds_manual_dir=args.tfds_manual_dir,
+        tfds_download=args.tfds_download,
     )
     model = kdist.models.GPTCausalLM.from_preset(
         args.preset,
@@ -134,7 +144,8 @@ def main(argv=None):
                 log_every=args.log_every, peak_tflops=args.peak_tflops,
                 profile_steps=profile_steps,
             ),
-            keras.callbacks.CSVLogger(str(output_dir / "log.csv")),
+            *([keras.callbacks.CSVLogger(str(output_dir / "log.csv"))]
+              if jax.process_index() == 0 else []),  # one writer when there are several
         ],
     )
     wall = time.time() - start
@@ -142,6 +153,11 @@ def main(argv=None):
     tokens = args.steps * args.global_batch_size * args.sequence_length
     print(f"validation loss after training: {trained:.4f} (before: {untrained:.4f}); "
           f"{tokens:,} tokens in {wall:.0f} s")
+    if jax.process_count() > 1:  # generate() and model.save() need every weight in one process
+        print(f"{jax.process_count()} processes: no sample and no model.keras (single-process "
+              f"only for now); logs in {output_dir.resolve()}")
+        return dict(vars(args), mesh=mesh, validation_loss_before=untrained,
+                    validation_loss_after=trained, history=history.history)
 
     prompt = np.asarray(data.tokenizer.tokenize("def "), "int32")[None]
     length = min(prompt.shape[1] + args.sample_length, model.backbone.max_sequence_length)

@@ -508,7 +508,7 @@ class Throughput(keras.callbacks.Callback):
             return None
         if self._schedule_fn is None:  # compiled once: eager evaluation costs ~50 ms
             self._schedule_fn = jax.jit(schedule)
-        cpu = jax.devices("cpu")[0]
+        cpu = jax.local_devices(backend="cpu")[0]  # jax.devices() lists other processes' too
         return float(self._schedule_fn(jax.device_put(np.int32(max(at, 0)), cpu)))
 
     def _open_outputs(self) -> None:

@@ -1,0 +1,176 @@
+"""Local multi-process launcher: N JAX processes on 127.0.0.1, each with its own CPU devices.
+
+    python -m kdist.launch --processes 2 --devices-per-process 4 recipes/gpt_pretrain.py --steps 20
+    python -m kdist.launch --processes 2 -m pytest ...        # a module instead of a script
+
+Each process gets ``XLA_FLAGS=--xla_force_host_platform_device_count=D``, Keras' variables
+``KERAS_DISTRIBUTION_JOB_ADDRESSES`` (a free port on 127.0.0.1), ``_NUM_PROCESSES`` and
+``_PROCESS_ID`` (read by :func:`kdist.initialize`), and gloo for CPU collectives. Output lines
+are prefixed by rank (``[0] ...``). SIGINT and SIGTERM are forwarded to every process. If one
+process exits with an error (or is killed), the others get SIGTERM, then SIGKILL after
+``--grace`` seconds, and the launcher exits non-zero: a crashed rank never leaves the rest
+waiting forever in a collective. The exit status is that of the first process that failed
+(128 + signal number for a signal), else 0.
+
+This is for developing and testing multi-process code on one machine; on a cluster, start
+one process per host with the cluster's own launcher (see docs/multihost.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(rank: int, processes: int, devices: int, port: int, base=None) -> dict:
+    """The environment of process ``rank``: device count, coordinator, id, CPU collectives."""
+    env = dict(os.environ if base is None else base)
+    flags = _DEVICE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    env.update(
+        KERAS_DISTRIBUTION_JOB_ADDRESSES=f"127.0.0.1:{port}",
+        KERAS_DISTRIBUTION_NUM_PROCESSES=str(processes),
+        KERAS_DISTRIBUTION_PROCESS_ID=str(rank),
+        JAX_PLATFORMS="cpu",
+        JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _pump(rank: int, stream, lock: threading.Lock) -> None:
+    """Copies one process's output to ours, line by line, prefixed by its rank."""
+    for line in iter(stream.readline, b""):
+        text = line.decode("utf-8", errors="replace").rstrip("\n")
+        with lock:
+            sys.stdout.write(f"[{rank}] {text}\n")
+            sys.stdout.flush()
+    stream.close()
+
+
+def _status(code: int) -> int:
+    return 128 - code if code < 0 else code  # -9 (killed by SIGKILL) -> 137, as a shell says
+
+
+def launch(
+    command: list[str], processes: int = 2, devices_per_process: int = 4, grace: float = 10.0
+) -> int:
+    """Runs ``command`` (``[python, script, args...]``) as ``processes`` ranks; returns the status.
+
+    Example:
+        >>> import sys
+        >>> launch([sys.executable, "-c", "print('hi')"], processes=2, devices_per_process=1)
+        0
+    """
+    if processes < 1 or devices_per_process < 1:
+        raise ValueError(
+            f"--processes ({processes}) and --devices-per-process ({devices_per_process}) must "
+            f"be positive integers."
+        )
+    port = free_port()
+    lock = threading.Lock()
+    children: list[subprocess.Popen] = []
+    pumps = []
+    for rank in range(processes):
+        child = subprocess.Popen(
+            command, env=process_env(rank, processes, devices_per_process, port),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C reaches us; we forward it once
+        )
+        children.append(child)
+        with lock:
+            print(f"[launch] rank {rank} pid {child.pid}", flush=True)
+        pump = threading.Thread(target=_pump, args=(rank, child.stdout, lock), daemon=True)
+        pump.start()
+        pumps.append(pump)
+
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        kill_at = None  # once set: SIGKILL whatever still runs at that time
+        while [c.poll() for c in children].count(None):  # poll every child, each time
+            if kill_at is None:
+                failures = [c for c in children if c.returncode not in (None, 0)]
+                if failures:
+                    first = failures[0]
+                    status = _status(first.returncode)
+                    with lock:
+                        print(f"[launch] rank {children.index(first)} exited with status "
+                              f"{status}; stopping the others", flush=True)
+                    for child in children:
+                        if child.poll() is None:
+                            child.terminate()
+                    kill_at = time.monotonic() + grace
+                elif received:  # forwarded already; a rank that ignores it is killed later
+                    kill_at = time.monotonic() + grace
+            elif time.monotonic() > kill_at:
+                for child in children:
+                    if child.poll() is None:
+                        child.kill()
+            time.sleep(0.05)
+        if status == 0:
+            status = next((_status(c.returncode) for c in children if c.returncode), 0)
+        if received and status == 0:
+            status = 128 + received[0]
+    finally:
+        for child in children:  # never leave a rank behind, whatever happened here
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for pump in pumps:
+            pump.join(timeout=5)
+    return status
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m kdist.launch",
+        description="Run a script as several JAX processes on this machine (CPU devices).",
+    )
+    p.add_argument("--processes", type=int, default=2, help="number of processes (ranks)")
+    p.add_argument("--devices-per-process", type=int, default=4,
+                   help="forced host (CPU) devices in each process")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when a rank fails")
+    p.add_argument("-m", dest="module", default=None, help="run a module, like python -m")
+    p.add_argument("script", nargs="?", help="the Python script to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    args = p.parse_args(argv)
+    if args.module:
+        command = [sys.executable, "-m", args.module]
+        command += [args.script] if args.script else []
+    elif args.script:
+        command = [sys.executable, args.script]
+    else:
+        p.error("give a SCRIPT (or -m MODULE) to run")
+    return launch(command + args.args, args.processes, args.devices_per_process, args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

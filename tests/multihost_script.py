@@ -1,0 +1,126 @@
+"""The script the multi-process tests run, once per rank, under ``kdist.launch``.
+
+    python -m kdist.launch --processes 2 --devices-per-process 4 \\
+        tests/multihost_script.py train --mesh fsdp=8 --steps 3 --out DIR
+
+Each command joins the cluster with ``kdist.initialize()`` (a no-op in one process), sets the
+mesh, and writes what it saw to ``DIR/<command>-rank<process index>.json``, which the test
+compares with a one-process run of the same function (called in the test's own process).
+A new multi-process scenario is one more function registered in ``COMMANDS``, taking the
+parsed arguments and returning a JSON-able dict; it can reuse :func:`setup`, :func:`tiny_model`
+and :func:`tiny_data`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import kdist  # before jax: Keras' JAX backend and XLA:CPU flags
+
+# isort: split
+import jax
+import keras
+
+# A GPT small enough to compile in seconds, every dimension divisible by 8 (as tests/helpers).
+TINY_GPT = dict(num_layers=2, num_heads=8, hidden_dim=64, intermediate_dim=128,
+                max_sequence_length=32)
+SEQUENCE_LENGTH = 16
+GLOBAL_BATCH_SIZE = 8
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400))
+
+
+def setup(mesh: str) -> kdist.multihost.ProcessInfo:
+    """Joins the cluster (if launched as one), then sets the mesh and float32."""
+    info = kdist.initialize(timeout=60)
+    keras.distribution.set_distribution(kdist.distribution(mesh))
+    keras.config.set_dtype_policy("float32")
+    return info
+
+
+def tiny_data(corpus_dir: Path, cache_dir: Path) -> kdist.data.LMData:
+    """A small local corpus through the full data path (tokenizer, token store, shares).
+
+    Every rank builds it concurrently into the same cache: the token store is written once.
+    """
+    corpus_dir.mkdir(parents=True, exist_ok=True)
+    for k in range(4):
+        (corpus_dir / f"doc{k}.py").write_text(TEXT[k::4] if k else TEXT)
+    return kdist.data.lm_dataset(
+        str(corpus_dir), sequence_length=SEQUENCE_LENGTH, global_batch_size=GLOBAL_BATCH_SIZE,
+        vocabulary_size=320, cache_dir=cache_dir,
+    )
+
+
+def tiny_model(vocabulary_size: int, seed: int = 0) -> kdist.models.GPTCausalLM:
+    keras.utils.set_random_seed(seed)  # same initial weights in every process and run
+    return kdist.models.GPTCausalLM(
+        kdist.models.GPTBackbone(vocabulary_size=vocabulary_size, **TINY_GPT)
+    )
+
+
+def train(args) -> dict:
+    """``fit`` for ``--steps`` one-step epochs; per-step losses and the rows each step used."""
+    info = setup(args.mesh)
+    data = tiny_data(Path(args.out) / "corpus", Path(args.out) / "cache")
+    served: dict[int, list] = {}
+
+    class Recording(type(data.train)):  # notes the rows this process actually served
+        def __getitem__(self, index):
+            inputs, targets = super().__getitem__(index)
+            served[int(index)] = inputs.tolist()
+            return inputs, targets
+
+    data.train.__class__ = Recording
+    model = tiny_model(data.vocabulary_size)
+    # The parity optimizer of tests/helpers.py (why epsilon=1e-3: see parity_optimizer).
+    model.compile(optimizer=kdist.optim.adamw(1e-2, warmup_steps=1, decay_steps=10,
+                                              epsilon=1e-3))
+    # One step per epoch, so each epoch's loss is exactly that step's loss.
+    history = model.fit(data.train, epochs=args.steps, steps_per_epoch=1, shuffle=False,
+                        verbose=0)
+    return dict(
+        process_index=info.process_index, process_count=info.process_count,
+        devices=jax.device_count(), local_devices=jax.local_device_count(),
+        mesh=keras.distribution.distribution().spec,
+        losses=[float(v) for v in history.history["loss"]],
+        rows={str(k): v for k, v in sorted(served.items()) if k < args.steps},
+        windows={str(k): data.train.windows(k).tolist() for k in range(args.steps)},
+    )
+
+
+def hang(args) -> dict:
+    """Joins the cluster, says "ready", then runs cross-process barriers until killed."""
+    from jax.experimental import multihost_utils
+
+    info = setup(args.mesh)
+    multihost_utils.sync_global_devices("start")
+    print(f"rank {info.process_index} ready", flush=True)
+    for beat in range(10_000):
+        multihost_utils.sync_global_devices(f"beat{beat}")
+        time.sleep(0.2)
+    return {}
+
+
+COMMANDS = {"train": train, "hang": hang}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("command", choices=sorted(COMMANDS))
+    p.add_argument("--mesh", default="fsdp=8")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    result = COMMANDS[args.command](args)
+    out = Path(args.out) / f"{args.command}-rank{jax.process_index()}.json"
+    out.write_text(json.dumps(result))
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Multi-process training on 127.0.0.1: kdist.initialize, kdist.launch, per-process data.
+
+The multi-process runs go through ``kdist.launch`` with ``tests/multihost_script.py``; the
+one-process reference calls the same function of that script in this (8-device) process.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import kdist
+from kdist import launch
+from tests import multihost_script
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "multihost_script.py")
+KERAS_VARS = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
+              "KERAS_DISTRIBUTION_PROCESS_ID")
+
+
+@pytest.fixture
+def child_env(monkeypatch):
+    """Children import this worktree's kdist, print little, and start from a clean cluster env."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    for name in KERAS_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, shares", [("fsdp=8", 2), ("data=2,model=4", 2), ("model=8", 1)])
+def test_two_processes_train_like_one(mesh, shares, tmp_path, child_env):
+    """``shares``: distinct row sets per step. Under model=8 the one replica spans both
+    processes, so each must feed the whole (identical) global batch."""
+    status = launch.launch([sys.executable, SCRIPT, "train", "--mesh", mesh, "--steps", "3",
+                            "--out", str(tmp_path)], processes=2, devices_per_process=4)
+    assert status == 0
+    ranks = [json.loads((tmp_path / f"train-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["process_index"], r["process_count"], r["devices"], r["local_devices"])
+            for r in ranks] == [(0, 2, 8, 4), (1, 2, 8, 4)]
+
+    # The same script in one process of 8 devices, reusing the cache the ranks wrote.
+    args = argparse.Namespace(mesh=mesh, steps=3, out=str(tmp_path))
+    reference = multihost_script.train(args)
+    assert reference["devices"] == 8 and reference["mesh"] == ranks[0]["mesh"] == mesh
+    for rank in ranks:
+        np.testing.assert_allclose(rank["losses"], reference["losses"], rtol=2e-6)
+    assert reference["losses"][2] < reference["losses"][0]  # it trained
+
+    local = multihost_script.GLOBAL_BATCH_SIZE // shares
+    for step in map(str, range(3)):
+        rows = [np.asarray(r["rows"][step]) for r in ranks]
+        assert all(r.shape == (local, multihost_script.SEQUENCE_LENGTH) for r in rows)
+        if shares == 2:  # disjoint windows, together exactly the global batch, in order
+            assert not set(ranks[0]["windows"][step]) & set(ranks[1]["windows"][step])
+            np.testing.assert_array_equal(np.concatenate(rows), reference["rows"][step])
+        else:  # both feed the global batch
+            for r in rows:
+                np.testing.assert_array_equal(r, reference["rows"][step])
+
+
+class Launched:
+    """``python -m kdist.launch ARGS`` in the background; its output is read as it comes
+    (an unread pipe would fill up and stall the launcher)."""
+
+    def __init__(self, *args):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kdist.launch", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout))
+        self.reader.start()
+
+    def wait_for(self, predicate, timeout=240):
+        deadline = time.monotonic() + timeout
+        while not predicate(self.lines) and time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert predicate(self.lines), "".join(self.lines)
+
+    def pids(self) -> dict[int, int]:
+        return {int(x.split()[2]): int(x.split()[4]) for x in self.lines
+                if x.startswith("[launch] rank ")}
+
+    def finish(self, timeout) -> tuple[int, str]:
+        status = self.proc.wait(timeout=timeout)
+        self.reader.join()
+        return status, "".join(self.lines)
+
+
+def both_ready(lines):
+    return {x[:3] for x in lines if "ready" in x} == {"[0]", "[1]"}
+
+
+def test_launcher_ends_the_others_when_one_is_killed(tmp_path, child_env):
+    run = Launched("--processes", "2", "--devices-per-process", "2", "--grace", "5",
+                   SCRIPT, "hang", "--mesh", "data=4", "--out", str(tmp_path))
+    run.wait_for(both_ready)  # both joined the cluster and run cross-process barriers
+    pids = run.pids()
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    status, output = run.finish(timeout=60)
+    elapsed = time.monotonic() - killed_at
+    assert status == 128 + signal.SIGKILL, output
+    assert "[launch] rank 1 exited with status 137; stopping the others" in output
+    assert elapsed < 5 + 5  # the grace period, plus polling and exit
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)  # rank 0 is gone too
+
+
+def test_launcher_forwards_sigterm_and_prefixes_output(tmp_path, child_env):
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, signal, sys, time\n"
+        "rank = os.environ['KERAS_DISTRIBUTION_PROCESS_ID']\n"
+        "def stop(signum, frame):\n"
+        "    open(os.path.join(sys.argv[1], 'term' + rank), 'w').write(str(signum))\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('ready', os.environ['KERAS_DISTRIBUTION_NUM_PROCESSES'],\n"
+        "      os.environ['XLA_FLAGS'].split()[-1], flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    run = Launched("--processes", "2", "--devices-per-process", "3", str(child), str(tmp_path))
+    run.wait_for(both_ready)
+    assert sorted(x for x in run.lines if "ready" in x) == [
+        f"[{r}] ready 2 --xla_force_host_platform_device_count=3\n" for r in (0, 1)
+    ]
+    run.proc.send_signal(signal.SIGTERM)
+    status, output = run.finish(timeout=30)
+    assert status == 128 + signal.SIGTERM, output
+    assert [(tmp_path / f"term{r}").read_text() for r in (0, 1)] == [str(signal.SIGTERM)] * 2
+
+
+def test_initialize_is_a_no_op_in_one_process(monkeypatch):
+    for name in KERAS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    info = kdist.initialize()
+    assert (info.process_index, info.process_count, info.device_count) == (0, 1, 8)
+    assert not jax.distributed.is_initialized()
+    monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "1")  # one process, said explicitly
+    assert kdist.initialize().process_count == 1 and not jax.distributed.is_initialized()
+
+
+def test_initialize_reads_a_slurm_job(monkeypatch):
+    for name in KERAS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="node[003-004]", SLURM_NTASKS="1",
+                 SLURM_PROCID="0", SLURM_LOCALID="0")
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    assert kdist.initialize().process_count == 1  # a one-task job: nothing to join
+    monkeypatch.setenv("SLURM_NTASKS", "2")  # a real cluster: it would join (too late here)
+    with pytest.raises(RuntimeError, match="must run before JAX starts its devices"):
+        kdist.initialize()
+
+
+def test_initialize_checks_its_arguments_before_connecting(monkeypatch):
+    for name in KERAS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="process_id=2 is outside 0..1"):
+        kdist.initialize("127.0.0.1:1234", num_processes=2, process_id=2)
+    with pytest.raises(ValueError, match="not of the form HOST:PORT"):
+        kdist.initialize("localhost", num_processes=2, process_id=0)
+    monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match="no coordinator address .* no process id"):
+        kdist.initialize()
+    # In this process JAX has started its devices already: too late to join a cluster.
+    with pytest.raises(RuntimeError, match="must run before JAX starts its devices"):
+        kdist.initialize("127.0.0.1:1234", num_processes=2, process_id=1)
+
+
+def test_initialize_fails_clearly_and_in_bounded_time(child_env):
+    """Process 1 with no coordinator: ConnectionError. Process 0 whose peer never comes:
+    JAX aborts the process at the timeout, and kdist says why just before."""
+    ports = {0: launch.free_port()}  # nobody listens there
+    while ports.setdefault(1, launch.free_port()) == ports[0]:  # two different clusters
+        del ports[1]
+    code = ("import kdist; "
+            "kdist.initialize('127.0.0.1:{}', num_processes=2, process_id={}, timeout=5)")
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(ports[rank], rank)],
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}) for rank in (1, 0)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert time.monotonic() - start < 90  # imports (slow on a busy machine) + 5 s + exit
+    assert all(p.returncode != 0 for p in procs)
+    assert (f"ConnectionError: Process 1 of 2 could not reach the coordinator at "
+            f"127.0.0.1:{ports[1]} within 5 s") in errors[0]
+    assert (f"the cluster at 127.0.0.1:{ports[0]} has not formed after 5 s (this is process 0 "
+            f"of 2)") in errors[1]
