@@ -202,6 +202,12 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
     return [s for s, p in final.items() if (p / METADATA_NAME).is_file()]
 
 
+def _listing(directory: Path) -> str:
+    if not directory.is_dir():
+        return "no such directory"
+    return str(sorted(p.name for p in directory.iterdir())) or "empty"
+
+
 def _file_sizes(root: Path) -> dict[str, int]:
     # The array store only: orbax rewrites its step-level _CHECKPOINT_METADATA at commit.
     return {str(f.relative_to(root)): f.stat().st_size
@@ -265,8 +271,10 @@ class Checkpoint(keras.callbacks.Callback):
         verbose: print one line per restore and per committed save.
 
     Example:
-        >>> ckpt = Checkpoint("runs/gpt/ckpt", save_every_steps=100, data=data.train)  # doctest: +SKIP
-        >>> model.fit(data.train, epochs=10, steps_per_epoch=50, callbacks=[ckpt])  # doctest: +SKIP
+        >>> ckpt = Checkpoint("runs/gpt/ckpt", save_every_steps=100,
+        ...                   data=data.train)  # doctest: +SKIP
+        >>> model.fit(data.train, epochs=10, steps_per_epoch=50,
+        ...           callbacks=[ckpt])  # doctest: +SKIP
 
     ``fit`` then resumes by itself: run the same script again and it continues from the
     newest committed step. To know the step before ``fit`` (e.g. to size the data), call
@@ -369,8 +377,8 @@ class Checkpoint(keras.callbacks.Callback):
             if self.resume == "required":
                 raise CheckpointError(
                     f"resume='required' but {self.directory} holds no committed checkpoint "
-                    f"(found: {sorted(p.name for p in self.directory.iterdir()) if self.directory.is_dir() else 'no directory'}). "
-                    f"Check the path, or drop --resume to start a new run."
+                    f"(found: {_listing(self.directory)}). Check the path, or drop --resume "
+                    f"to start a new run."
                 )
             self.restored_step = 0
             if self.init_from is not None:
@@ -708,7 +716,13 @@ def _read_arrays(step_dir, variables, keys):
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
     saved = read_metadata(step_dir)["variables"]
-    tree = {k: target(variables[k]) for k in saved if k in keys}
+    return _restore_tree(step_dir, {k: target(variables[k]) for k in saved if k in keys})
+
+
+def _restore_tree(step_dir, tree):
+    """Reads the arrays named in ``tree`` (``ShapeDtypeStruct`` leaves with shardings)."""
+    import orbax.checkpoint as ocp
+
     with ocp.PyTreeCheckpointer() as checkpointer:
         return checkpointer.restore(Path(step_dir) / ITEM_DIR, args=ocp.args.PyTreeRestore(
             tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
@@ -776,14 +790,11 @@ def inspect_directory(directory: str | os.PathLike, read_arrays: bool = False) -
 
 
 def _read_check(step_dir, meta) -> list[str]:
-    import orbax.checkpoint as ocp
-
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     tree = {k: jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=device)
             for k, v in meta["variables"].items()}
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.restore(Path(step_dir) / ITEM_DIR, ocp.args.StandardRestore(tree))
+        _restore_tree(step_dir, tree)
     except Exception as e:  # noqa: BLE001
         return [f"reading the arrays of {step_dir} failed: {e}"]
     return []
