@@ -468,7 +468,9 @@ class Checkpoint(keras.callbacks.Callback):
             model._initial_epoch = self.step // self._steps_per_epoch  # fit starts there
         self._data_base = (self.data.start_step - self.step
                            if self.data not in (None, "restart") else None)
-        self._first_epoch = True
+        # Only the first fit after a restore can start inside an epoch.
+        self._first_epoch = bool(self.restored_step) and not getattr(self, "_trained", False)
+        self._signal = self.interrupted_by = None
         self._last_save_time = time.monotonic()
         self._open_manager()
         if self.handle_signals and threading.current_thread() is threading.main_thread():
@@ -480,7 +482,8 @@ class Checkpoint(keras.callbacks.Callback):
         self._stop_after = None
         if self._first_epoch and self._steps_per_epoch:
             done = self.step - epoch * self._steps_per_epoch
-            if done > 0:  # resumed mid-epoch: continue its running means, run the rest only
+            if 0 < done < self._steps_per_epoch:
+                # Resumed mid-epoch: continue its running means, run only the rest of it.
                 for key, value in self._restored_metrics.items():
                     self._variables[key].assign(value)
                 self._stop_after = self._steps_per_epoch - done
@@ -522,6 +525,7 @@ class Checkpoint(keras.callbacks.Callback):
                 self._save((logs or {}).get("loss"), wait=True)
             self._wait()
         finally:
+            self._trained = True
             self._close()
             for sig, handler in self._old_handlers.items():
                 signal.signal(sig, handler)
@@ -540,11 +544,29 @@ class Checkpoint(keras.callbacks.Callback):
 
     # --- saving ---
 
+    def save(self, wait: bool | None = None, loss: float | None = None) -> None:
+        """Saves the current step now (between ``on_train_begin`` and ``on_train_end``).
+
+        ``wait`` defaults to ``not async_save``. For custom loops and benchmarks; inside
+        ``fit`` the callback saves by itself.
+
+        Example:
+            >>> ckpt.save(wait=True)  # doctest: +SKIP
+        """
+        if self._manager is None:
+            raise CheckpointError("Checkpoint.save() needs an open run: call it during fit "
+                                  "(or after on_train_begin()).")
+        self._save(loss, wait=not self.async_save if wait is None else wait)
+
     def _open_manager(self):
         import orbax.checkpoint as ocp
 
         if jax.process_index() == 0:
             self._clean_partial()
+        if jax.process_count() > 1:  # nobody lists steps while process 0 deletes
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("kdist_checkpoint_clean")
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -708,7 +730,6 @@ def _check_compatible(meta, variables, step_dir, keys=None):
 
 def _read_arrays(step_dir, variables, keys):
     """The arrays of ``keys``, placed in the current variables' shardings (resharding)."""
-    import orbax.checkpoint as ocp
 
     def target(v):
         value = v.value
