@@ -181,16 +181,22 @@ def test_disk_full_fails_loudly_and_keeps_the_previous_step(tmp_path, monkeypatc
     assert Checkpoint(tmp_path, data="restart", verbose=False).restore(fresh(None)) == 4
 
 
-def test_non_finite_weights_are_never_saved(tmp_path):
-    model, _, ckpt, _ = run(tmp_path, epochs=1, save_every_steps=2)  # steps 2, 4
+def test_retention_time_trigger_and_non_finite_weights(tmp_path):
+    # Every step by time (1 ns), newest 2 kept plus every multiple of 2.
+    _, _, ckpt, _ = run(tmp_path, epochs=1, save_every_steps=None, save_every_seconds=1e-9,
+                        keep=2, keep_every=2)
+    assert committed_steps(tmp_path) == [2, 3, 4]
     ckpt._open_manager()
-    ckpt._variables["params.final_norm/gamma".replace("/", ".")].assign(
+    ckpt._variables["params.final_norm.gamma"].assign(
         np.full((64,), np.nan, "float32"))
     ckpt.step = 6
     with pytest.warns(UserWarning, match="not saving step 6.*not finite.*step 4"):
-        ckpt._save(1.0, wait=True)
+        ckpt.save(wait=True)
+    with pytest.warns(UserWarning, match="not saving step 6: the loss \\(nan\\)"):
+        ckpt._variables["params.final_norm.gamma"].assign(np.ones((64,), "float32"))
+        ckpt.save(wait=True, loss=float("nan"))
     ckpt._close()
-    assert committed_steps(tmp_path) == [2, 4]
+    assert committed_steps(tmp_path) == [2, 3, 4]  # nothing saved, nothing rotated out
 
 
 def test_resume_flags(tmp_path):
