@@ -389,13 +389,12 @@ class Checkpoint(keras.callbacks.Callback):
             step_dir = self.directory / str(s)
             problems = verify_step(step_dir)
             if not problems:
+                meta = read_metadata(step_dir)
+                # An incompatible model is the user's to fix, not a reason to fall back.
+                _check_compatible(meta, variables, step_dir)
                 try:
-                    meta = read_metadata(step_dir)
-                    _check_compatible(meta, variables, step_dir)
                     values = _read_arrays(step_dir, variables, keys=list(variables))
-                except ValueError:
-                    raise  # an incompatible model is the user's to fix, not a fallback
-                except Exception as e:  # noqa: BLE001 (tensorstore/orbax raise many kinds)
+                except Exception as e:  # noqa: BLE001 (TensorStore raises ValueError, ...)
                     problems = [f"{step_dir}: reading the arrays failed: {e}"]
             if problems:
                 failures.append(f"step {s}: " + "; ".join(problems))
@@ -458,16 +457,21 @@ class Checkpoint(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self._model
-        if self.restored_step is None:
-            self.restore(model)
-        elif self.restored_step:
-            self._position_data()  # restore() ran before fit: check the data again
+        positioned = self.data not in (None, "restart")
+        if getattr(self, "_trained", False):  # another fit with this callback: continue
+            if positioned:
+                self.data.start_step = self._data_base + self.step
+        else:
+            if self.restored_step is None:
+                self.restore(model)
+            elif self.restored_step:
+                self._position_data()  # restore() ran before fit: check the data again
+            # data position = _data_base + training step, for every later save
+            self._data_base = self.data.start_step - self.step if positioned else None
         self._variables = state_variables(model)
         self._steps_per_epoch = self.params.get("steps") if self.params else None
-        if self.restored_step and self._steps_per_epoch:
+        if self.restored_step and self._steps_per_epoch and not getattr(self, "_trained", False):
             model._initial_epoch = self.step // self._steps_per_epoch  # fit starts there
-        self._data_base = (self.data.start_step - self.step
-                           if self.data not in (None, "restart") else None)
         # Only the first fit after a restore can start inside an epoch.
         self._first_epoch = bool(self.restored_step) and not getattr(self, "_trained", False)
         self._signal = self.interrupted_by = None

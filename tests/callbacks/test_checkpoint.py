@@ -220,6 +220,13 @@ def test_resume_flags(tmp_path):
                                   weights(model2)["final_norm/gamma"])
     with pytest.raises(ValueError, match="has no dataset to position"):
         Checkpoint(tmp_path / "a").restore(fresh(None))
+    # init_from a Keras weights file.
+    source_model = fresh(None)
+    source_model.weights[0].assign(np.zeros(source_model.weights[0].shape, "float32"))
+    source_model.save_weights(tmp_path / "w.weights.h5")
+    target = fresh(None)
+    Checkpoint(tmp_path / "c", init_from=tmp_path / "w.weights.h5", verbose=False).restore(target)
+    assert not np.asarray(target.weights[0].value).any()
 
 
 def start_worker(directory, mode):
