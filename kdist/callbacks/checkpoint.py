@@ -435,7 +435,9 @@ class Checkpoint(keras.callbacks.Callback):
     def _init_weights(self, model, variables):
         source = Path(self.init_from)
         if source.is_file():
-            model.load_weights(str(source))
+            with warnings.catch_warnings():  # weights only, by design: no optimizer state
+                warnings.filterwarnings("ignore", "Skipping variable loading for optimizer")
+                model.load_weights(str(source))
         else:
             if source.is_dir() and not (source / METADATA_NAME).is_file():
                 steps = committed_steps(source)
