@@ -1,6 +1,7 @@
 """The ``kdist`` command.
 
     kdist report RUN_DIR [--output PNG]   plot and summarise a run's throughput.jsonl
+    kdist inspect CKPT_DIR [--read]       list a checkpoint directory's steps, verify them
 
 Subcommands are ``argparse`` subparsers: each has an ``add_<name>_parser`` function that
 registers its arguments and the function to run.
@@ -180,6 +181,27 @@ def add_report_parser(subparsers) -> None:
     p.set_defaults(func=_run_report)
 
 
+def _run_inspect(args: argparse.Namespace) -> int:
+    from kdist.callbacks.checkpoint import inspect_directory
+
+    text, ok = inspect_directory(args.checkpoint_dir, read_arrays=args.read)
+    print(text)
+    return 0 if ok else 1
+
+
+def add_inspect_parser(subparsers) -> None:
+    """Registers ``kdist inspect CKPT_DIR [--read]`` (exit status 1 if a step is damaged)."""
+    p = subparsers.add_parser("inspect", help="list and verify a checkpoint directory",
+                              description="Steps, sizes, losses, model config and mesh of a "
+                                          "kdist checkpoint directory; checks every file of "
+                                          "every committed step. Exit status 1 if any is "
+                                          "damaged.")
+    p.add_argument("checkpoint_dir", help="the Checkpoint callback's directory")
+    p.add_argument("--read", action="store_true",
+                   help="also read every array back (slower; catches corrupt contents)")
+    p.set_defaults(func=_run_inspect)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kdist`` argument parser with every subcommand.
 
@@ -190,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdist", description="kdist command-line tools")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_report_parser(subparsers)
+    add_inspect_parser(subparsers)
     return parser
 
 

@@ -5,9 +5,9 @@ source), mesh `auto` (all devices on `fsdp`), float32 on CPU and mixed_bfloat16 
 
 Token arithmetic of the defaults:
     tokens per optimizer step = global batch x sequence length = 16 x 256 = 4,096
-    tokens per run            = 4,096 x 300 steps              = 1,228,800
+    tokens per run            = 4,096 x 200 steps              = 819,200
     training split            = ~2.85 M tokens (8,192-entry byte-pair vocabulary),
-                                so the run sees ~0.43 of an epoch; no window repeats.
+                                so the run sees ~0.29 of an epoch; no window repeats.
 With --grad-accum N, each step is N micro-batches of 16 / N sequences: same tokens per step.
 
     python recipes/gpt_pretrain.py --mesh data=2,fsdp=2,model=2 --steps 100
@@ -16,6 +16,7 @@ With --grad-accum N, each step is N micro-batches of 16 / N sequences: same toke
     python recipes/gpt_pretrain.py --steps 50 --profile-steps 20:22; kdist report runs/gpt_pretrain
     python recipes/gpt_pretrain.py --data tfds:tiny_shakespeare --tfds-manual-dir ~/downloads
     python -m kdist.launch --processes 2 --devices-per-process 4 recipes/gpt_pretrain.py --steps 50
+Checkpoints go to OUTPUT_DIR/checkpoints; running the same command again resumes exactly.
 """
 
 import argparse
@@ -65,6 +66,13 @@ def parse_args(argv=None):
     p.add_argument("--profile-steps", default=None, metavar="A:B",
                    help="JAX profiler trace of steps A..B into OUTPUT_DIR/tensorboard")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default=None, help="default OUTPUT_DIR/checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=50,
+                   help="optimizer steps between checkpoints (also on SIGTERM and at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="fail unless a checkpoint to resume exists (resuming is automatic)")
+    p.add_argument("--init-from", default=None,
+                   help="initial weights only: a checkpoint dir or .keras file; ignored on resume")
     return p.parse_args(argv)
 
 
@@ -77,13 +85,17 @@ def main(argv=None):
     if args.grad_accum < 1 or args.global_batch_size % args.grad_accum:
         raise ValueError(f"--grad-accum ({args.grad_accum}) must be a positive divisor of "
                          f"--global-batch-size ({args.global_batch_size}).")
+    if args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0 (0: only at the end and on "
+                         f"SIGTERM); got {args.checkpoint_every}.")
     kdist.models.presets.preset_config(kdist.models.GPT_PRESETS, args.preset)  # fail early
     profile_steps = kdist.callbacks.parse_profile_steps(args.profile_steps)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    # This recipe does not resume yet, and rewrites every output: start the log afresh too
-    # (Throughput appends, so that a resumed run continues its file).
-    (output_dir / kdist.callbacks.throughput.JSONL_NAME).unlink(missing_ok=True)
+    checkpoint_dir = Path(args.checkpoint_dir or output_dir / "checkpoints")
+    if not kdist.callbacks.checkpoint.committed_steps(checkpoint_dir):
+        # A new run: start the log afresh (Throughput appends, so a resumed run continues it).
+        (output_dir / kdist.callbacks.throughput.JSONL_NAME).unlink(missing_ok=True)
 
     kdist.initialize()  # joins the cluster when launched as several processes; else no-op
     keras.utils.set_random_seed(args.seed)
@@ -122,6 +134,18 @@ def main(argv=None):
             gradient_accumulation_steps=args.grad_accum,
         )
     )
+    throughput = kdist.callbacks.Throughput(
+        args.global_batch_size, args.sequence_length, log_dir=output_dir,
+        log_every=args.log_every, peak_tflops=args.peak_tflops, profile_steps=profile_steps,
+    )  # tokens/s, MFU, memory, goodput -> throughput.jsonl, TensorBoard, progress bar
+    # Steps count fit batches (micro-batches with --grad-accum). Restoring now (not in fit)
+    # positions data.train and lets the "before" validation loss describe the resumed model.
+    checkpoint = kdist.callbacks.Checkpoint(
+        checkpoint_dir, save_every_steps=args.checkpoint_every * args.grad_accum or None,
+        data=data.train, resume="required" if args.resume else "auto",
+        init_from=args.init_from, throughput=throughput,
+    )
+    start_step = checkpoint.restore(model)
     mesh = keras.distribution.distribution().spec
     print(f"mesh {mesh} over {jax.device_count()} {jax.default_backend()} devices, "
           f"{precision}, {model.count_params():,} parameters, "
@@ -138,18 +162,14 @@ def main(argv=None):
         steps_per_epoch=eval_every * args.grad_accum,
         shuffle=False,  # batches come shuffled from the dataset
         callbacks=[
-            # tokens/s, MFU, memory, goodput -> throughput.jsonl, TensorBoard, progress bar
-            kdist.callbacks.Throughput(
-                args.global_batch_size, args.sequence_length, log_dir=output_dir,
-                log_every=args.log_every, peak_tflops=args.peak_tflops,
-                profile_steps=profile_steps,
-            ),
-            *([keras.callbacks.CSVLogger(str(output_dir / "log.csv"))]
+            throughput,
+            *([keras.callbacks.CSVLogger(str(output_dir / "log.csv"), append=start_step > 0)]
               if jax.process_index() == 0 else []),  # one writer when there are several
+            checkpoint,  # last: on SIGTERM it saves, then exits after on_train_end
         ],
     )
     wall = time.time() - start
-    trained = history.history["val_loss"][-1]
+    trained = history.history.get("val_loss", [untrained])[-1]  # none if already done
     tokens = args.steps * args.global_batch_size * args.sequence_length
     print(f"validation loss after training: {trained:.4f} (before: {untrained:.4f}); "
           f"{tokens:,} tokens in {wall:.0f} s")
@@ -168,7 +188,8 @@ def main(argv=None):
 
     model.save(output_dir / "model.keras")
     data.tokenizer.save_assets(str(output_dir))
-    summary = dict(vars(args), mesh=mesh, precision=precision, tokens=tokens, wall_seconds=wall,
+    summary = dict(vars(args), mesh=mesh, resumed_from_step=start_step, precision=precision,
+                   tokens=tokens, wall_seconds=wall,
                    validation_loss_before=untrained, validation_loss_after=trained,
                    history=history.history, sample=sample)
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -1,0 +1,278 @@
+"""Checkpoint: exact resume, damaged and partial steps, disk full, resharding, signals."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import kdist
+from kdist.callbacks import Checkpoint, CheckpointError
+from kdist.callbacks.checkpoint import committed_steps, read_metadata, verify_step
+from kdist.data.lm import LMBatches
+from tests.helpers import TINY_GPT, parity_optimizer, tiny_gpt, weights
+
+TOKENS = np.random.default_rng(0).integers(0, 256, size=4000).astype(np.int32)
+WORKER = Path(__file__).with_name("checkpoint_worker.py")
+
+
+class Record(keras.callbacks.Callback):
+    """Per-step logged losses (Keras' running epoch means); optionally stops at a step."""
+
+    def __init__(self, stop_at=None):
+        super().__init__()
+        self.losses, self.stop_at, self.step = [], stop_at, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs = getattr(self, "epochs", []) + [epoch]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(logs["loss"])
+        if self.stop_at is not None and len(self.losses) == self.stop_at:
+            self._model.stop_training = True
+
+
+def run(directory, epochs, stop_at=None, mesh=None, steps_per_epoch=4, **ckpt_args):
+    """A fresh tiny GPT (dropout on) trained by fit on LMBatches with a Checkpoint."""
+    keras.utils.clear_session()
+    model = tiny_gpt(mesh, dropout=0.1)
+    model.compile(optimizer=parity_optimizer())
+    data = LMBatches(TOKENS, sequence_length=16, global_batch_size=8, seed=3)
+    record = Record(stop_at)
+    ckpt = Checkpoint(directory, data=data, verbose=False, handle_signals=False,
+                      **{"save_every_steps": 3, **ckpt_args})
+    model.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0,
+              callbacks=[record, ckpt])
+    return model, record, ckpt, data
+
+
+def test_resume_mid_epoch_is_bit_exact(tmp_path):
+    full_model, full, _, _ = run(tmp_path / "full", epochs=3)
+    # Stop at step 6 (epoch 1, after 2 of its 4 steps); the final save commits step 6.
+    _, first, ckpt, _ = run(tmp_path / "split", epochs=3, stop_at=6)
+    assert committed_steps(tmp_path / "split") == [3, 6]
+    assert read_metadata(tmp_path / "split" / "6")["data_step"] == 6
+    model, second, ckpt, data = run(tmp_path / "split", epochs=3)
+    assert ckpt.restored_step == 6 and data.start_step == 6  # data resumes at batch 6
+    assert second.epochs == [1, 2]  # fit started in the interrupted epoch
+    assert len(first.losses) + len(second.losses) == 12  # no batch repeated or skipped
+    assert first.losses + second.losses == full.losses  # bit-exact, every step
+    resumed, reference = weights(model), weights(full_model)
+    assert all(np.array_equal(resumed[k], reference[k]) for k in reference)
+    assert committed_steps(tmp_path / "split") == [6, 9, 12]  # keep=3
+
+
+class Capture(keras.callbacks.Callback):
+    """Host copies of the weights after given steps (to check what an async save wrote)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps, self.step, self.weights = steps, 0, {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        if self.step in self.steps:
+            self.weights[self.step] = weights(self.model)
+
+
+def fresh(mesh, devices=None):
+    keras.utils.clear_session()
+    keras.distribution.set_distribution(kdist.distribution(mesh, devices) if mesh else None)
+    keras.utils.set_random_seed(1)
+    model = kdist.models.GPTCausalLM(kdist.models.GPTBackbone(**TINY_GPT, dropout=0.1))
+    model.compile(optimizer=parity_optimizer())
+    return model
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """4 steps under fsdp=8, saved asynchronously at step 2 while training went on."""
+    directory = tmp_path_factory.mktemp("fsdp") / "ckpt"
+    keras.utils.clear_session()
+    model = tiny_gpt("fsdp=8", dropout=0.1)
+    model.compile(optimizer=parity_optimizer())
+    data = LMBatches(TOKENS, sequence_length=16, global_batch_size=8, seed=3)
+    capture = Capture({2, 4})
+    model.fit(data, epochs=1, steps_per_epoch=4, verbose=0, callbacks=[capture, Checkpoint(
+        directory, save_every_steps=2, data=data, verbose=False, handle_signals=False)])
+    keras.distribution.set_distribution(None)
+    return directory, capture.weights
+
+
+@pytest.mark.parametrize("mesh, devices", [("model=4", 4), (None, 1)])
+def test_restore_reshards_into_the_new_layout(fsdp_run, mesh, devices):
+    directory, saved = fsdp_run
+    model = fresh(mesh, jax.devices()[:devices] if mesh else None)
+    data = LMBatches(TOKENS, sequence_length=16, global_batch_size=8, seed=3)
+    ckpt = Checkpoint(directory, data=data, verbose=False)
+    assert ckpt.restore(model, step=2) == 2 and data.start_step == 2
+    for w in model.weights:  # the async save (training went on) holds step 2's values
+        np.testing.assert_array_equal(np.asarray(w.value), saved[2][w.path], err_msg=w.path)
+        expected = keras.distribution.distribution()
+        if expected is None:
+            assert len(w.value.sharding.device_set) == 1
+        else:
+            spec = expected.get_variable_layout(w).backend_layout
+            assert w.value.sharding.is_equivalent_to(spec, w.value.ndim), w.path
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert ckpt.restore(model) == 4  # the newest
+
+
+def test_shape_mismatch_names_the_variable_and_both_shapes(fsdp_run):
+    directory, _ = fsdp_run
+    keras.utils.clear_session()
+    model = tiny_gpt(None, hidden_dim=32, intermediate_dim=64)
+    model.compile(optimizer=parity_optimizer())
+    with pytest.raises(ValueError, match=r"token_embedding/embeddings: checkpoint shape "
+                                         r"\(256, 64\), model shape \(256, 32\)"):
+        Checkpoint(directory, data="restart").restore(model)
+    keras.utils.clear_session()
+    deeper = tiny_gpt(None, num_layers=3)
+    deeper.compile(optimizer=parity_optimizer())
+    with pytest.raises(ValueError, match=r"block_2/attention/query/kernel \(shape \(64, 8, 8\)\) "
+                                         r"is not in the checkpoint"):
+        Checkpoint(directory, data="restart").restore(deeper)
+
+
+def test_damaged_newest_falls_back_or_names_the_file(tmp_path):
+    run(tmp_path, epochs=2, save_every_steps=4)  # steps 4 and 8
+    step8 = tmp_path / "8"
+    biggest = max((f for f in step8.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 2)
+    assert str(biggest) in verify_step(step8)[0]
+    model = fresh(None)
+    with pytest.warns(UserWarning, match=f"step 8 is damaged.*{biggest.name}"):
+        assert Checkpoint(tmp_path, data="restart", verbose=False).restore(model) == 4
+    with pytest.raises(CheckpointError, match=f"{biggest}.*truncated"):
+        Checkpoint(tmp_path, data="restart").restore(fresh(None), step=8)
+    # A step directory without the commit marker does not count and is cleaned up.
+    (tmp_path / "4" / "kdist.json").unlink()
+    assert committed_steps(tmp_path) == [8]
+    with pytest.warns(UserWarning):
+        with pytest.raises(CheckpointError, match="No intact checkpoint.*step 8"):
+            Checkpoint(tmp_path, data="restart").restore(fresh(None))
+
+
+def test_disk_full_fails_loudly_and_keeps_the_previous_step(tmp_path, monkeypatch):
+    from orbax.checkpoint._src.serialization import serialization
+
+    run(tmp_path, epochs=1, save_every_steps=4)  # step 4 committed
+    before = {f: f.stat().st_size for f in (tmp_path / "4").rglob("*") if f.is_file()}
+
+    async def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", disk_full)
+    with pytest.raises(CheckpointError, match=r"failed \(disk full\).*Committed steps still "
+                                              r"there: \[4\]"):
+        run(tmp_path, epochs=2, save_every_steps=2)  # resumes at 4, async save of 6 fails
+    monkeypatch.undo()
+    assert committed_steps(tmp_path) == [4] and verify_step(tmp_path / "4") == []
+    assert before == {f: f.stat().st_size for f in (tmp_path / "4").rglob("*") if f.is_file()}
+    assert Checkpoint(tmp_path, data="restart", verbose=False).restore(fresh(None)) == 4
+
+
+def test_retention_time_trigger_and_non_finite_weights(tmp_path):
+    # Every step by time (1 ns), newest 2 kept plus every multiple of 2.
+    _, _, ckpt, _ = run(tmp_path, epochs=1, save_every_steps=None, save_every_seconds=1e-9,
+                        keep=2, keep_every=2)
+    assert committed_steps(tmp_path) == [2, 3, 4]
+    ckpt._open_manager()
+    ckpt._variables["params.final_norm.gamma"].assign(
+        np.full((64,), np.nan, "float32"))
+    ckpt.step = 6
+    with pytest.warns(UserWarning, match="not saving step 6.*not finite.*step 4"):
+        ckpt.save(wait=True)
+    with pytest.warns(UserWarning, match="not saving step 6: the loss \\(nan\\)"):
+        ckpt._variables["params.final_norm.gamma"].assign(np.ones((64,), "float32"))
+        ckpt.save(wait=True, loss=float("nan"))
+    ckpt._close()
+    assert committed_steps(tmp_path) == [2, 3, 4]  # nothing saved, nothing rotated out
+
+
+def test_resume_flags(tmp_path):
+    with pytest.raises(CheckpointError, match="resume='required' but .* holds no committed"):
+        Checkpoint(tmp_path / "none", resume="required").restore(fresh(None))
+    _, _, ckpt, _ = run(tmp_path / "a", epochs=1)  # step 4 committed
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        Checkpoint(tmp_path / "a", resume="never")
+    # init_from: weights only, and only when there is nothing to resume.
+    model = fresh(None)
+    init = Checkpoint(tmp_path / "b", init_from=tmp_path / "a", data="restart", verbose=False)
+    assert init.restore(model) == 0
+    assert int(model.optimizer.iterations.numpy()) == 0
+    source = read_metadata(tmp_path / "a" / "4")
+    assert source["step"] == 4 and "GPTCausalLM" in json.dumps(source["model_config"])
+    model2 = fresh(None)
+    resumed = Checkpoint(tmp_path / "a", init_from=tmp_path / "elsewhere", data="restart",
+                         verbose=False)
+    assert resumed.restore(model2) == 4  # init_from ignored
+    np.testing.assert_array_equal(weights(model)["final_norm/gamma"],
+                                  weights(model2)["final_norm/gamma"])
+    with pytest.raises(ValueError, match="has no dataset to position"):
+        Checkpoint(tmp_path / "a").restore(fresh(None))
+    # init_from a Keras weights file.
+    source_model = fresh(None)
+    source_model.weights[0].assign(np.zeros(source_model.weights[0].shape, "float32"))
+    source_model.save_weights(tmp_path / "w.weights.h5")
+    target = fresh(None)
+    Checkpoint(tmp_path / "c", init_from=tmp_path / "w.weights.h5", verbose=False).restore(target)
+    assert not np.asarray(target.weights[0].value).any()
+
+
+def start_worker(directory, mode):
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               XLA_FLAGS="")
+    return subprocess.Popen([sys.executable, str(WORKER), str(directory), mode], cwd=root,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(path, process, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[0]
+        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_save_resumes_from_the_last_committed_step(tmp_path):
+    directory = tmp_path / "ckpt"
+    worker = start_worker(directory, "hang-in-save")
+    wait_for(tmp_path / "in_save", worker)
+    worker.kill()  # SIGKILL while step 4 is written but not committed
+    worker.wait()
+    assert committed_steps(directory) == [2]
+    assert [p.name for p in directory.iterdir() if "tmp" in p.name] == ["4.orbax-checkpoint-tmp"]
+    restart = start_worker(directory, "train")
+    out = restart.communicate(timeout=300)[0]
+    assert restart.returncode == 0, out
+    assert "DONE restored=2 step=8" in out and "removing" in out and "interrupted save" in out
+    assert committed_steps(directory) == [4, 6, 8]
+    assert not [p for p in directory.iterdir() if "tmp" in p.name]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_current_step_and_exits(tmp_path):
+    directory = tmp_path / "ckpt"
+    worker = start_worker(directory, "until-signal")
+    wait_for(tmp_path / "running", worker)
+    worker.send_signal(signal.SIGTERM)
+    out = worker.communicate(timeout=300)[0]
+    assert worker.returncode == 128 + signal.SIGTERM, out
+    assert "DONE" not in out  # exited, did not return from fit
+    steps = committed_steps(directory)
+    assert len(steps) == 1 and steps[0] >= 3, out
+    assert f"SIGTERM received; step {steps[0]} is committed" in out
+    assert verify_step(directory / str(steps[0])) == []
+    assert read_metadata(directory / str(steps[0]))["data_step"] == steps[0]
