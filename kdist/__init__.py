@@ -43,7 +43,16 @@ if keras.backend.backend() != "jax":
         f"import kdist before keras."
     )
 
-from kdist import callbacks, data, flops, models, optim
+from kdist import (  # planning: kdist.plan.plan(...), `kdist plan`
+    auto_sharding,
+    callbacks,
+    data,
+    flops,
+    hlo,
+    models,
+    optim,
+    plan,
+)
 from kdist.distribution import KdistDistribution, distribution, parse_mesh
 
 __version__ = "0.1.0"
@@ -51,4 +60,5 @@ __version__ = "0.1.0"
 __all__ = [
     "KdistDistribution", "callbacks", "data", "distribution", "flops", "models", "optim",
     "parse_mesh",
+    "auto_sharding", "hlo", "plan",
 ]

@@ -58,6 +58,7 @@ class Collective:
     bytes: float  # logical size, see the module docstring
     group_size: int  # devices taking part in each replica group
     wire_bytes: float  # sent per device by a ring implementation
+    op_name: str = ""  # the JAX operation it came from (HLO metadata), if printed
 
 
 def _element_bytes(dtype: str) -> float:
@@ -142,7 +143,8 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
             wire = size
         else:
             wire = (n - 1) / n * size
-        found.append(Collective(m.group("name"), kind, size, n, wire))
+        op = re.search(r'op_name="([^"]*)"', line)
+        found.append(Collective(m.group("name"), kind, size, n, wire, op.group(1) if op else ""))
     return found
 
 

@@ -326,9 +326,11 @@ def choose_mesh(config: dict, num_devices: int, device_memory: int, global_batch
     """The mesh that fits in memory with the least communication per step (analytic).
 
     Returns ``(mesh, table, why)``: the table has one row per candidate (estimated bytes,
-    wire bytes, fits). Ties go to fewer ``model`` shards (tensor parallelism's
-    all-reduces sit on the critical path). If nothing fits, the candidate with the least
-    memory is returned and ``why`` says so.
+    wire bytes, ranking cost, fits). Communication is ranked with tensor parallelism's
+    activation all-reduces counted twice (they sit on the critical path; the gradient
+    all-reduce and the weight all-gathers overlap with compute); ties go to fewer
+    ``model`` shards. If nothing fits, the candidate with the least memory is returned
+    and ``why`` says so.
 
     Example:
         >>> from kdist.models import GPT_PRESETS
@@ -341,11 +343,19 @@ def choose_mesh(config: dict, num_devices: int, device_memory: int, global_batch
     for mesh in candidate_meshes(num_devices, config, global_batch_size, grad_accum):
         memory = estimate(config, mesh, global_batch_size, sequence_length,
                           precision=precision, remat=remat, grad_accum=grad_accum)["total"]
+        compute_bytes = 2 if precision in ("bf16", "bfloat16", "mixed_bfloat16") else 4
         comm = sum(theoretical_collective_bytes(
             config, mesh, global_batch_size // grad_accum, sequence_length,
-            2 if precision in ("bf16", "bfloat16") else 4).values()) * grad_accum
+            compute_bytes).values()) * grad_accum
+        # Tensor parallelism's activation all-reduces sit on the critical path (each layer
+        # waits for them); gradient all-reduces and weight all-gathers overlap with compute.
+        # So its bytes weigh double when ranking.
+        no_tp = {**mesh, "model": 1}
+        tp = comm - sum(theoretical_collective_bytes(
+            config, no_tp, global_batch_size // grad_accum, sequence_length,
+            compute_bytes).values()) * grad_accum / mesh["model"]
         rows.append({"mesh": mesh_spec(mesh), "memory": memory, "wire_bytes": comm,
-                     "fits": memory <= budget, "_mesh": mesh})
+                     "cost": comm + max(0.0, tp), "fits": memory <= budget, "_mesh": mesh})
     if not rows:
         raise ValueError(
             f"No mesh over {num_devices} devices suits this model and a global batch of "
@@ -353,11 +363,11 @@ def choose_mesh(config: dict, num_devices: int, device_memory: int, global_batch
             f"Use a global batch that is a multiple of {num_devices}.")
     fitting = [r for r in rows if r["fits"]]
     if fitting:
-        best = min(fitting, key=lambda r: (r["wire_bytes"], r["_mesh"]["model"]))
+        best = min(fitting, key=lambda r: (r["cost"], r["_mesh"]["model"]))
         why = (f"{best['mesh']}: fits ({format_bytes(best['memory'])} estimated of "
                f"{format_bytes(budget)} usable per device) with the least communication "
-               f"({format_bytes(best['wire_bytes'])} per device per step) of the "
-               f"{len(fitting)} fitting meshes out of {len(rows)}")
+               f"({format_bytes(best['wire_bytes'])} per device per step; tensor-parallel "
+               f"bytes weigh double) of the {len(fitting)} fitting meshes out of {len(rows)}")
     else:
         best = min(rows, key=lambda r: r["memory"])
         why = (f"no mesh fits {format_bytes(budget)} usable per device; {best['mesh']} needs "
@@ -487,6 +497,7 @@ def plan(
     suggest: bool = True,
     verify: bool = True,
     model_overrides: dict | None = None,
+    auto_shard: bool = False,
 ) -> Plan:
     """Compiles one train step on abstract inputs and reports what it needs per device.
 
@@ -504,6 +515,9 @@ def plan(
         batch: ``(x, y)`` arrays or shape structs of one micro-batch (for non-GPT models).
         suggest, verify: if it does not fit, look for the smallest change that does, and
             compile that change to confirm it.
+        model_overrides: config fields replacing the preset's (e.g. ``num_layers``).
+        auto_shard: shard weights no kdist table names by structure and shape
+            (:mod:`kdist.auto_sharding`): for keras-hub or your own models.
 
     Example:
         >>> p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=128,
@@ -571,7 +585,8 @@ def plan(
         # A preset is rebuilt with the remat asked for; a model function as it is.
         fn = _gpt_model_fn(model_name, remat, model_overrides) if config else model_fn
         return _compile_plan(fn, sizes, devices, policy, global_batch_size // grad_accum,
-                             sequence_length, grad_accum, optimizer or adamw, batch)
+                             sequence_length, grad_accum, optimizer or adamw, batch,
+                             auto_shard)
 
     start = time.perf_counter()
     compiled, state, model_obj = run(sizes, remat, grad_accum)
@@ -618,14 +633,15 @@ def plan(
 
 
 def _compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length, grad_accum,
-                  optimizer_fn, batch):
+                  optimizer_fn, batch, auto_shard=False):
     import jax
 
     keras.utils.clear_session()
     previous_policy = keras.config.dtype_policy()
     previous_dist = keras.distribution.distribution()
     num = math.prod(sizes.values())
-    dist = distribution(mesh_spec(sizes), devices[:num]) if num > 1 else None
+    dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard)
+            if num > 1 else None)
     try:
         keras.config.set_dtype_policy(policy)
         keras.distribution.set_distribution(dist)
@@ -693,7 +709,7 @@ def _memory_breakdown(compiled, state) -> dict[str, float]:
 
 
 def _suggest(result: Plan, config: dict | None, num_devices: int, run) -> dict | None:
-    """The smallest change that fits: more fsdp, then remat, then gradient accumulation
+    """The smallest change that fits: more fsdp, then gradient accumulation, then remat
     (and their combinations), estimated by scaling the compiled figures, then (if ``run``)
     compiled to confirm. Returns ``{"change", "mesh", "remat", "grad_accum", "total",
     "fits", "verified"}`` or None."""
@@ -733,7 +749,9 @@ def _suggest(result: Plan, config: dict | None, num_devices: int, run) -> dict |
                 act = activations * (remat_ratio if remat and not c["remat"] else 1.0) / k
                 extra = m["parameters"] * shard if accum > 1 and c["grad_accum"] == 1 else 0
                 total = state * shard + extra + act + other
-                cost = (len(changes), new_mesh != mesh, remat, k)
+                # Fewest changes first; then fsdp (free in memory terms), accumulation
+                # (smaller micro-batches), remat (a third more compute).
+                cost = (len(changes), new_mesh == mesh, remat, k)
                 options.append((cost, {"change": " ".join(changes), "mesh": mesh_spec(new_mesh),
                                        "remat": remat or c["remat"], "grad_accum": accum,
                                        "total": total, "fits": total <= budget,
