@@ -624,11 +624,9 @@ def plan(
         compile_seconds=seconds,
         mesh_choice=mesh_choice,
     )
-    keras.utils.clear_session()
     if suggest and not result.fits:
         result.suggestion = _suggest(result, config, len(devices),
                                      run if verify else None)
-        keras.utils.clear_session()
     return result
 
 
@@ -636,9 +634,11 @@ def _compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length
                   optimizer_fn, batch, auto_shard=False):
     import jax
 
-    keras.utils.clear_session()
+    # A fresh Keras session (stable variable paths, the abstract model dropped afterwards);
+    # the caller's distribution and dtype policy are put back.
     previous_policy = keras.config.dtype_policy()
     previous_dist = keras.distribution.distribution()
+    keras.utils.clear_session()
     num = math.prod(sizes.values())
     dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard)
             if num > 1 else None)
@@ -659,6 +659,7 @@ def _compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length
             x, y = batch
         compiled, state = compile_train_step(model, x, y, dist)
     finally:
+        keras.utils.clear_session()
         keras.config.set_dtype_policy(previous_policy)
         keras.distribution.set_distribution(previous_dist)
     return compiled, state, model
@@ -760,11 +761,16 @@ def _suggest(result: Plan, config: dict | None, num_devices: int, run) -> dict |
     if not fitting:
         best = min(options, key=lambda o: o[1]["total"])[1] if options else None
         return best
-    best = fitting[0][1]
-    if run is not None:
-        sizes = parse_mesh(best["mesh"], math.prod(mesh.values()))
-        compiled, state_specs, _ = run(sizes, best["remat"], best["grad_accum"])
-        best["total"] = _memory_breakdown(compiled, state_specs)["total"]
-        best["fits"] = best["total"] <= budget
-        best["verified"] = True
-    return best
+    if run is None:
+        return fitting[0][1]
+    # Compile candidates in order until one really fits (an estimate can be wrong: on
+    # XLA:CPU, remat recomputes but does not lower the compiled peak).
+    for _, candidate in fitting[:3]:
+        sizes = parse_mesh(candidate["mesh"], math.prod(mesh.values()))
+        compiled, state_specs, _ = run(sizes, candidate["remat"], candidate["grad_accum"])
+        candidate["total"] = _memory_breakdown(compiled, state_specs)["total"]
+        candidate["fits"] = candidate["total"] <= budget
+        candidate["verified"] = True
+        if candidate["fits"]:
+            return candidate
+    return min((o[1] for o in fitting[:3]), key=lambda c: c["total"])

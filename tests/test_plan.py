@@ -28,6 +28,17 @@ def test_fsdp_plan_shards_state_and_allocates_nothing():
     assert p.fits and "verdict: FITS" in p.report()
 
 
+def test_too_little_memory_gets_a_verdict_and_an_estimated_suggestion():
+    p = plan("gpt-nano", mesh="data=8", global_batch_size=16, sequence_length=64,
+             device_memory="30MiB", model_overrides=NANO, verify=False)
+    assert not p.fits and "verdict: DOES NOT FIT" in p.report()
+    s = p.suggestion
+    assert s["fits"] and s["total"] <= parse_bytes("30MiB") * 0.9 and not s["verified"]
+    assert s["mesh"] == "fsdp=8"  # sharding the replicated state is the first thing to try
+    assert "suggestion: --mesh fsdp=8" in p.report()
+
+
+@pytest.mark.slow
 def test_a_mesh_that_cannot_fit_gets_a_verdict_and_a_verified_suggestion(capsys):
     status = main(["plan", "--preset", "gpt-nano", "--mesh", "data=8", "--global-batch-size",
                    "16", "--sequence-length", "128", "--device-memory", "120MiB"])
