@@ -43,17 +43,11 @@ if keras.backend.backend() != "jax":
         f"import kdist before keras."
     )
 
-from kdist import (  # planning: kdist.plan.plan(...), `kdist plan`
-    auto_sharding,
-    callbacks,
-    data,
-    flops,
-    hlo,
-    models,
-    optim,
-    plan,
-)
+from kdist import callbacks, data, flops, models, optim
 from kdist.distribution import KdistDistribution, distribution, parse_mesh
+
+# isort: split
+from kdist import auto_sharding, hlo, plan  # planning: `kdist plan`, any-model sharding
 
 __version__ = "0.1.0"
 

@@ -95,7 +95,6 @@ def measure_train_memory(
         if not f.startswith("--xla_force_host_platform_device_count")
     )
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "")
     with tempfile.TemporaryDirectory(prefix="kdist-measure-") as cache:
         result = None
         for _ in range(2):  # 1: compile into the cache; 2: measured, loads from the cache

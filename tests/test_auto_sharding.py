@@ -110,7 +110,7 @@ def test_keras_hub_backbones_train_sharded_like_one_device(kind):
 def test_coverage_report_lists_every_weight_and_per_device_bytes_shrink():
     keras.distribution.set_distribution(kdist.distribution("fsdp=8", auto_shard=True))
     model = keras_hub.models.LlamaBackbone(vocabulary_size=256, num_layers=2, num_query_heads=8,
-                                           num_key_value_heads=2, hidden_dim=64,
+                                           num_key_value_heads=2, hidden_dim=128,
                                            intermediate_dim=128)
     rows, text = coverage_report(model)
     assert [r["path"] for r in rows] == [w.path for w in model.weights]
