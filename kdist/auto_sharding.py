@@ -94,7 +94,7 @@ def infer_axes(
     """Mesh axes for one weight (one entry per dimension) and the rule that chose them.
 
     Example:
-        >>> infer_axes("block_0/attention/query/kernel", (64, 8, 8),
+        >>> infer_axes("block_0/attention/query/kernel", (128, 8, 16),
         ...            {"data": 1, "fsdp": 4, "model": 2})
         (('fsdp', 'model', None), 'column-parallel + fsdp by shape')
         >>> infer_axes("layer_norm/gamma", (64,), {"data": 1, "fsdp": 8, "model": 1})

@@ -188,7 +188,7 @@ def activation_bytes_per_token(config: dict, bytes_per_value: int = 4,
     Example:
         >>> from kdist.models import GPT_PRESETS
         >>> round(activation_bytes_per_token(GPT_PRESETS["gpt2-small"]) / 2**20, 2)
-        3.46
+        2.11
     """
     d, f = config["hidden_dim"], config["intermediate_dim"]
     n, t, v = config["num_heads"], config["max_sequence_length"], config["vocabulary_size"]
