@@ -438,11 +438,21 @@ class Plan:
                      f"(XLA / formula {f['xla'] / f['formula']:.3f})")
         if self.collectives:
             lines.append("collectives per step (per device; wire = ring bytes sent):")
-            for kind, row in self.collectives.items():
+            empty = {"count": 0, "bytes": 0.0, "wire_bytes": 0.0}
+            for kind in hlo.COLLECTIVE_KINDS:
+                if kind not in self.collectives and kind not in self.theoretical_collectives:
+                    continue
+                row = self.collectives.get(kind, empty)
                 theory = self.theoretical_collectives.get(kind)
                 extra = f", theoretical min {format_bytes(theory)}" if theory else ""
                 lines.append(f"  {kind:<20}{int(row['count']):>5} x, {format_bytes(row['bytes'])}"
                              f" logical, {format_bytes(row['wire_bytes'])} wire{extra}")
+            actual = sum(r["wire_bytes"] for r in self.collectives.values())
+            theory = sum(self.theoretical_collectives.values())
+            if theory:
+                lines.append(f"  {'total':<20}{'':>8}{format_bytes(actual)} wire, theoretical "
+                             f"min {format_bytes(theory)} ({actual / theory:.2f}x; see "
+                             f"benchmarks/README.md for why)")
         else:
             lines.append("collectives: none (one device, or nothing sharded)")
         lines.append(f"compile: {self.compile_seconds:.1f} s")
