@@ -47,10 +47,14 @@ from kdist import callbacks, data, flops, models, optim
 from kdist.distribution import KdistDistribution, distribution, parse_mesh
 from kdist.multihost import initialize
 
+# isort: split
+from kdist import auto_sharding, hlo, plan  # planning: `kdist plan`, any-model sharding
+
 __version__ = "0.1.0"
 
 __all__ = [
     "KdistDistribution", "callbacks", "data", "distribution", "flops", "models", "optim",
     "parse_mesh",
     "initialize",
+    "auto_sharding", "hlo", "plan",
 ]

@@ -2,6 +2,7 @@
 
     kdist report RUN_DIR [--output PNG]   plot and summarise a run's throughput.jsonl
     kdist inspect CKPT_DIR [--read]       list a checkpoint directory's steps, verify them
+    kdist plan --preset P --mesh M ...     per-device memory, FLOPs, collectives; fits or not
 
 Subcommands are ``argparse`` subparsers: each has an ``add_<name>_parser`` function that
 registers its arguments and the function to run.
@@ -200,6 +201,66 @@ def add_inspect_parser(subparsers) -> None:
     p.add_argument("--read", action="store_true",
                    help="also read every array back (slower; catches corrupt contents)")
     p.set_defaults(func=_run_inspect)
+def _run_plan(args: argparse.Namespace) -> int:
+    from kdist.plan import _mesh_devices, plan
+
+    wanted = args.devices or _mesh_devices(args.mesh, 8)
+    _force_host_devices(wanted)
+    import jax
+
+    result = plan(args.preset, mesh=args.mesh, global_batch_size=args.global_batch_size,
+                  sequence_length=args.sequence_length, precision=args.precision,
+                  remat=args.remat == "block", grad_accum=args.grad_accum,
+                  device_memory=args.device_memory, devices=jax.devices()[:wanted],
+                  verify=not args.no_verify)
+    print(result.report())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.as_dict(), indent=2, default=str))
+        print(f"plan written to {args.json}")
+    return 0 if result.fits else 1
+
+
+def _force_host_devices(count: int) -> None:
+    """On CPU, ask XLA for ``count`` host devices, if jax has not started its backends yet."""
+    import os
+    import re
+
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count={count}"
+                               + ("" if "multi_thread_eigen" in flags
+                                  else " --xla_cpu_multi_thread_eigen=false")).strip()
+
+
+def add_plan_parser(subparsers) -> None:
+    """Registers ``kdist plan --preset P --mesh M --global-batch-size B ...``."""
+    p = subparsers.add_parser(
+        "plan", help="per-device memory, FLOPs and collectives of a train step, before running",
+        description="Compiles the train step on abstract inputs (no weights allocated) and "
+                    "reports per-device memory, FLOPs and collectives, with a verdict and, if "
+                    "it does not fit, the smallest change that does. Exit status 1 if it "
+                    "does not fit.")
+    p.add_argument("--preset", default="gpt-nano", help="a kdist GPT preset, e.g. gpt2-xl")
+    p.add_argument("--mesh", default="auto", help="e.g. fsdp=8, data=2,model=4, or auto")
+    p.add_argument("--global-batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--sequence-length", type=int, default=None,
+                   help="tokens per sequence (default: the preset's context)")
+    p.add_argument("--precision", default="float32",
+                   choices=["float32", "f32", "bf16", "bfloat16"])
+    p.add_argument("--remat", default="none", choices=["none", "block"])
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--device-memory", default=None,
+                   help="per device, e.g. 80GiB (default: the device's own)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices to plan over (default: the mesh's; 8 for auto)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not compile the suggested change to confirm it")
+    p.add_argument("--json", default=None, help="also write the plan as JSON here")
+    p.set_defaults(func=_run_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_report_parser(subparsers)
     add_inspect_parser(subparsers)
+    add_plan_parser(subparsers)
     return parser
 
 

@@ -188,7 +188,8 @@ class KdistDistribution(ModelParallel):
     weight of that path and shape gets; ``mesh_shape`` gives the axis sizes.
     """
 
-    def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True):
+    def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True,
+                 auto_shard: bool = False, allow_replicated: Sequence[str] = ()):
         # Before Keras' __init__, which reads num_model_replicas when there are several
         # processes.
         self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
@@ -196,6 +197,9 @@ class KdistDistribution(ModelParallel):
         super().__init__(
             layout_map=layout_map, batch_dim_name="data", auto_shard_dataset=auto_shard_dataset
         )
+        # Weights without a logical-axes table: kdist.auto_sharding (structure and shape).
+        self.auto_shard = auto_shard
+        self.allow_replicated = tuple(allow_replicated)
 
     @property
     def num_model_replicas(self) -> int:
@@ -220,6 +224,13 @@ class KdistDistribution(ModelParallel):
         """The checked layout of a weight; raises ``ValueError`` with a fix if there is none."""
         shape = tuple(shape)
         logical = logical_axes_for(path)
+        if logical is None and self.auto_shard:
+            from kdist.auto_sharding import infer_axes
+
+            axes, _ = infer_axes(path, shape, self.mesh_shape,
+                                 replicate_below=REPLICATE_BELOW,
+                                 allow_replicated=self.allow_replicated)
+            return TensorLayout(axes, self.device_mesh)
         if logical is None:
             size = math.prod(shape)
             if size > REPLICATE_BELOW:
@@ -227,7 +238,8 @@ class KdistDistribution(ModelParallel):
                     f"Weight '{path}' (shape {shape}, {size:,} elements) matches no entry of any "
                     f"registered logical-axes table, so it would be silently replicated on every "
                     f"device. Add a pattern for it to the model's table (see "
-                    f"kdist.distribution.register_logical_axes) or rename the layer to match one."
+                    f"kdist.distribution.register_logical_axes), rename the layer to match one, "
+                    f"or shard it automatically: kdist.distribution(spec, auto_shard=True)."
                 )
             return TensorLayout((None,) * len(shape), self.device_mesh)
         if len(logical) != len(shape):
@@ -255,16 +267,18 @@ class KdistDistribution(ModelParallel):
         return self.layout_for(variable.path, variable.shape)
 
 
-def distribution(
-    spec: str = "auto", devices: Sequence | None = None, auto_shard_dataset: bool = False
-) -> KdistDistribution:
+def distribution(spec: str = "auto", devices: Sequence | None = None, *,
+                 auto_shard_dataset: bool = False, auto_shard: bool = False,
+                 allow_replicated: Sequence[str] = ()) -> KdistDistribution:
     """Builds the Keras distribution for a mesh spec over all (or the given) devices.
 
     Set it before building the model; ``compile`` and ``fit`` then run sharded. With several
     processes, kdist's datasets already yield each process's own share of the global batch
     (see :func:`process_batch_share`), so Keras' auto-sharding stays off; pass
     ``auto_shard_dataset=True`` to feed a global ``tf.data.Dataset`` instead, which Keras
-    then splits by process.
+    then splits by process. ``auto_shard=True`` shards weights that no kdist table names
+    (keras-hub or your own model) by structure and shape (``kdist.auto_sharding``);
+    ``allow_replicated`` lists path regexes of large weights that may stay replicated.
 
     Example:
         >>> import keras, kdist
@@ -274,7 +288,8 @@ def distribution(
     shape = tuple(parse_mesh(spec, len(devices)).values())  # (data, fsdp, model)
     mesh = DeviceMesh(shape=shape, axis_names=MESH_AXES,
                       devices=np.asarray(devices).reshape(shape))
-    return KdistDistribution(mesh, auto_shard_dataset=auto_shard_dataset)
+    return KdistDistribution(mesh, auto_shard_dataset=auto_shard_dataset,
+                             auto_shard=auto_shard, allow_replicated=allow_replicated)
 
 
 def shard_batch(x):

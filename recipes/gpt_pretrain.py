@@ -1,7 +1,8 @@
 """Pretrain a GPT with `model.fit`, sharded over every device.
 
 Runs with no arguments: `gpt-nano` on the embedded corpus (the Python standard library's
-source), mesh `auto` (all devices on `fsdp`), float32 on CPU and mixed_bfloat16 elsewhere.
+source), mesh `auto` (the mesh that fits with the least communication, `kdist.plan`), float32
+on CPU and mixed_bfloat16 elsewhere.
 
 Token arithmetic of the defaults:
     tokens per optimizer step = global batch x sequence length = 16 x 256 = 4,096
@@ -99,10 +100,20 @@ def main(argv=None):
 
     kdist.initialize()  # joins the cluster when launched as several processes; else no-op
     keras.utils.set_random_seed(args.seed)
-    keras.distribution.set_distribution(kdist.distribution(args.mesh))
     precision = args.precision
     if precision == "auto":
         precision = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    mesh = args.mesh
+    if mesh == "auto":  # the mesh that fits with the least communication (kdist.plan)
+        config = kdist.models.presets.preset_config(
+            kdist.models.GPT_PRESETS, args.preset, vocabulary_size=args.vocabulary_size)
+        chosen, _, why = kdist.plan.choose_mesh(
+            config, jax.device_count(), kdist.plan.default_device_memory(),
+            args.global_batch_size, args.sequence_length, precision=precision,
+            remat=args.remat, grad_accum=args.grad_accum)
+        mesh = kdist.plan.mesh_spec(chosen)
+        print(f"mesh auto: {why}")
+    keras.distribution.set_distribution(kdist.distribution(mesh))
     keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
 
     micro_batch = args.global_batch_size // args.grad_accum

@@ -1,0 +1,105 @@
+"""`kdist plan`: the compiled train step's memory, FLOPs and collectives, before running."""
+
+import jax
+import pytest
+
+from kdist.cli import main
+from kdist.measure import measure_train_memory
+from kdist.models import GPT_PRESETS
+from kdist.plan import choose_mesh, estimate, parse_bytes, plan
+
+NANO = {"vocabulary_size": 512, "num_layers": 2}  # gpt-nano's width, fewer layers
+
+
+def test_fsdp_plan_shards_state_and_allocates_nothing():
+    before = sum(a.nbytes for a in jax.live_arrays())
+    p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=64,
+             device_memory="16GiB", model_overrides=NANO)
+    # No weight or optimizer slot was ever allocated.
+    assert sum(a.nbytes for a in jax.live_arrays()) - before < 2**20
+    replicated = p.parameters * 4
+    m = p.memory
+    assert replicated / 8 <= m["parameters"] <= replicated / 8 + 64 * 1024  # + small tensors
+    assert m["optimizer_state"] == pytest.approx(2 * m["parameters"], rel=0.01)
+    assert sum(v for k, v in m.items() if k != "total") == pytest.approx(m["total"])
+    # FSDP gathers the weights: the all-gathers move at least the (sharded) parameters.
+    assert p.collectives["all-gather"]["bytes"] >= replicated * 0.9
+    assert 1.0 < p.flops["xla"] / p.flops["formula"] < 1.2
+    assert p.fits and "verdict: FITS" in p.report()
+
+
+def test_too_little_memory_gets_a_verdict_and_an_estimated_suggestion():
+    p = plan("gpt-nano", mesh="data=8", global_batch_size=16, sequence_length=64,
+             device_memory="30MiB", model_overrides=NANO, verify=False)
+    assert not p.fits and "verdict: DOES NOT FIT" in p.report()
+    s = p.suggestion
+    assert s["fits"] and s["total"] <= parse_bytes("30MiB") * 0.9 and not s["verified"]
+    assert s["mesh"] == "fsdp=8"  # sharding the replicated state is the first thing to try
+    assert "suggestion: --mesh fsdp=8" in p.report()
+
+
+@pytest.mark.slow
+def test_a_mesh_that_cannot_fit_gets_a_verdict_and_a_verified_suggestion(capsys):
+    status = main(["plan", "--preset", "gpt-nano", "--mesh", "data=8", "--global-batch-size",
+                   "16", "--sequence-length", "128", "--device-memory", "120MiB"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "verdict: DOES NOT FIT" in out
+    suggestion = next(line for line in out.splitlines() if line.startswith("suggestion:"))
+    assert "(compiled)" in suggestion and "still does not fit" not in suggestion
+    assert "--mesh fsdp=8" in suggestion or "--grad-accum" in suggestion
+
+
+def test_auto_mesh_prefers_least_communication_that_fits():
+    config = GPT_PRESETS["gpt2-small"]
+    roomy, rows, why = choose_mesh(config, 8, parse_bytes("80GiB"), 64, 1024)
+    assert roomy == {"data": 8, "fsdp": 1, "model": 1}  # gradients' all-reduce only
+    assert "fits" in why and len(rows) >= 3
+    # 4 GiB per device, one sequence each: replicated state (2 GB) plus activations (2.3 GB)
+    # no longer fit; sharded state does.
+    tight, rows, why = choose_mesh(config, 8, parse_bytes("4GiB"), 8, 1024)
+    assert tight["data"] < 8
+    assert not next(r for r in rows if r["mesh"] == "data=8")["fits"]
+    assert estimate(config, tight, 8, 1024)["total"] <= parse_bytes("4GiB") * 0.9
+    assert all(r["wire_bytes"] >= min(r2["wire_bytes"] for r2 in rows if r2["fits"])
+               for r in rows if r["fits"])
+
+
+def test_bad_input_is_refused_before_compiling():
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        plan("gpt-nano", mesh="fsdp=16", global_batch_size=16)
+    with pytest.raises(ValueError, match="micro-batch .* must divide"):
+        plan("gpt-nano", mesh="fsdp=8", global_batch_size=12)
+    with pytest.raises(ValueError, match="Unknown precision"):
+        plan("gpt-nano", mesh="fsdp=8", precision="fp8")
+    with pytest.raises(ValueError, match="Cannot read a memory size"):
+        plan("gpt-nano", mesh="fsdp=8", device_memory="lots")
+
+
+@pytest.mark.slow
+def test_planned_memory_matches_a_real_run_within_15_percent():
+    """gpt-nano, float32, batch 32 x 256, 1 device: planned peak vs the measured peak
+    (device memory stats, or on CPU the peak RSS above the idle baseline; see
+    kdist/measure.py). benchmarks/plan_accuracy.py runs three configurations."""
+    p = plan("gpt-nano", mesh="data=1", devices=jax.devices()[:1], global_batch_size=32,
+             sequence_length=256, device_memory="1TiB")
+    measured = measure_train_memory("gpt-nano", 32, 256, steps=2)["peak"]
+    assert abs(p.total / measured - 1) <= 0.15, (p.total, measured)
+
+
+@pytest.mark.slow
+def test_gpt2_xl_plans_here_with_an_eighth_of_the_state_per_device():
+    p = plan("gpt2-xl", mesh="fsdp=8", global_batch_size=64, sequence_length=1024,
+             device_memory="80GiB", suggest=False)
+    assert p.parameters > 1.5e9
+    replicated = p.parameters * 4 * 3  # float32 weights + Adam's two moments
+    per_device = p.memory["parameters"] + p.memory["optimizer_state"]
+    # kdist's table shards no vector over fsdp (norm scales/offsets, biases: 0.06% of the
+    # weights; sharding them would only add collectives): per block 2 norms x 2 (4D),
+    # query/key/value biases (3D), two output biases (2D), the MLP up bias (F); final norm.
+    c = GPT_PRESETS["gpt2-xl"]
+    d, f = c["hidden_dim"], c["intermediate_dim"]
+    small = ((9 * d + f) * c["num_layers"] + 2 * d) * 4 * 3
+    assert per_device <= (replicated - small) / 8 + small + 64  # + Adam's step counters
+    assert per_device / (replicated / 8) < 1.005
+    assert p.collectives["all-gather"]["count"] > 0
