@@ -82,8 +82,9 @@ def show_predictions(model, data, count=8):
     lines = []
     for slot in np.flatnonzero(w[0])[:count]:
         position = x["mask_positions"][0, slot]
-        lines.append(f"  position {position:3d}: input {tok.id_to_token(int(row['token_ids'][0, position]))!r:10} "
-                     f"original {tok.id_to_token(int(y[0, slot]))!r:14} "
+        shown = tok.id_to_token(int(row["token_ids"][0, position]))
+        original = tok.id_to_token(int(y[0, slot]))
+        lines.append(f"  position {position:3d}: input {shown!r:10} original {original!r:14} "
                      f"predicted {tok.id_to_token(int(predicted[slot]))!r}")
     return "\n".join(lines)
 
