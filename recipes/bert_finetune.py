@@ -16,6 +16,16 @@ Arithmetic of the defaults:
     python recipes/bert_finetune.py --task glue/sst2 --data-dir ~/tensorflow_datasets
 """
 
+import os
+
+# On a loaded machine, the threads of the 8 forced host devices can be starved for longer
+# than XLA:CPU's 40 s collective rendezvous timeout, which aborts the process (seen here at
+# load 14 on 2 cores); wait up to 10 minutes instead. Must be set before jax is imported.
+_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds"
+if _TIMEOUT not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TIMEOUT}=600".strip()
+
+# ruff: noqa: E402
 import argparse
 import json
 import time
@@ -37,7 +47,7 @@ def parse_args(argv=None):
                         f"if it exists)")
     p.add_argument("--from-scratch", action="store_true",
                    help="random initialisation (with --preset) instead of pretrained weights")
-    p.add_argument("--preset", default="bert-mini", help="model shape when from scratch")
+    p.add_argument("--preset", default="bert-tiny", help="model shape when from scratch")
     p.add_argument("--vocabulary-size", type=int, default=8192,
                    help="WordPiece vocabulary trained on the corpus, when from scratch")
     p.add_argument("--task", default="stdlib-packages",
@@ -49,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--sequence-length", type=int, default=128)
     p.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--learning-rate", type=float, default=3e-4)
+    p.add_argument("--learning-rate", type=float, default=5e-4)
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--dropout", type=float, default=0.1, help="backbone dropout")

@@ -17,6 +17,16 @@ Token arithmetic of the defaults:
     python recipes/bert_pretrain.py --preset bert-base --precision bfloat16 --steps 10000
 """
 
+import os
+
+# On a loaded machine, the threads of the 8 forced host devices can be starved for longer
+# than XLA:CPU's 40 s collective rendezvous timeout, which aborts the process (seen here at
+# load 14 on 2 cores); wait up to 10 minutes instead. Must be set before jax is imported.
+_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds"
+if _TIMEOUT not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TIMEOUT}=600".strip()
+
+# ruff: noqa: E402
 import argparse
 import json
 import math
@@ -33,13 +43,13 @@ import numpy as np
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="bert-mini", help="see kdist.models.BERT_PRESETS")
+    p.add_argument("--preset", default="bert-tiny", help="see kdist.models.BERT_PRESETS")
     p.add_argument("--mesh", default="auto", help="e.g. auto, fsdp=8, data=2,model=4")
     p.add_argument("--data", default="python-stdlib", help="python-stdlib or a text file/dir/glob")
     p.add_argument("--vocabulary", default=None,
                    help="a WordPiece vocabulary.txt (default: train one on the corpus)")
     p.add_argument("--vocabulary-size", type=int, default=8192, help="when training one")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps")
     p.add_argument("--global-batch-size", type=int, default=32, help="sequences per step")
     p.add_argument("--sequence-length", type=int, default=128)
     p.add_argument("--mask-rate", type=float, default=0.15, help="share of tokens selected")
