@@ -261,6 +261,9 @@ def model_flops_per_token(
     (``GPTBackbone``) or a config dict with the keys ``num_layers, hidden_dim, num_heads,
     intermediate_dim, vocabulary_size`` (optional ``head_dim, num_kv_heads, remat,
     causal, gated_mlp``). ``causal`` defaults to the config's ``causal``, else True.
+    A kdist BERT model or config goes to :func:`bert_flops_per_token` (a ``BertClassifier``
+    with its classifier head; otherwise the MLM head at every position — pass
+    ``bert_flops_per_token(..., masked_positions=P)`` for the figure of masked-LM training).
 
     Example:
         >>> from kdist.models import GPT_PRESETS
@@ -276,8 +279,9 @@ def model_flops_per_token(
             raise TypeError(f"model must be a kdist model, backbone or config dict; got "
                             f"{type(model).__name__}. Pass e.g. model.backbone.get_config().")
         config = backbone.get_config()
-    if "num_segments" in config and causal is None:  # a kdist BertBackbone: an encoder
-        return bert_flops_per_token(config, sequence_length)
+    if "num_segments" in config and causal is None:  # kdist BERT: an encoder, see there
+        return bert_flops_per_token(config, sequence_length,
+                                    num_classes=getattr(model, "num_classes", None))
     missing = [key for key in _CONFIG_KEYS if key not in config]
     if missing:
         raise ValueError(

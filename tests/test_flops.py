@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from kdist import flops
-from kdist.models import BERT_PRESETS, GPT_PRESETS, BertMaskedLM, GPTBackbone, GPTCausalLM
+from kdist.models import (
+    BERT_PRESETS,
+    GPT_PRESETS,
+    BertClassifier,
+    BertMaskedLM,
+    GPTBackbone,
+    GPTCausalLM,
+)
 
 SHAPES = [  # (layers, hidden, heads, mlp, vocab, seq)
     (4, 256, 4, 1024, 8192, 256),  # gpt-nano
@@ -135,5 +142,8 @@ def test_bert_count_is_the_encoder_without_causal_halving_plus_its_head():
     assert clf.unembedding == 0 and clf.extra == (2 * 768 * 768 + 2 * 768 * 3) / 128
     # A backbone config read by model_flops_per_token is an encoder too.
     assert flops.model_flops_per_token(config, 128).attention == encoder.attention
+    classifier = BertClassifier.from_preset("bert-tiny", num_classes=3)
+    assert flops.model_flops_per_token(classifier, 64) == flops.bert_flops_per_token(
+        BERT_PRESETS["bert-tiny"], 64, num_classes=3)
     with pytest.raises(ValueError, match="masked_positions must be in 1..sequence_length"):
         flops.bert_flops_per_token(config, 128, masked_positions=200)
