@@ -1,6 +1,6 @@
 """Pretrain a BERT with masked-language modelling and `model.fit`, sharded over every device.
 
-Runs with no arguments: `bert-mini` on the embedded corpus (the Python standard library's
+Runs with no arguments: `bert-tiny` on the embedded corpus (the Python standard library's
 source) with an 8,192-entry WordPiece vocabulary trained on it, mesh `auto` (all devices
 on `fsdp`), float32 on CPU and mixed_bfloat16 elsewhere. Reports the validation loss and
 masked-token accuracy before and after, shows a few masked predictions, and writes
@@ -8,9 +8,9 @@ model.keras, vocabulary.txt, log.csv, summary.json, throughput.jsonl and tensorb
 --output-dir; `recipes/bert_finetune.py` starts from that directory.
 
 Token arithmetic of the defaults:
-    sequences per step = 32 of 128 tokens   = 4,096 tokens, ~19 of them masked per sequence
-    tokens per run     = 4,096 x 300 steps  = 1.23 M
-    training split     = ~23.6 k packed sequences (2.8 M real tokens): ~0.4 of an epoch,
+    sequences per step = 32 of 128 tokens   = 4,096 tokens, ~18 of each 128 masked
+    tokens per run     = 4,096 x 500 steps  = 2.05 M (16,000 sequences)
+    training split     = ~23.6 k packed sequences (2.8 M real tokens): ~0.68 of an epoch,
                          no sequence repeats (so no mask is ever seen twice either).
 
     python recipes/bert_pretrain.py --mesh data=2,fsdp=2,model=2 --steps 100
