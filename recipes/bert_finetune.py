@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--sequence-length", type=int, default=128)
     p.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--learning-rate", type=float, default=5e-4)
+    p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--dropout", type=float, default=0.1, help="backbone dropout")
