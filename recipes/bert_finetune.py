@@ -16,16 +16,6 @@ Arithmetic of the defaults:
     python recipes/bert_finetune.py --task glue/sst2 --data-dir ~/tensorflow_datasets
 """
 
-import os
-
-# On a loaded machine, the threads of the 8 forced host devices can be starved for longer
-# than XLA:CPU's 40 s collective rendezvous timeout, which aborts the process (seen here at
-# load 14 on 2 cores); wait up to 10 minutes instead. Must be set before jax is imported.
-_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds"
-if _TIMEOUT not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TIMEOUT}=600".strip()
-
-# ruff: noqa: E402
 import argparse
 import json
 import time

@@ -17,16 +17,6 @@ Token arithmetic of the defaults:
     python recipes/bert_pretrain.py --preset bert-base --precision bfloat16 --steps 10000
 """
 
-import os
-
-# On a loaded machine, the threads of the 8 forced host devices can be starved for longer
-# than XLA:CPU's 40 s collective rendezvous timeout, which aborts the process (seen here at
-# load 14 on 2 cores); wait up to 10 minutes instead. Must be set before jax is imported.
-_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds"
-if _TIMEOUT not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TIMEOUT}=600".strip()
-
-# ruff: noqa: E402
 import argparse
 import json
 import math
@@ -81,22 +71,6 @@ def check_args(args):
     if args.sequence_length > preset["max_sequence_length"]:
         raise ValueError(f"--sequence-length {args.sequence_length} exceeds {args.preset}'s "
                          f"{preset['max_sequence_length']} positions.")
-
-
-class StepByStep(keras.callbacks.Callback):
-    """Waits for each step's loss before the next step is dispatched.
-
-    Seen here (8 forced host devices, 2 loaded cores, 500-step runs): with every callback
-    asynchronous, Keras dispatches steps ahead while worker threads run the callbacks
-    (Throughput evaluates its learning-rate schedule with jax on host device 0), and a
-    train step's all-gather rendezvous deadlocked with 6 of 8 device threads arrived, twice.
-    One step in flight, with callbacks on the main thread, avoids the interleaving; on 2
-    CPU cores it costs nothing measurable (the step dominates).
-    """
-
-    def on_train_batch_end(self, batch, logs=None):
-        if logs and "loss" in logs:
-            float(logs["loss"])
 
 
 def show_predictions(model, data, count=8):
@@ -178,7 +152,6 @@ def main(argv=None):
                 flops_per_token=flops.training,
             ),
             keras.callbacks.CSVLogger(str(output_dir / "log.csv")),
-            StepByStep(),
         ],
     )
     wall = time.time() - start
