@@ -20,6 +20,13 @@ $(STAMP): pyproject.toml
 run: setup  ## GPT pretraining on the embedded corpus over 8 host devices (ARGS="--steps 50" ...)
 	$(HOST8) $(BIN)/python recipes/gpt_pretrain.py $(ARGS)
 
+.PHONY: bert-pretrain bert-finetune
+bert-pretrain: setup  ## BERT masked-LM pretraining on the embedded corpus (runs/bert_pretrain)
+	$(HOST8) $(BIN)/python recipes/bert_pretrain.py $(ARGS)
+
+bert-finetune: setup  ## fine-tune it on the offline stdlib-packages task (runs/bert_finetune)
+	$(HOST8) $(BIN)/python recipes/bert_finetune.py $(ARGS)
+
 test: setup  ## the whole test suite (and lint)
 	$(BIN)/ruff check kdist recipes tests benchmarks
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -33,6 +33,27 @@ def _single_threaded_eigen_for_forced_host_devices() -> None:
 
 _single_threaded_eigen_for_forced_host_devices()
 
+
+def _enough_pool_threads_for_host_collectives() -> None:
+    """Sizes XLA:CPU's intra-op pool for collectives between forced host devices.
+
+    XLA:CPU's thunk executor runs a device's collective on that pool, and the thread waits
+    there until every participant arrives. The pool has max(cores, devices) threads, 8 here,
+    so when collectives of different groups are ready at once (an all-gather over fsdp
+    and an all-reduce over model), the waiting participants can hold every thread and the
+    rest never start: seen here on 2 loaded cores as "Expected 8 threads to join the
+    rendezvous, but only 6 arrived" after 40 s, in GPT and BERT runs alike. The pool
+    reads its size from NPROC; 4 threads per device leave room for 4 concurrent
+    collectives. Only applies if jax is not imported yet and NPROC is not set.
+    """
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)",
+                       os.environ.get("XLA_FLAGS", ""))
+    if forced and int(forced.group(1)) > 1:
+        os.environ.setdefault("NPROC", str(4 * int(forced.group(1))))
+
+
+_enough_pool_threads_for_host_collectives()
+
 # ruff: noqa: E402
 import keras
 

@@ -261,6 +261,9 @@ def model_flops_per_token(
     (``GPTBackbone``) or a config dict with the keys ``num_layers, hidden_dim, num_heads,
     intermediate_dim, vocabulary_size`` (optional ``head_dim, num_kv_heads, remat,
     causal, gated_mlp``). ``causal`` defaults to the config's ``causal``, else True.
+    A kdist BERT model or config goes to :func:`bert_flops_per_token` (a ``BertClassifier``
+    with its classifier head; otherwise the MLM head at every position — pass
+    ``bert_flops_per_token(..., masked_positions=P)`` for the figure of masked-LM training).
 
     Example:
         >>> from kdist.models import GPT_PRESETS
@@ -276,6 +279,9 @@ def model_flops_per_token(
             raise TypeError(f"model must be a kdist model, backbone or config dict; got "
                             f"{type(model).__name__}. Pass e.g. model.backbone.get_config().")
         config = backbone.get_config()
+    if "num_segments" in config and causal is None:  # kdist BERT: an encoder, see there
+        return bert_flops_per_token(config, sequence_length,
+                                    num_classes=getattr(model, "num_classes", None))
     missing = [key for key in _CONFIG_KEYS if key not in config]
     if missing:
         raise ValueError(
@@ -294,6 +300,54 @@ def model_flops_per_token(
         gated_mlp=bool(config.get("gated_mlp", config.get("mlp_activation") == "swiglu")),
         remat=bool(config.get("remat", False)),
     )
+
+
+def bert_flops_per_token(
+    model: Any,
+    sequence_length: int,
+    *,
+    masked_positions: int | None = None,
+    num_classes: int | None = None,
+) -> FlopsPerToken:
+    """Matmul FLOPs per token of BERT: the encoder plus the head that training runs.
+
+    The encoder is :func:`transformer_flops_per_token` with bidirectional attention (the
+    full ``T x T`` scores and values: no causal halving). The head is one of:
+
+    * masked LM (default): BERT's head runs only at the ``masked_positions`` P gathered
+      positions of each sequence (kdist's ``BertMaskedLM``), so its transform ``2 D^2``
+      and tied unembedding ``2 D V`` count ``P / T`` per token; ``None`` means every
+      position (a head over the whole sequence);
+    * classifier (``num_classes`` set): pooler ``2 D^2`` and classifier ``2 D C`` once
+      per sequence, i.e. divided by T; no unembedding.
+
+    ``model`` is a kdist BERT model, backbone or backbone config dict.
+
+    Example:
+        >>> from kdist.models import BERT_PRESETS
+        >>> f = bert_flops_per_token(BERT_PRESETS["bert-base"], 128, masked_positions=20)
+        >>> f.causal, round(f.unembedding / (2 * 768 * 30522), 4)  # 20 of 128 positions
+        (False, 0.1562)
+    """
+    if isinstance(model, Mapping):
+        config = dict(model)
+    else:
+        config = getattr(model, "backbone", model).get_config()
+    shape = [int(config[key]) for key in _CONFIG_KEYS]
+    d, t = shape[1], sequence_length
+    if num_classes is not None:
+        extra, unembedding_share = (2 * d * d + 2 * d * num_classes) / t, 0.0
+    else:
+        share = 1.0 if masked_positions is None else masked_positions / t
+        if not 0 < share <= 1:
+            raise ValueError(f"masked_positions must be in 1..sequence_length ({t}); got "
+                             f"{masked_positions}.")
+        extra, unembedding_share = 2 * d * d * share, share
+    encoder = transformer_flops_per_token(
+        *shape, sequence_length, causal=False, remat=bool(config.get("remat", False)),
+        extra_forward_flops=extra,
+    )
+    return dataclasses.replace(encoder, unembedding=encoder.unembedding * unembedding_share)
 
 
 # === Device peaks ===
@@ -403,7 +457,8 @@ def measured_peak_tflops(devices: tuple, dtype: str = "float32", repeats: int = 
 # === XLA's count, for checking the formula ===
 
 
-def xla_train_step_flops(model: Any, batch_size: int, sequence_length: int) -> float:
+def xla_train_step_flops(model: Any, batch_size: int, sequence_length: int,
+                         batch: Any = None) -> float:
     """FLOPs of one compiled Keras train step, from XLA's ``cost_analysis()``.
 
     ``model`` must be compiled (loss and optimizer). Lowers the model's own JAX
@@ -411,7 +466,10 @@ def xla_train_step_flops(model: Any, batch_size: int, sequence_length: int) -> f
     and returns XLA's FLOP count for one step of ``batch_size`` sequences. XLA counts every
     op: matmuls, but also norms, softmax, activations, the loss and the optimizer update,
     so it exceeds :func:`transformer_flops_per_token` by a few percent. Run it without a
-    distribution (one device) to get the whole step's count.
+    distribution (one device) to get the whole step's count. ``batch`` is a sample batch
+    (``(x, y)`` or ``(x, y, sample_weight)``, any nesting of arrays: e.g. BERT's input dict)
+    whose shapes and dtypes the step is compiled for; by default ``(ids, ids)`` of
+    ``batch_size x sequence_length`` int32 token ids, a causal LM's.
 
     Example:
         >>> from kdist.models import GPTCausalLM
@@ -426,15 +484,19 @@ def xla_train_step_flops(model: Any, batch_size: int, sequence_length: int) -> f
     if getattr(model, "optimizer", None) is None:
         raise ValueError("model is not compiled: call model.compile(optimizer=..., loss=...) "
                          "before xla_train_step_flops(model, ...).")
-    tokens = np.zeros((batch_size, sequence_length), "int32")
-    model._symbolic_build(data_batch=(tokens, tokens))  # builds loss/metric state, no compute
+    if batch is None:
+        tokens = np.zeros((batch_size, sequence_length), "int32")
+        batch = (tokens, tokens)
+    batch = tuple(batch)
+    model._symbolic_build(data_batch=batch)  # builds loss/metric state, no compute
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
     state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
                                  optimizer_variables=True, metrics_variables=True)
     abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state)
-    batch = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype)
-    compiled = jax.jit(model.train_step).lower(abstract, (batch, batch)).compile()
+    abstract_batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
+                                  batch)
+    compiled = jax.jit(model.train_step).lower(abstract, abstract_batch).compile()
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
         cost = cost[0]

@@ -9,6 +9,8 @@ os.environ["XLA_FLAGS"] = (
     "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false"
 )
 os.environ["KERAS_BACKEND"] = "jax"
+# Enough XLA:CPU pool threads that concurrent collectives cannot deadlock (kdist/__init__.py).
+os.environ.setdefault("NPROC", "32")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Tokenizers and token stores of the test session live in one temporary cache.
 os.environ.setdefault("KDIST_CACHE", tempfile.mkdtemp(prefix="kdist-test-cache-"))

@@ -2,10 +2,18 @@
 
 import jax
 import keras
+import numpy as np
 import pytest
 
 from kdist import flops
-from kdist.models import GPT_PRESETS, GPTBackbone, GPTCausalLM
+from kdist.models import (
+    BERT_PRESETS,
+    GPT_PRESETS,
+    BertClassifier,
+    BertMaskedLM,
+    GPTBackbone,
+    GPTCausalLM,
+)
 
 SHAPES = [  # (layers, hidden, heads, mlp, vocab, seq)
     (4, 256, 4, 1024, 8192, 256),  # gpt-nano
@@ -91,3 +99,51 @@ def test_peak_table_override_and_measured():
     peak = flops.device_peak(jax.devices()[:1], "float32")
     assert peak.source == "measured" and 0 < peak.tflops < 100
     assert "measured" in peak.describe()
+
+
+# BERT: the encoder's attention is bidirectional (full T x T, nothing halved) and the MLM
+# head runs at the P gathered positions only. XLA's extra (the residual) is as for GPT,
+# plus the embedding LayerNorm and the gather of the masked positions.
+BERT_XLA_CASES = {  # name: (preset, overrides, batch, sequence length, masked positions)
+    "bert-tiny": ("bert-tiny", dict(vocabulary_size=8192), 8, 128, 32),
+    "bert-base-2-layers": ("bert-base", dict(num_layers=2), 2, 512, 80),
+}
+
+
+def bert_sample_batch(batch, seq, masked):
+    ids = np.ones((batch, seq), "int32")
+    x = {"token_ids": ids, "segment_ids": ids, "padding_mask": ids,
+         "mask_positions": np.zeros((batch, masked), "int32")}
+    return x, np.zeros((batch, masked), "int32"), np.ones((batch, masked), "float32")
+
+
+@pytest.mark.parametrize("name", list(BERT_XLA_CASES))
+def test_bert_agrees_with_xla_cost_analysis(name):
+    preset, overrides, batch, seq, masked = BERT_XLA_CASES[name]
+    keras.distribution.set_distribution(None)
+    lm = BertMaskedLM.from_preset(preset, **overrides)
+    lm.compile(optimizer="adamw")
+    sample = bert_sample_batch(batch, seq, masked)
+    xla = flops.xla_train_step_flops(lm, batch, seq, batch=sample) / (batch * seq)
+    ours = flops.bert_flops_per_token(lm, seq, masked_positions=masked).training
+    print(f"{name}: XLA {xla:.4g} / ours {ours:.4g} FLOPs per token = {xla / ours:.4f}")
+    assert ours <= xla <= 1.10 * ours
+
+
+def test_bert_count_is_the_encoder_without_causal_halving_plus_its_head():
+    config = BERT_PRESETS["bert-base"]
+    mlm = flops.bert_flops_per_token(config, 128, masked_positions=20)
+    encoder = flops.transformer_flops_per_token(12, 768, 12, 3072, 30522, 128, causal=False)
+    assert mlm.attention == encoder.attention == 12 * 4 * 128 * 768  # full T x T
+    assert "bidirectional" in mlm.convention
+    assert mlm.unembedding == encoder.unembedding * 20 / 128
+    assert mlm.extra == 2 * 768 * 768 * 20 / 128  # the MLM transform, at 20 of 128 positions
+    clf = flops.bert_flops_per_token(config, 128, num_classes=3)
+    assert clf.unembedding == 0 and clf.extra == (2 * 768 * 768 + 2 * 768 * 3) / 128
+    # A backbone config read by model_flops_per_token is an encoder too.
+    assert flops.model_flops_per_token(config, 128).attention == encoder.attention
+    classifier = BertClassifier.from_preset("bert-tiny", num_classes=3)
+    assert flops.model_flops_per_token(classifier, 64) == flops.bert_flops_per_token(
+        BERT_PRESETS["bert-tiny"], 64, num_classes=3)
+    with pytest.raises(ValueError, match="masked_positions must be in 1..sequence_length"):
+        flops.bert_flops_per_token(config, 128, masked_positions=200)

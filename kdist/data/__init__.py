@@ -1,10 +1,23 @@
 """Corpora, tokenizers and deterministic batches."""
 
+from kdist.data.classification import (
+    ClassificationBatches,
+    ClassificationData,
+    TextClassificationTask,
+    classification_dataset,
+    stdlib_package_task,
+    tfds_task,
+)
 from kdist.data.corpus import STDLIB, Corpus, load_corpus
 from kdist.data.lm import LMBatches, LMData, lm_dataset, token_store
+from kdist.data.mlm import MLMBatches, MLMData, mlm_dataset, pack_segments
 from kdist.data.tokenizer import END_OF_TEXT, byte_pair_tokenizer
+from kdist.data.wordpiece import load_word_piece, word_piece_tokenizer
 
 __all__ = [
-    "END_OF_TEXT", "STDLIB", "Corpus", "LMBatches", "LMData", "byte_pair_tokenizer",
-    "lm_dataset", "load_corpus", "token_store",
+    "END_OF_TEXT", "STDLIB", "ClassificationBatches", "ClassificationData", "Corpus",
+    "LMBatches", "LMData", "MLMBatches", "MLMData", "TextClassificationTask",
+    "byte_pair_tokenizer", "classification_dataset", "lm_dataset", "load_corpus",
+    "load_word_piece", "mlm_dataset", "pack_segments", "stdlib_package_task", "tfds_task",
+    "token_store", "word_piece_tokenizer",
 ]

@@ -49,6 +49,8 @@ class CausalSelfAttention(layers.Layer):
         rotary_max_wavelength: if set, queries and keys are rotated by position (RoPE,
             keras-hub's ``RotaryEmbedding``) with this base wavelength.
         use_bias: biases on the four projections.
+        causal: mask future keys (decoder). ``False`` gives bidirectional attention
+            (encoder, BERT), where only ``attention_mask`` restricts which keys are seen.
 
     Example:
         >>> attn = CausalSelfAttention(num_heads=4, head_dim=16, num_key_value_heads=2,
@@ -66,6 +68,7 @@ class CausalSelfAttention(layers.Layer):
         use_bias: bool = True,
         initializer_range: float = 0.02,
         output_initializer_range: float | None = None,
+        causal: bool = True,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -76,6 +79,7 @@ class CausalSelfAttention(layers.Layer):
         self.use_bias = use_bias
         self.initializer_range = initializer_range
         self.output_initializer_range = output_initializer_range
+        self.causal = causal
         kv_heads = num_key_value_heads or num_heads
         if num_heads % kv_heads:
             raise ValueError(
@@ -130,8 +134,9 @@ class CausalSelfAttention(layers.Layer):
         """``x (B, T, D) -> (B, T, D)``.
 
         Args:
-            attention_mask: optional ``(B, 1, T, T)`` boolean, True where a query may attend a key
-                (documents of a packed sequence); causality is always applied.
+            attention_mask: optional boolean mask broadcastable to ``(B, 1, T, T)``, True where
+                a query may attend a key (documents of a packed sequence; ``(B, 1, 1, T)`` for
+                padding); causality is applied on top when ``causal``.
             positions: optional ``(B, T)`` positions for RoPE (restarting per document).
             cache: ``(B, 2, S, K, H)`` keys and values so far; then ``x`` holds the tokens at
                 ``cache_index ...`` and the call also returns the updated cache.
@@ -139,7 +144,7 @@ class CausalSelfAttention(layers.Layer):
         q, k, v = self.query(x), self.key(x), self.value(x)  # (B, T, N|K, H)
         if cache is None:
             q, k = self.rotate(q, positions=positions), self.rotate(k, positions=positions)
-            out = ops.dot_product_attention(q, k, v, mask=attention_mask, is_causal=True)
+            out = ops.dot_product_attention(q, k, v, mask=attention_mask, is_causal=self.causal)
             return self.attention_output(out)  # (B, T, D)
         q, k = self.rotate(q, cache_index), self.rotate(k, cache_index)
         start = [0, cache_index, 0, 0]
@@ -162,6 +167,7 @@ class CausalSelfAttention(layers.Layer):
             "use_bias": self.use_bias,
             "initializer_range": self.initializer_range,
             "output_initializer_range": self.output_initializer_range,
+            "causal": self.causal,
         }
 
 

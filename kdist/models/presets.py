@@ -56,6 +56,23 @@ GPT_PRESETS.update({
     ),
 })
 
+# BERT encoder shapes as published (Devlin et al. 2019; the small ones from Turc et al. 2019,
+# "Well-Read Students Learn Better"): intermediate 4 x hidden, 512 positions, 2 segment
+# types, the uncased English WordPiece vocabulary size. Pass vocabulary_size= for your own.
+BERT_PRESETS: dict[str, dict] = {
+    name: dict(
+        vocabulary_size=30522, num_layers=layers, num_heads=heads, hidden_dim=hidden,
+        intermediate_dim=4 * hidden, max_sequence_length=512, num_segments=2,
+    )
+    for name, (layers, hidden, heads) in {
+        "bert-tiny": (2, 128, 2),
+        "bert-mini": (4, 256, 4),
+        "bert-small": (4, 512, 8),
+        "bert-base": (12, 768, 12),
+        "bert-large": (24, 1024, 16),
+    }.items()
+}
+
 
 def preset_config(presets: dict[str, dict], name: str, **overrides) -> dict:
     """The config of a preset with overrides applied; unknown names fail with the choices.

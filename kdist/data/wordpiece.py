@@ -1,0 +1,100 @@
+"""WordPiece tokenizers for BERT: keras-hub's ``WordPieceTokenizer``, trained when needed.
+
+The vocabulary is learned with the HF ``tokenizers`` WordPiece trainer (installed with
+keras-hub), configured like keras-hub's tokenizer (split on whitespace and punctuation,
+case and accents kept, ``##`` continuation prefix), and loaded into
+``keras_hub.tokenizers.WordPieceTokenizer``, which does all encoding in kdist: both give the
+same ids on the corpus (``tests/data/test_mlm.py`` checks it). keras-hub's own trainer,
+``keras_hub.tokenizers.compute_word_piece_vocabulary``, works here too (it needs
+tensorflow-text, installed with keras-hub, and a ``tf.data`` dataset, not a list) but took
+~400 s on this corpus against ~3 s, so it is not the default.
+
+Vocabularies are cached by corpus fingerprint and size in the directory
+:func:`kdist.data.tokenizer.cache_root` names, as ``vocabulary.txt`` (one token per line,
+the format BERT checkpoints use), so the second run does not train again.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import keras_hub
+
+from kdist.data.tokenizer import cache_root
+
+PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
+SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)  # ids 0..4 in this order
+
+
+def train_word_piece(documents, vocabulary_size: int, path: Path) -> None:
+    """Learns a WordPiece vocabulary of at most ``vocabulary_size`` entries into ``path``.
+
+    The special tokens come first (``[PAD]`` = 0). Written atomically (temporary name, then
+    rename), so concurrent runs never read a half-written file.
+    """
+    from tokenizers import BertWordPieceTokenizer
+
+    if vocabulary_size < 256:
+        raise ValueError(
+            f"vocabulary_size={vocabulary_size} is too small for a WordPiece vocabulary: it "
+            f"needs the special tokens and the corpus's characters. Use at least 1024."
+        )
+    trainer = BertWordPieceTokenizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=False, lowercase=False,
+        wordpieces_prefix="##",
+    )
+    trainer.train_from_iterator(
+        documents, vocab_size=vocabulary_size, min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS), show_progress=False, wordpieces_prefix="##",
+    )
+    vocabulary = [token for token, _ in sorted(trainer.get_vocab().items(), key=lambda t: t[1])]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text("\n".join(vocabulary) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def load_word_piece(path: str | os.PathLike) -> keras_hub.tokenizers.WordPieceTokenizer:
+    """keras-hub's ``WordPieceTokenizer`` over a ``vocabulary.txt`` (one token per line).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "vocabulary.txt"
+        >>> _ = p.write_text("\\n".join(list(SPECIAL_TOKENS) + ["def", "##s", "f"]))
+        >>> load_word_piece(p).tokenize("defs f").tolist()
+        [5, 6, 7]
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"WordPiece vocabulary {path} does not exist. Pass a vocabulary.txt "
+                         f"(one token per line), or none to train one on the corpus.")
+    vocabulary = [t for t in path.read_text(encoding="utf-8").splitlines() if t]
+    missing = [t for t in SPECIAL_TOKENS if t not in vocabulary]
+    if missing:
+        raise ValueError(f"WordPiece vocabulary {path} lacks the special tokens {missing}; "
+                         f"BERT needs {list(SPECIAL_TOKENS)}.")
+    return keras_hub.tokenizers.WordPieceTokenizer(
+        vocabulary=vocabulary, lowercase=False, strip_accents=False, oov_token=UNK,
+    )
+
+
+def word_piece_tokenizer(corpus, vocabulary_size: int = 8192,
+                         cache_dir: Path | None = None, vocabulary: str | None = None):
+    """A keras-hub ``WordPieceTokenizer`` for a corpus: ``vocabulary`` if given, else one
+    trained on the corpus's training split once and then cached.
+
+    Example:
+        >>> from kdist.data.corpus import load_corpus
+        >>> tok = word_piece_tokenizer(load_corpus(), vocabulary_size=8192)
+        >>> tok.id_to_token(0), tok.detokenize(tok.tokenize("return x"))
+        ('[PAD]', 'return x')
+    """
+    if vocabulary is not None:
+        return load_word_piece(vocabulary)
+    path = (cache_dir or cache_root()) / f"wordpiece-{corpus.fingerprint}-{vocabulary_size}" / (
+        "vocabulary.txt")
+    if not path.exists():
+        train_word_piece(corpus.train, vocabulary_size, path)
+    return load_word_piece(path)
+
