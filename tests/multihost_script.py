@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,10 +47,17 @@ def tiny_data(corpus_dir: Path, cache_dir: Path) -> kdist.data.LMData:
     """A small local corpus through the full data path (tokenizer, token store, shares).
 
     Every rank builds it concurrently into the same cache: the token store is written once.
+    The corpus files are written only when absent or different, and atomically: rewriting
+    them in place let a rank read a half-written file (another vocabulary: a crash in the
+    first collective) and changed their mtimes, which key the token store.
     """
     corpus_dir.mkdir(parents=True, exist_ok=True)
     for k in range(4):
-        (corpus_dir / f"doc{k}.py").write_text(TEXT[k::4] if k else TEXT)
+        path, text = corpus_dir / f"doc{k}.py", TEXT[k::4] if k else TEXT
+        if not path.is_file() or path.read_text() != text:
+            tmp = corpus_dir.parent / f".{path.name}.{os.getpid()}"  # not in the corpus
+            tmp.write_text(text)
+            os.replace(tmp, path)
     return kdist.data.lm_dataset(
         str(corpus_dir), sequence_length=SEQUENCE_LENGTH, global_batch_size=GLOBAL_BATCH_SIZE,
         vocabulary_size=320, cache_dir=cache_dir,
