@@ -1,5 +1,6 @@
 """Checkpoints across processes: written by 2 processes × 4 devices, restored by 1 × 8 (and
-back), and a killed rank's job relaunched from the last committed step.
+back), a killed rank's job relaunched from the last committed step, and a SIGTERM that
+reaches one rank saving the same step in both.
 
 The multi-process runs go through ``kdist.launch`` with ``tests/multihost_script.py ckpt``;
 the one-process runs call the same function in this (8-device) process. Every run is the
@@ -144,3 +145,21 @@ def test_a_killed_rank_ends_the_job_and_the_relaunch_resumes(tmp_path, child_env
         assert after[step] == before[step], step  # bit-exact: the same two processes
     for step, loss in after.items():
         np.testing.assert_allclose(loss, reference[step], rtol=2e-6, err_msg=str(step))
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_saves_the_same_step_in_both(tmp_path, child_env):
+    """A preemption notice that reaches one process only: the per-step all-gather makes
+    both save the same step, commit it and exit 143 (no save is scheduled otherwise)."""
+    ckpt = tmp_path / "ckpt"
+    run = Launched("--processes", "2", "--devices-per-process", "4", "--grace", "20",
+                   *ckpt_args(tmp_path, ckpt, 400, "term", "--save-every", "1000"))
+    run.wait_for(lambda lines: any(x.startswith("[1] step 2 loss") for x in lines))
+    os.kill(run.pids()[1], signal.SIGTERM)
+    status, output = run.finish(timeout=120)
+    assert status == 128 + signal.SIGTERM, output
+    said = {x[:3]: x.split("step ")[1].split()[0] for x in run.lines
+            if "SIGTERM received; step" in x}
+    assert set(said) == {"[0]", "[1]"} and len(set(said.values())) == 1, output
+    assert committed_steps(ckpt) == [int(said["[0]"])]
+    assert int(said["[0]"]) < 400
