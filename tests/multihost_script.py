@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import kdist  # before jax: Keras' JAX backend and XLA:CPU flags
 # isort: split
 import jax
 import keras
+import numpy as np
 
 # A GPT small enough to compile in seconds, every dimension divisible by 8 (as tests/helpers).
 TINY_GPT = dict(num_layers=2, num_heads=8, hidden_dim=64, intermediate_dim=128,
@@ -45,10 +47,17 @@ def tiny_data(corpus_dir: Path, cache_dir: Path) -> kdist.data.LMData:
     """A small local corpus through the full data path (tokenizer, token store, shares).
 
     Every rank builds it concurrently into the same cache: the token store is written once.
+    The corpus files are written only when absent or different, and atomically: rewriting
+    them in place let a rank read a half-written file (another vocabulary: a crash in the
+    first collective) and changed their mtimes, which key the token store.
     """
     corpus_dir.mkdir(parents=True, exist_ok=True)
     for k in range(4):
-        (corpus_dir / f"doc{k}.py").write_text(TEXT[k::4] if k else TEXT)
+        path, text = corpus_dir / f"doc{k}.py", TEXT[k::4] if k else TEXT
+        if not path.is_file() or path.read_text() != text:
+            tmp = corpus_dir.parent / f".{path.name}.{os.getpid()}"  # not in the corpus
+            tmp.write_text(text)
+            os.replace(tmp, path)
     return kdist.data.lm_dataset(
         str(corpus_dir), sequence_length=SEQUENCE_LENGTH, global_batch_size=GLOBAL_BATCH_SIZE,
         vocabulary_size=320, cache_dir=cache_dir,
@@ -105,7 +114,70 @@ def hang(args) -> dict:
     return {}
 
 
-COMMANDS = {"train": train, "hang": hang}
+def gather_state(model) -> dict[str, np.ndarray]:
+    """Every checkpointed variable as a whole numpy array, gathered from all processes."""
+    from jax.experimental import multihost_utils
+
+    from kdist.callbacks.checkpoint import state_variables
+
+    return {k: np.asarray(multihost_utils.process_allgather(v.value, tiled=True))
+            for k, v in state_variables(model).items()}
+
+
+class PrintLoss(keras.callbacks.Callback):
+    """Prints each step's loss exactly (``repr``), so a run that is killed still told it."""
+
+    def on_epoch_end(self, epoch, logs=None):  # one-step epochs: epoch e is step e + 1
+        print(f"step {epoch + 1} loss {float(logs['loss'])!r}", flush=True)
+
+
+def ckpt(args) -> dict:
+    """``train`` with a ``kdist.callbacks.Checkpoint`` in ``--ckpt`` (resuming from it).
+
+    Writes the state just restored and the final state, gathered, to
+    ``OUT/<tag>-restored.npz`` and ``OUT/<tag>-final.npz`` (process 0). With ``--hang-at S``,
+    process 0 stalls inside step S's commit (arrays written, no commit marker) and prints
+    "hanging in the commit of step S" — once: a marker file makes the relaunch run normally.
+    """
+    from kdist.callbacks import Checkpoint
+
+    keras.utils.clear_session()  # variable paths (checkpoint keys) depend on build order
+    info = setup(args.mesh)
+    out = Path(args.out)
+    data = tiny_data(out / "corpus", out / "cache")
+    model = tiny_model(data.vocabulary_size)
+    model.compile(optimizer=kdist.optim.adamw(1e-2, warmup_steps=1, decay_steps=10,
+                                              epsilon=1e-3))
+    checkpoint = Checkpoint(args.ckpt, save_every_steps=args.save_every, data=data.train)
+    marker = Path(args.ckpt).parent / f"hung-{Path(args.ckpt).name}"
+    if args.hang_at and info.process_index == 0 and not marker.exists():
+        write = checkpoint._write_metadata
+
+        def hang_in_commit():
+            if checkpoint._pending and checkpoint._pending["step"] == args.hang_at:
+                marker.touch()
+                print(f"hanging in the commit of step {args.hang_at}", flush=True)
+                time.sleep(600)  # the test kills the job here
+            write()
+
+        checkpoint._write_metadata = hang_in_commit  # orbax's commit hook, bound at fit
+    restored = checkpoint.restore(model)
+    state = gather_state(model)
+    if info.process_index == 0:
+        np.savez(out / f"{args.tag}-restored.npz", **state)
+    history = model.fit(data.train, epochs=args.steps, steps_per_epoch=1, shuffle=False,
+                        verbose=0, callbacks=[PrintLoss(), checkpoint])
+    state = gather_state(model)
+    if info.process_index == 0:
+        np.savez(out / f"{args.tag}-final.npz", **state)
+    return dict(
+        process_index=info.process_index, process_count=info.process_count,
+        devices=jax.device_count(), restored_step=restored, step=checkpoint.step,
+        losses={str(e + 1): float(v) for e, v in zip(history.epoch, history.history["loss"])},
+    )
+
+
+COMMANDS = {"train": train, "hang": hang, "ckpt": ckpt}
 
 
 def main(argv=None) -> int:
@@ -114,6 +186,10 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", default="fsdp=8")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", required=True)
+    p.add_argument("--ckpt", help="checkpoint directory (ckpt)")
+    p.add_argument("--save-every", type=int, default=2, help="steps between saves (ckpt)")
+    p.add_argument("--hang-at", type=int, default=None, help="stall in this step's commit")
+    p.add_argument("--tag", default="run", help="name of the state files written (ckpt)")
     args = p.parse_args(argv)
     result = COMMANDS[args.command](args)
     out = Path(args.out) / f"{args.command}-rank{jax.process_index()}.json"
