@@ -94,11 +94,10 @@ def main(argv=None):
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = Path(args.checkpoint_dir or output_dir / "checkpoints")
-    if not kdist.callbacks.checkpoint.committed_steps(checkpoint_dir):
+    kdist.initialize()  # joins the cluster when launched as several processes; else no-op
+    if jax.process_index() == 0 and not kdist.callbacks.checkpoint.committed_steps(checkpoint_dir):
         # A new run: start the log afresh (Throughput appends, so a resumed run continues it).
         (output_dir / kdist.callbacks.throughput.JSONL_NAME).unlink(missing_ok=True)
-
-    kdist.initialize()  # joins the cluster when launched as several processes; else no-op
     keras.utils.set_random_seed(args.seed)
     precision = args.precision
     if precision == "auto":
