@@ -27,6 +27,8 @@ GPT_LOGICAL_AXES = {
     r"block_\d+/attention/query/bias": ("heads", "head_dim"),
     r"block_\d+/attention/(key|value)/kernel": ("embed", "kv_heads", "head_dim"),
     r"block_\d+/attention/(key|value)/bias": ("kv_heads", "head_dim"),
+    r"block_\d+/attention/qkv/kernel": ("embed", "kv_heads", None, "head_dim"),  # fused_qkv
+    r"block_\d+/attention/qkv/bias": ("kv_heads", None, "head_dim"),
     r"block_\d+/attention/attention_output/kernel": ("heads", "head_dim", "embed"),
     r"block_\d+/attention/attention_output/bias": ("norm",),
     r"block_\d+/mlp/(up|gate)/kernel": ("embed", "mlp"),
@@ -158,7 +160,11 @@ class GPTBackbone(keras.Model):
         layer_norm_epsilon: epsilon of every norm.
         initializer_range: stddev of the normal weight initialiser (GPT-2: 0.02); the
             residual output projections use ``initializer_range / sqrt(2 * num_layers)``.
-        remat: rematerialise each block in the backward pass (``keras.remat``).
+        remat: rematerialise each block in the backward pass: False, True / ``"block"``
+            (``keras.remat``: keep only each block's input) or ``"save_dots"`` (keep the
+            matmul outputs too; see ``PreNormBlock``).
+        fused_qkv: one fused query/key/value projection per block (``.../attention/qkv``)
+            instead of three; off by default.
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -189,7 +195,8 @@ class GPTBackbone(keras.Model):
         dropout: float = 0.0,
         layer_norm_epsilon: float = 1e-5,
         initializer_range: float = 0.02,
-        remat: bool = False,
+        remat: bool | str = False,
+        fused_qkv: bool = False,
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -238,6 +245,7 @@ class GPTBackbone(keras.Model):
                 initializer_range=initializer_range,
                 output_initializer_range=initializer_range / np.sqrt(2 * num_layers),
                 remat=remat,
+                fused_qkv=fused_qkv,
                 dtype=dtype,
                 name=f"block_{i}",
             )
@@ -279,6 +287,7 @@ class GPTBackbone(keras.Model):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         self.remat = remat
+        self.fused_qkv = fused_qkv
 
     @property
     def head_dim(self) -> int:
@@ -318,6 +327,7 @@ class GPTBackbone(keras.Model):
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "initializer_range": self.initializer_range,
             "remat": self.remat,
+            "fused_qkv": self.fused_qkv,
         }
 
     @classmethod
