@@ -393,7 +393,7 @@ class GPTCausalLM(keras.Model):
     def compile(self, optimizer="adamw", loss=None, **kwargs):
         # With loss_chunk_size, the default loss trains through the fused, chunked
         # cross-entropy (kdist.models.losses); a loss or metrics of the user's need logits.
-        self._fused_loss = (self.loss_chunk_size is not None and loss is None
+        self._fused_loss = (self.loss_chunk_size is not None and _is_default_loss(loss)
                             and not kwargs.get("metrics") and not kwargs.get("weighted_metrics"))
         if loss is None:
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -553,6 +553,17 @@ class GPTCausalLM(keras.Model):
             return out, [scope.get_current_value(v) for v in sampler.variables]
 
         return sampler, run
+
+
+def _is_default_loss(loss) -> bool:
+    """None, or the loss compile() defaults to (as a reloaded model's compile config has it):
+    the fused cross-entropy computes exactly that."""
+    if loss is None:
+        return True
+    return (isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
+            and loss.get_config().get("from_logits") is True
+            and loss.get_config().get("ignore_class") is None
+            and loss.reduction == "sum_over_batch_size")
 
 
 def _make_sampler(sampler, seed):

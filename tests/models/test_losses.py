@@ -92,6 +92,14 @@ def test_untied_embeddings_and_round_trip():
     assert GPTCausalLM.from_config(lm.get_config()).loss_chunk_size == 8
 
 
+def test_saved_model_keeps_training_fused(tmp_path):
+    lm = GPTCausalLM(GPTBackbone(**TINY_GPT), loss_chunk_size=8)
+    lm.compile(optimizer="adam")
+    lm.save(tmp_path / "lm.keras")
+    loaded = keras.saving.load_model(tmp_path / "lm.keras")
+    assert loaded.loss_chunk_size == 8 and loaded._fused_loss
+
+
 def test_metrics_fall_back_to_logits_and_bad_values_are_refused():
     lm = GPTCausalLM(GPTBackbone(**TINY_GPT), loss_chunk_size=8)
     lm.compile(optimizer="adam", metrics=["accuracy"])
