@@ -157,11 +157,12 @@ def main(argv=None):
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", default=None, choices=list(CONFIGS))
     p.add_argument("--mesh", default="1 device", choices=MESHES)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4, help="timed steps per measurement")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
     p.add_argument("--spe", type=int, default=4, help="steps_per_execution of the third variant")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS))
     p.add_argument("--meshes", nargs="*", default=list(MESHES))
+    p.add_argument("--name", default="keras_overhead", help="results/<name>.json")
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
@@ -185,13 +186,14 @@ def main(argv=None):
             rows.append(row)
             print(f"{config} / {mesh}: fit/hand {row['ratio']:.3f} "
                   f"[{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+            write_result(args.name, {"args": vars(args), "rows": rows, "partial": True})
     print_table(f"model.fit vs hand-written step, tokens/s (median of {args.rounds} interleaved "
                 f"rounds of {args.steps} steps; [min, max] of per-round ratios)", rows,
                 [("config", "config", ""), ("mesh", "mesh", ""), ("fit", "fit", ",.0f"),
                  (f"fit spe={args.spe}", "spe", ",.0f"), ("hand-written", "hand", ",.0f"),
                  ("fit/hand", "ratio", ".3f"), ("min", "ratio_min", ".3f"),
                  ("max", "ratio_max", ".3f"), ("spe/hand", "spe_ratio", ".3f")])
-    write_result("keras_overhead", {"args": vars(args), "target": "fit >= 0.98 x hand-written",
+    write_result(args.name, {"args": vars(args), "target": "fit >= 0.98 x hand-written",
                                     "rows": rows})
     return rows
 

@@ -27,10 +27,9 @@ from benchmarks.common import print_table, run_child, spread, write_result  # no
 
 # config -> (preset, overrides, batch, length, {variant: (backbone options, LM options)})
 CONFIGS = {
-    "gpt-nano": ("gpt-nano", {}, 16, 256, {
+    "gpt-nano": ("gpt-nano", {}, 8, 256, {
         "baseline": ({}, {}),
-        "loss_chunk_size=32": ({}, {"loss_chunk_size": 32}),
-        "loss_chunk_size=128": ({}, {"loss_chunk_size": 128}),
+        "loss_chunk_size=64": ({}, {"loss_chunk_size": 64}),
         "fused_qkv": ({"fused_qkv": True}, {}),
         "remat=block": ({"remat": "block"}, {}),
         "remat=save_dots": ({"remat": "save_dots"}, {}),
@@ -38,8 +37,7 @@ CONFIGS = {
     "gpt2-small(2 layers, T=128)": ("gpt2-small", {"num_layers": 2, "vocabulary_size": 50256},
                                     8, 128, {
         "baseline": ({}, {}),
-        "loss_chunk_size=16": ({}, {"loss_chunk_size": 16}),
-        "loss_chunk_size=64": ({}, {"loss_chunk_size": 64}),
+        "loss_chunk_size=32": ({}, {"loss_chunk_size": 32}),
     }),
 }
 

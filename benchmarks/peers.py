@@ -132,9 +132,9 @@ def main(argv=None):
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mesh", default="1 device")
     p.add_argument("--meshes", nargs="*", default=["1 device", "fsdp=8"])
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--loss-chunk-size", type=int, default=None)
     args = p.parse_args(argv)
     if args.child:
