@@ -122,7 +122,7 @@ def main(argv=None):
     p.add_argument("--config", default=None, choices=list(CONFIGS))
     p.add_argument("--configs", nargs="*", default=list(CONFIGS))
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
@@ -141,6 +141,7 @@ def main(argv=None):
                          "temp_ratio": row["temp_vs_baseline"],
                          "loss": row["first_epoch_loss"], "detail": row})
         print(f"{config} done", flush=True)
+        write_result("optimisations", {"args": vars(args), "rows": rows, "partial": True})
     print_table(f"Options vs baseline, 1 device, float32 (median of {args.rounds} interleaved "
                 f"rounds of {args.steps} fit steps; memory from XLA's memory_analysis)", rows,
                 [("config", "config", ""), ("variant", "variant", ""),

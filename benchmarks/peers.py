@@ -133,7 +133,7 @@ def main(argv=None):
     p.add_argument("--mesh", default="1 device")
     p.add_argument("--meshes", nargs="*", default=["1 device", "fsdp=8"])
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--loss-chunk-size", type=int, default=None)
     args = p.parse_args(argv)
@@ -154,6 +154,7 @@ def main(argv=None):
             rows.append({"process": mesh, "side": "ratio " + name, "ratio": value["median"],
                          "min": value["min"], "max": value["max"]})
         print(json.dumps(out["ratios"]), flush=True)
+        write_result("peers", {"args": vars(args), "shape": SHAPE, "rows": rows, "partial": True})
     print_table(f"Peers, gpt-nano shape, batch {args.batch} x 256, float32, median of "
                 f"{args.rounds} interleaved rounds of {args.steps} steps", rows,
                 [("process", "process", ""), ("side", "side", ""),
