@@ -28,7 +28,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import keras_clock, print_table, write_result  # noqa: E402
 
 # (preset, variant name, backbone options, LM options, global batch)
 RUNS = [
@@ -88,22 +88,12 @@ def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
     tokens = rng.integers(0, vocab, (batch * (steps + 3), length + 1), dtype=np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
-    class Clock(keras.callbacks.Callback):
-        async_safe = True
-
-        def on_train_batch_begin(self, step, logs=None):
-            if step == 3:  # after compilation and two warm-up steps
-                self.start = time.perf_counter()
-
-        def on_train_end(self, logs=None):
-            self.seconds = time.perf_counter() - self.start
-
     start = time.perf_counter()
     lm._symbolic_build(data_batch=(x[:batch], y[:batch]))
     lm.optimizer.build(lm.trainable_variables)
     # One extra compilation: only for each preset's first run (same attention after).
     cudnn = uses_cudnn_attention(lm, batch, length) if check_attention else None
-    clock = Clock()
+    clock = keras_clock(3)  # after compilation and two warm-up steps
     history = lm.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
                      callbacks=[clock])
     tokens_per_s = steps * batch * length / clock.seconds

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import print_table, run_child, spread, write_result  # noqa: E402
+from benchmarks.common import keras_clock, print_table, run_child, spread, write_result  # noqa: E402
 
 # (name, preset, overrides, batch, sequence length). gpt2-small keeps its width, heads and
 # vocabulary but runs 2 of its 12 layers at 128 positions so a step takes seconds on 2 cores.
@@ -34,26 +34,6 @@ CONFIGS = {
                                     8, 128),
 }
 MESHES = ("1 device", "fsdp=8")
-
-
-class _Clock:
-    """Wall time from the start of step ``warmup`` to the end of training (Keras has then
-    waited for the last step), as a Keras callback."""
-
-    def __new__(cls, warmup):
-        import keras
-
-        class Clock(keras.callbacks.Callback):
-            async_safe = True
-
-            def on_train_batch_begin(self, batch, logs=None):
-                if batch == warmup:
-                    self.start = time.perf_counter()
-
-            def on_train_end(self, logs=None):
-                self.seconds = time.perf_counter() - self.start
-
-        return Clock()
 
 
 def child(args) -> dict:
@@ -83,7 +63,7 @@ def child(args) -> dict:
 
     def fit(lm):
         spe = lm.steps_per_execution
-        clock = _Clock(spe)  # the first execution (spe steps) is not timed
+        clock = keras_clock(spe)  # the first execution (spe steps) is not timed
         n = spe * (1 + -(-args.steps // spe))
         xs, ys = np.resize(x, (n * batch, length)), np.resize(y, (n * batch, length))
         lm.fit(xs, ys, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[clock])

@@ -19,11 +19,10 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import print_table, run_child, spread, write_result  # noqa: E402
+from benchmarks.common import keras_clock, print_table, run_child, spread, write_result  # noqa: E402
 
 # config -> (preset, overrides, batch, length, {variant: (backbone options, LM options)})
 CONFIGS = {
@@ -82,20 +81,10 @@ def child(args) -> dict:
     tokens = rng.integers(0, vocab, ((args.steps + 1) * batch, length + 1), dtype=np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
-    class Clock(keras.callbacks.Callback):
-        async_safe = True
-
-        def on_train_batch_begin(self, step, logs=None):
-            if step == 1:
-                self.start = time.perf_counter()
-
-        def on_train_end(self, logs=None):
-            self.seconds = time.perf_counter() - self.start
-
     losses = {}
 
     def run(name):
-        clock = Clock()
+        clock = keras_clock(1)
         history = models[name].fit(x, y, batch_size=batch, epochs=1, verbose=0,
                                    shuffle=False, callbacks=[clock])
         losses.setdefault(name, history.history["loss"][-1])

@@ -26,27 +26,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import print_table, run_child, spread, write_result  # noqa: E402
+from benchmarks.common import keras_clock, print_table, run_child, spread, write_result  # noqa: E402
 
 SHAPE = dict(vocabulary_size=8192, num_layers=4, num_heads=4, hidden_dim=256,
              intermediate_dim=1024, max_sequence_length=256)
-
-
-class _Clock:
-    def __new__(cls, warmup):
-        import keras
-
-        class Clock(keras.callbacks.Callback):
-            async_safe = True
-
-            def on_train_batch_begin(self, batch, logs=None):
-                if batch == warmup:
-                    self.start = time.perf_counter()
-
-            def on_train_end(self, logs=None):
-                self.seconds = time.perf_counter() - self.start
-
-        return Clock()
 
 
 def child(args) -> dict:
@@ -69,7 +52,7 @@ def child(args) -> dict:
 
     def keras_fit(model, inputs):
         def run():
-            clock = _Clock(1)
+            clock = keras_clock(1)
             model.fit(inputs, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
                       callbacks=[clock])
             return timed_tokens / clock.seconds
