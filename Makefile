@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 HOST8 := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false" \
 	TF_CPP_MIN_LOG_LEVEL=2
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint clean bench
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ bert-finetune: setup  ## fine-tune it on the offline stdlib-packages task (runs/
 test: setup  ## the whole test suite (and lint)
 	$(BIN)/ruff check kdist recipes tests benchmarks
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup  ## every benchmark script; tables printed, JSON in benchmarks/results/
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	PYTHON=$(BIN)/python benchmarks/run_all.sh
 
 lint: setup
 	$(BIN)/ruff check kdist recipes tests benchmarks

@@ -27,6 +27,8 @@ GPT_LOGICAL_AXES = {
     r"block_\d+/attention/query/bias": ("heads", "head_dim"),
     r"block_\d+/attention/(key|value)/kernel": ("embed", "kv_heads", "head_dim"),
     r"block_\d+/attention/(key|value)/bias": ("kv_heads", "head_dim"),
+    r"block_\d+/attention/qkv/kernel": ("embed", "kv_heads", None, "head_dim"),  # fused_qkv
+    r"block_\d+/attention/qkv/bias": ("kv_heads", None, "head_dim"),
     r"block_\d+/attention/attention_output/kernel": ("heads", "head_dim", "embed"),
     r"block_\d+/attention/attention_output/bias": ("norm",),
     r"block_\d+/mlp/(up|gate)/kernel": ("embed", "mlp"),
@@ -158,7 +160,11 @@ class GPTBackbone(keras.Model):
         layer_norm_epsilon: epsilon of every norm.
         initializer_range: stddev of the normal weight initialiser (GPT-2: 0.02); the
             residual output projections use ``initializer_range / sqrt(2 * num_layers)``.
-        remat: rematerialise each block in the backward pass (``keras.remat``).
+        remat: rematerialise each block in the backward pass: False, True / ``"block"``
+            (``keras.remat``: keep only each block's input) or ``"save_dots"`` (keep the
+            matmul outputs too; see ``PreNormBlock``).
+        fused_qkv: one fused query/key/value projection per block (``.../attention/qkv``)
+            instead of three; off by default.
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -189,7 +195,8 @@ class GPTBackbone(keras.Model):
         dropout: float = 0.0,
         layer_norm_epsilon: float = 1e-5,
         initializer_range: float = 0.02,
-        remat: bool = False,
+        remat: bool | str = False,
+        fused_qkv: bool = False,
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -238,6 +245,7 @@ class GPTBackbone(keras.Model):
                 initializer_range=initializer_range,
                 output_initializer_range=initializer_range / np.sqrt(2 * num_layers),
                 remat=remat,
+                fused_qkv=fused_qkv,
                 dtype=dtype,
                 name=f"block_{i}",
             )
@@ -279,6 +287,7 @@ class GPTBackbone(keras.Model):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         self.remat = remat
+        self.fused_qkv = fused_qkv
 
     @property
     def head_dim(self) -> int:
@@ -318,6 +327,7 @@ class GPTBackbone(keras.Model):
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "initializer_range": self.initializer_range,
             "remat": self.remat,
+            "fused_qkv": self.fused_qkv,
         }
 
     @classmethod
@@ -347,6 +357,11 @@ class GPTCausalLM(keras.Model):
     float32 so the loss is computed in float32 under ``mixed_bfloat16``. ``compile()``
     defaults to sparse categorical cross-entropy on the logits.
 
+    ``loss_chunk_size``: if set, training with the default loss (and no compiled metrics)
+    uses :func:`kdist.models.losses.chunked_cross_entropy` on the final hidden states, in
+    chunks of this many positions, so the ``(B, T, V)`` float32 logits and their gradient
+    are never materialised; ``predict``/``evaluate`` still give and use full logits.
+
     Example:
         >>> lm = GPTCausalLM.from_preset("gpt-nano", vocabulary_size=512, num_layers=1)
         >>> lm.compile(optimizer="adam")
@@ -357,9 +372,15 @@ class GPTCausalLM(keras.Model):
         (2, 8)
     """
 
-    def __init__(self, backbone: GPTBackbone, **kwargs):
+    def __init__(self, backbone: GPTBackbone, loss_chunk_size: int | None = None, **kwargs):
+        if loss_chunk_size is not None and (
+                not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
+            raise ValueError(f"loss_chunk_size must be None (logits, then Keras' loss) or a "
+                             f"positive int (positions per chunk); got {loss_chunk_size!r}.")
         # === Layers ===
         self.backbone = backbone
+        self.loss_chunk_size = loss_chunk_size
+        self._fused_loss = False  # set by compile(): training skips the logits
 
         # === Functional Model ===
         token_ids = backbone.input
@@ -370,9 +391,34 @@ class GPTCausalLM(keras.Model):
         self._generators = {}  # sampler key -> (sampler, jitted decode loop)
 
     def compile(self, optimizer="adamw", loss=None, **kwargs):
+        # With loss_chunk_size, the default loss trains through the fused, chunked
+        # cross-entropy (kdist.models.losses); a loss or metrics of the user's need logits.
+        self._fused_loss = (self.loss_chunk_size is not None and _is_default_loss(loss)
+                            and not kwargs.get("metrics") and not kwargs.get("weighted_metrics"))
         if loss is None:
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
+
+    def call(self, inputs, training=None):
+        if training and self._fused_loss:
+            return self.backbone(inputs, training=training)  # (B, T, D): no logits
+        return super().call(inputs, training=training)  # (B, T, V) float32 logits
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        if not (training and self._fused_loss):
+            return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        from kdist.models.losses import chunked_cross_entropy
+
+        if sample_weight is not None:
+            raise ValueError("The fused cross-entropy takes no sample_weight. Build the model "
+                             "with loss_chunk_size=None to train with sample weights.")
+        embedding = self.backbone.token_embedding
+        table = (ops.convert_to_tensor(embedding.embeddings) if embedding.tie_weights
+                 else ops.transpose(ops.convert_to_tensor(embedding.reverse_embeddings)))
+        loss = chunked_cross_entropy(y_pred, table, y, self.loss_chunk_size)  # y_pred: hidden
+        for extra in self.losses:
+            loss = loss + self._aggregate_additional_loss(extra)
+        return loss
 
     def compile_from_config(self, config):
         # Keras skips compiling on load when compile() is overridden; ours takes its config.
@@ -385,6 +431,7 @@ class GPTCausalLM(keras.Model):
             "name": self.name,
             "trainable": self.trainable,
             "backbone": keras.saving.serialize_keras_object(self.backbone),
+            "loss_chunk_size": self.loss_chunk_size,
         }
 
     @classmethod
@@ -394,14 +441,15 @@ class GPTCausalLM(keras.Model):
         return cls(**config)
 
     @classmethod
-    def from_preset(cls, preset: str, **overrides) -> GPTCausalLM:
+    def from_preset(cls, preset: str, loss_chunk_size: int | None = None,
+                    **overrides) -> GPTCausalLM:
         """A randomly initialised causal LM of a preset's shape; overrides replace fields.
 
         Example:
             >>> GPTCausalLM.from_preset("gpt-nano", vocabulary_size=512).backbone.hidden_dim
             256
         """
-        return cls(GPTBackbone.from_preset(preset, **overrides))
+        return cls(GPTBackbone.from_preset(preset, **overrides), loss_chunk_size=loss_chunk_size)
 
     # === Generation ===
 
@@ -505,6 +553,17 @@ class GPTCausalLM(keras.Model):
             return out, [scope.get_current_value(v) for v in sampler.variables]
 
         return sampler, run
+
+
+def _is_default_loss(loss) -> bool:
+    """None, or the loss compile() defaults to (as a reloaded model's compile config has it):
+    the fused cross-entropy computes exactly that."""
+    if loss is None:
+        return True
+    return (isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
+            and loss.get_config().get("from_logits") is True
+            and loss.get_config().get("ignore_class") is None
+            and loss.reduction == "sum_over_batch_size")
 
 
 def _make_sampler(sampler, seed):

@@ -51,6 +51,9 @@ class CausalSelfAttention(layers.Layer):
         use_bias: biases on the four projections.
         causal: mask future keys (decoder). ``False`` gives bidirectional attention
             (encoder, BERT), where only ``attention_mask`` restricts which keys are seen.
+        fused_qkv: one ``qkv`` projection with kernel ``(D, K, N/K + 2, H)`` (each key/value
+            head's query heads, then its key, then its value) instead of ``query``, ``key``
+            and ``value``: one matmul instead of three. Off by default (weight names differ).
 
     Example:
         >>> attn = CausalSelfAttention(num_heads=4, head_dim=16, num_key_value_heads=2,
@@ -69,9 +72,11 @@ class CausalSelfAttention(layers.Layer):
         initializer_range: float = 0.02,
         output_initializer_range: float | None = None,
         causal: bool = True,
+        fused_qkv: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.fused_qkv = fused_qkv
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_key_value_heads = num_key_value_heads
@@ -111,9 +116,21 @@ class CausalSelfAttention(layers.Layer):
             layer.build(input_shape)
             return layer
 
-        self.query = projection("query", self.num_heads)
-        self.key = projection("key", self.kv_heads)
-        self.value = projection("value", self.kv_heads)
+        if self.fused_qkv:
+            groups = self.num_heads // self.kv_heads
+            self.qkv = layers.EinsumDense(
+                "btd,dkgh->btkgh",
+                output_shape=(None, self.kv_heads, groups + 2, self.head_dim),
+                bias_axes="kgh" if self.use_bias else None,
+                kernel_initializer=_normal(self.initializer_range),
+                dtype=self.dtype_policy,
+                name="qkv",
+            )
+            self.qkv.build(input_shape)
+        else:
+            self.query = projection("query", self.num_heads)
+            self.key = projection("key", self.kv_heads)
+            self.value = projection("value", self.kv_heads)
         self.attention_output = layers.EinsumDense(
             "btnh,nhd->btd",
             output_shape=(None, hidden_dim),
@@ -123,6 +140,17 @@ class CausalSelfAttention(layers.Layer):
             name="attention_output",
         )
         self.attention_output.build((None, None, self.num_heads, self.head_dim))
+
+    def project_qkv(self, x):
+        """``x (B, T, D)`` to queries ``(B, T, N, H)``, keys and values ``(B, T, K, H)``."""
+        if not self.fused_qkv:
+            return self.query(x), self.key(x), self.value(x)
+        qkv = self.qkv(x)  # (B, T, K, G + 2, H), G = N / K query heads per key/value head
+        groups = self.num_heads // self.kv_heads
+        batch, length = ops.shape(x)[0], ops.shape(x)[1]
+        # Query head n = k * G + g serves key/value head k, as in grouped-query attention.
+        q = ops.reshape(qkv[:, :, :, :groups], (batch, length, self.num_heads, self.head_dim))
+        return q, qkv[:, :, :, groups], qkv[:, :, :, groups + 1]
 
     def rotate(self, x, start_index=0, positions=None):
         """RoPE on ``(B, T, heads, H)`` at positions ``start_index + t`` or ``positions``."""
@@ -141,7 +169,7 @@ class CausalSelfAttention(layers.Layer):
             cache: ``(B, 2, S, K, H)`` keys and values so far; then ``x`` holds the tokens at
                 ``cache_index ...`` and the call also returns the updated cache.
         """
-        q, k, v = self.query(x), self.key(x), self.value(x)  # (B, T, N|K, H)
+        q, k, v = self.project_qkv(x)  # (B, T, N|K, H)
         if cache is None:
             q, k = self.rotate(q, positions=positions), self.rotate(k, positions=positions)
             out = ops.dot_product_attention(q, k, v, mask=attention_mask, is_causal=self.causal)
@@ -168,6 +196,7 @@ class CausalSelfAttention(layers.Layer):
             "initializer_range": self.initializer_range,
             "output_initializer_range": self.output_initializer_range,
             "causal": self.causal,
+            "fused_qkv": self.fused_qkv,
         }
 
 
@@ -242,6 +271,26 @@ class MLP(layers.Layer):
         }
 
 
+# Block rematerialisation: False (none), True or "block" (keep the block input only),
+# "save_dots" (also keep matmul outputs without batch dimensions: projections and MLP).
+REMAT_POLICIES = (False, True, "block", "save_dots")
+
+
+def rematerialised(fn, remat: bool | str):
+    """``fn`` wrapped for rematerialisation under one of :data:`REMAT_POLICIES`.
+
+    Example:
+        >>> rematerialised(lambda x: x * 2, "save_dots")(keras.ops.ones(2)).shape
+        (2,)
+    """
+    if remat == "save_dots":
+        import jax
+
+        return jax.checkpoint(
+            fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return keras.remat(fn)
+
+
 @keras.saving.register_keras_serializable(package="kdist")
 class PreNormBlock(layers.Layer):
     """A pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
@@ -249,7 +298,11 @@ class PreNormBlock(layers.Layer):
     Norms compute in float32 under mixed precision (Keras does this for
     ``LayerNormalization`` and ``RMSNormalization``). With ``remat=True`` the forward pass
     is wrapped in ``keras.remat`` (``jax.checkpoint``): only the block input is kept for the
-    backward pass. (``keras.RematScope(mode="full")`` cannot be used here: Keras 3.15
+    backward pass. ``remat="block"`` is the same; ``remat="save_dots"`` keeps the outputs of
+    the projection and MLP matmuls too (``jax.checkpoint_policies.
+    dots_with_no_batch_dims_saveable``), so the backward pass recomputes only the
+    element-wise ops and attention — less memory saved, less recompute.
+    (``keras.RematScope(mode="full")`` cannot be used here: Keras 3.15
     checkpoints ``Layer.__call__`` with every keyword argument traced, so
     ``training=False`` becomes a tracer and Dropout's ``if training`` fails.)
 
@@ -273,10 +326,15 @@ class PreNormBlock(layers.Layer):
         layer_norm_epsilon: float = 1e-5,
         initializer_range: float = 0.02,
         output_initializer_range: float | None = None,
-        remat: bool = False,
+        remat: bool | str = False,
+        fused_qkv: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"Unknown remat {remat!r}. Use one of {REMAT_POLICIES} (True means "
+                             f"'block').")
+        self.fused_qkv = fused_qkv
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.intermediate_dim = intermediate_dim
@@ -300,6 +358,7 @@ class PreNormBlock(layers.Layer):
             use_bias=use_bias,
             initializer_range=initializer_range,
             output_initializer_range=output_initializer_range,
+            fused_qkv=fused_qkv,
             dtype=dtype,
             name="attention",
         )
@@ -334,7 +393,7 @@ class PreNormBlock(layers.Layer):
             )
             return self._mlp_residual(x + self.attention_dropout(h, training=training), training)
 
-        return keras.remat(forward)(x) if self.remat else forward(x)
+        return rematerialised(forward, self.remat)(x) if self.remat else forward(x)
 
     def _mlp_residual(self, x, training):
         x = x + self.mlp_dropout(self.mlp(self.mlp_norm(x)), training=training)
@@ -356,6 +415,7 @@ class PreNormBlock(layers.Layer):
             "initializer_range": self.initializer_range,
             "output_initializer_range": self.output_initializer_range,
             "remat": self.remat,
+            "fused_qkv": self.fused_qkv,
         }
 
 

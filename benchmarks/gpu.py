@@ -1,0 +1,171 @@
+"""One prepared GPU benchmark: gpt2-small and gpt2-medium in bf16 with cuDNN flash attention,
+tokens/s and MFU, in under 8 minutes on one NVIDIA GPU.
+
+For each (preset, variant): build kdist's GPTCausalLM under ``mixed_bfloat16`` (on all
+visible GPUs with ``fsdp=N`` if there are several), compile AdamW, check that the compiled
+train step calls cuDNN's fused attention (``__cudnn$fmha`` in the optimized HLO — Keras'
+``ops.dot_product_attention`` picks cuDNN flash attention by itself when the shapes, dtype
+and GPU allow; kdist's attention layer passes no mask in plain causal training so it can),
+then time ``fit`` steps after warm-up. MFU = tokens/s x ``kdist.flops.model_flops_per_token``
+(training = 3 x forward matmul FLOPs, causal attention counted as half of T x T — the
+MaxText/Megatron convention; the full-T x T figure is also given) / (devices x the
+data-sheet bf16 dense peak from ``kdist.flops.PEAK_TFLOPS``). A time budget skips the
+remaining variants rather than overrun (default 7 minutes).
+
+    python benchmarks/gpu.py                      # on the GPU machine
+    python benchmarks/gpu.py --dry-run            # CPU: a tiny shape, checks the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import keras_clock, print_table, write_result  # noqa: E402
+
+# (preset, variant name, backbone options, LM options, global batch)
+RUNS = [
+    ("gpt2-small", "default", {}, {}, 32),
+    ("gpt2-small", "loss_chunk_size=256", {}, {"loss_chunk_size": 256}, 32),
+    ("gpt2-medium", "default", {}, {}, 16),
+    ("gpt2-medium", "loss_chunk_size=256", {}, {"loss_chunk_size": 256}, 16),
+    ("gpt2-medium", "remat=save_dots, batch 32", {"remat": "save_dots"}, {}, 32),
+]
+DRY_SHAPE = dict(vocabulary_size=512, num_layers=2, num_heads=4, hidden_dim=64,
+                 intermediate_dim=256, max_sequence_length=64)
+
+
+def _keep_tensorflow_off_the_gpu():
+    try:  # keras-hub imports TensorFlow; it must not take the memory JAX needs
+        import tensorflow as tf
+
+        tf.config.set_visible_devices([], "GPU")
+    except Exception:  # noqa: BLE001 - no TensorFlow or already initialised: nothing to do
+        pass
+
+
+def uses_cudnn_attention(model, batch: int, length: int) -> bool:
+    """Whether the optimized HLO of the model's train step calls cuDNN fused attention."""
+    import jax
+    import numpy as np
+
+    tokens = np.zeros((batch, length), "int32")
+    state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                 optimizer_variables=True, metrics_variables=True)
+    abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state)
+    spec = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype)
+    hlo = jax.jit(model.train_step).lower(abstract, (spec, spec)).compile().as_text()
+    return "cudnn$fmha" in hlo or "__cudnn" in hlo
+
+
+def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
+            check_attention=True) -> dict:
+    import jax
+    import keras
+    import numpy as np
+
+    import kdist
+
+    keras.utils.clear_session()
+    devices = jax.devices()
+    keras.distribution.set_distribution(
+        kdist.distribution(f"fsdp={len(devices)}") if len(devices) > 1 else None)
+    keras.config.set_dtype_policy("float32" if dry_run else "mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    shape = dict(DRY_SHAPE) if dry_run else {}
+    lm = kdist.models.GPTCausalLM.from_preset(preset, **shape, **backbone_options,
+                                              **lm_options)
+    lm.compile(optimizer=kdist.optim.adamw(1e-4, warmup_steps=10, decay_steps=1000))
+    vocab = lm.backbone.vocabulary_size
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (batch * (steps + 3), length + 1), dtype=np.int32)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    start = time.perf_counter()
+    lm._symbolic_build(data_batch=(x[:batch], y[:batch]))
+    lm.optimizer.build(lm.trainable_variables)
+    # One extra compilation: only for each preset's first run (same attention after).
+    cudnn = uses_cudnn_attention(lm, batch, length) if check_attention else None
+    clock = keras_clock(3)  # after compilation and two warm-up steps
+    history = lm.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                     callbacks=[clock])
+    tokens_per_s = steps * batch * length / clock.seconds
+    flops = kdist.flops.model_flops_per_token(lm, length)  # causal half (MaxText)
+    full = kdist.flops.model_flops_per_token(lm, length, causal_half=False)
+    dtype = "float32" if dry_run else "bfloat16"
+    peak = kdist.flops.device_peak(devices, dtype)
+    denominator = len(devices) * peak.tflops * 1e12
+    stats = devices[0].memory_stats() or {}
+    return {"preset": preset, "options": {**backbone_options, **lm_options}, "batch": batch,
+            "length": length, "devices": len(devices), "device_kind": devices[0].device_kind,
+            "dtype_policy": keras.config.dtype_policy().name, "cudnn_attention": cudnn,
+            "step_s": clock.seconds / steps, "tokens_per_s": tokens_per_s,
+            "mfu": tokens_per_s * flops.training / denominator,
+            "mfu_full_attention": tokens_per_s * full.training / denominator,
+            "hfu": tokens_per_s * flops.hardware / denominator,
+            "peak": peak.describe(), "convention": flops.convention,
+            "final_loss": history.history["loss"][-1],
+            "peak_memory_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+            "wall_s": time.perf_counter() - start}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny float32 shape, any device (checks the script on a CPU)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="skip the remaining runs once this much time has passed")
+    p.add_argument("--runs", nargs="*", type=int, default=None,
+                   help="indices into RUNS (default: all)")
+    args = p.parse_args(argv)
+    _keep_tensorflow_off_the_gpu()
+    import jax
+
+    if not args.dry_run and jax.devices()[0].platform != "gpu":
+        raise SystemExit(f"No GPU: JAX sees {jax.devices()[0].platform} devices. Install "
+                         f"JAX's CUDA wheels (pip install -e '.[gpu]'), or pass --dry-run.")
+    length = 64 if args.dry_run else args.length
+    steps = 3 if args.dry_run else args.steps
+    start, rows, skipped = time.perf_counter(), [], []
+    for i, (preset, variant, backbone_options, lm_options, batch) in enumerate(RUNS):
+        if args.runs is not None and i not in args.runs:
+            continue
+        if time.perf_counter() - start > args.budget_s:
+            skipped.append(f"{preset} {variant}")
+            continue
+        batch = 4 if args.dry_run else batch
+        first = not any(r["preset"] == preset for r in rows)
+        row = measure(preset, backbone_options, lm_options, batch, length, steps, args.dry_run,
+                      check_attention=first)
+        row["variant"] = variant
+        rows.append(row)
+        print(f"{preset} {variant}: {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, "
+              f"cuDNN attention {row['cudnn_attention']}", flush=True)
+    print_table(f"{'DRY RUN (tiny shape, CPU) — ' if args.dry_run else ''}GPU training, "
+                f"T={length}, {rows[0]['dtype_policy'] if rows else ''}; MFU: "
+                f"{rows[0]['convention'] if rows else ''}", rows,
+                [("preset", "preset", ""), ("variant", "variant", ""), ("batch", "batch", "d"),
+                 ("step s", "step_s", ".3f"), ("tokens/s", "tokens_per_s", ",.0f"),
+                 ("MFU", "mfu", ".1%"), ("MFU full-T", "mfu_full_attention", ".1%"),
+                 ("cuDNN attn", "cudnn_attention", ""), ("peak GiB", "peak_memory_gib", ".1f"),
+                 ("loss", "final_loss", ".3f")])
+    if skipped:
+        print(f"skipped (time budget): {', '.join(skipped)}")
+    print(f"total {time.perf_counter() - start:.0f} s")
+    write_result("gpu_dry_run" if args.dry_run else "gpu",
+                 {"args": vars(args), "target": "gpt2-medium bf16 >= 50% MFU",
+                  "rows": rows, "skipped": skipped})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

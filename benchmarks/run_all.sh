@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Runs every benchmark script, one after the other (they measure ratios within one process;
+# running them side by side would add noise). Each prints a small table and writes
+# benchmarks/results/<name>.json. Usage, from the repository root:
+#   benchmarks/run_all.sh            # or: make bench      (~1 hour on 2 busy CPU cores)
+#   PYTHON=.venv/bin/python benchmarks/run_all.sh
+# gpu.py runs only where JAX sees a GPU (otherwise its CPU dry run checks the plumbing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-.venv/bin/python}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TF_CPP_MIN_LOG_LEVEL=2
+HOST8="--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false"
+
+run() { echo; echo "=== $* ==="; "$@"; }
+run "$PYTHON" benchmarks/compute_waste.py
+run "$PYTHON" benchmarks/keras_overhead.py
+run "$PYTHON" benchmarks/optimisations.py
+if "$PYTHON" -c "import torch" 2>/dev/null; then
+  run "$PYTHON" benchmarks/peers.py
+else
+  echo "peers.py skipped: no torch (pip install -e '.[bench]')"
+fi
+run "$PYTHON" benchmarks/throughput_overhead.py
+run env XLA_FLAGS="$HOST8" "$PYTHON" benchmarks/mesh_step_time.py --out benchmarks/results/mesh_step_time.json
+if "$PYTHON" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
+  run "$PYTHON" benchmarks/gpu.py
+else
+  run "$PYTHON" benchmarks/gpu.py --dry-run
+fi
