@@ -37,6 +37,12 @@ RUNS = [
     ("gpt2-medium", "default", {}, {}, 16),
     ("gpt2-medium", "loss_chunk_size=256", {}, {"loss_chunk_size": 256}, 16),
     ("gpt2-medium", "remat=save_dots, batch 32", {"remat": "save_dots"}, {}, 32),
+    ("gpt2-small", "batch 64", {}, {}, 64),
+    ("gpt2-medium", "batch 32", {}, {}, 32),
+    ("gpt2-medium", "fused_qkv, batch 32", {"fused_qkv": True}, {}, 32),
+    ("gpt2-medium", "batch 64", {}, {}, 64),
+    ("gpt2-small", "vocabulary 50304", {"vocabulary_size": 50304}, {}, 32),
+    ("gpt2-medium", "vocabulary 50304", {"vocabulary_size": 50304}, {}, 16),
 ]
 DRY_SHAPE = dict(vocabulary_size=512, num_layers=2, num_heads=4, hidden_dim=64,
                  intermediate_dim=256, max_sequence_length=64)
@@ -80,7 +86,7 @@ def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
     keras.config.set_dtype_policy("float32" if dry_run else "mixed_bfloat16")
     keras.utils.set_random_seed(0)
     shape = dict(DRY_SHAPE) if dry_run else {}
-    lm = kdist.models.GPTCausalLM.from_preset(preset, **shape, **backbone_options,
+    lm = kdist.models.GPTCausalLM.from_preset(preset, **{**shape, **backbone_options},
                                               **lm_options)
     lm.compile(optimizer=kdist.optim.adamw(1e-4, warmup_steps=10, decay_steps=1000))
     vocab = lm.backbone.vocabulary_size
@@ -124,6 +130,7 @@ def main(argv=None):
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="skip the remaining runs once this much time has passed")
+    p.add_argument("--output", default="gpu", help="result name under benchmarks/results/")
     p.add_argument("--runs", nargs="*", type=int, default=None,
                    help="indices into RUNS (default: all)")
     args = p.parse_args(argv)
@@ -161,7 +168,7 @@ def main(argv=None):
     if skipped:
         print(f"skipped (time budget): {', '.join(skipped)}")
     print(f"total {time.perf_counter() - start:.0f} s")
-    write_result("gpu_dry_run" if args.dry_run else "gpu",
+    write_result("gpu_dry_run" if args.dry_run else args.output,
                  {"args": vars(args), "target": "gpt2-medium bf16 >= 50% MFU",
                   "rows": rows, "skipped": skipped})
     return rows
