@@ -259,6 +259,14 @@ class KdistDistribution(ModelParallel):
                     f"change the model so that '{logical_axis}' is a multiple of {n}."
                 )
             axes.append(mesh_axis)
+        fsdp = self.mesh_shape["fsdp"]
+        if fsdp > 1 and "fsdp" not in axes:
+            # ZeRO-3 keeps 1/fsdp of every weight per device: one the rules leave unsharded
+            # over fsdp (norm scales, biases, a bias's heads under pure fsdp) is split along
+            # its largest free dimension that divides. It is all-gathered where it is used.
+            free = [d for d, (a, n) in enumerate(zip(axes, shape)) if a is None and n % fsdp == 0]
+            if free:
+                axes[max(free, key=lambda d: shape[d])] = "fsdp"
         return TensorLayout(tuple(axes), self.device_mesh)
 
     def get_variable_layout(self, variable):

@@ -101,6 +101,22 @@ def train(args) -> dict:
     )
 
 
+def wordpiece(args) -> dict:
+    """A WordPiece vocabulary trained on the tiny corpus, each rank with its own cache (as on
+    hosts without a shared disk); rank 1's cache already holds a stale, different one."""
+    setup(args.mesh)
+    corpus_dir = Path(args.out) / "corpus"
+    tiny_data(corpus_dir, Path(args.out) / "lm-cache")  # writes the corpus files
+    corpus = kdist.data.load_corpus(str(corpus_dir))
+    cache = Path(args.out) / f"wordpiece-cache-rank{jax.process_index()}"
+    stale = cache / f"wordpiece-{corpus.fingerprint}-320" / "vocabulary.txt"
+    if jax.process_index() == 1:
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        stale.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "stale"]))
+    tokenizer = kdist.data.word_piece_tokenizer(corpus, 320, cache_dir=cache)
+    return dict(vocabulary=tokenizer.get_vocabulary(), cached=stale.read_text().splitlines())
+
+
 def hang(args) -> dict:
     """Joins the cluster, says "ready", then runs cross-process barriers until killed."""
     from jax.experimental import multihost_utils
@@ -177,7 +193,7 @@ def ckpt(args) -> dict:
     )
 
 
-COMMANDS = {"train": train, "hang": hang, "ckpt": ckpt}
+COMMANDS = {"train": train, "hang": hang, "ckpt": ckpt, "wordpiece": wordpiece}
 
 
 def main(argv=None) -> int:

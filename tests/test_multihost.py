@@ -38,6 +38,19 @@ def child_env(monkeypatch):
 
 
 @pytest.mark.slow
+def test_every_process_uses_process_zeros_word_piece_vocabulary(tmp_path, child_env):
+    # Two trainings of one corpus can keep different tokens (the HF trainer breaks ties in
+    # hash order): processes must not each train their own.
+    status = launch.launch([sys.executable, SCRIPT, "wordpiece", "--out", str(tmp_path)],
+                           processes=2, devices_per_process=4)
+    assert status == 0
+    ranks = [json.loads((tmp_path / f"wordpiece-rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["vocabulary"] == ranks[1]["vocabulary"] == ranks[0]["cached"]
+    assert ranks[1]["cached"] == ranks[0]["cached"]  # the stale cache entry was replaced
+    assert "stale" not in ranks[1]["vocabulary"] and len(ranks[0]["vocabulary"]) > 100
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, shares", [("fsdp=8", 2), ("data=2,model=4", 2), ("model=8", 1)])
 def test_two_processes_train_like_one(mesh, shares, tmp_path, child_env):
     """``shares``: distinct row sets per step. Under model=8 the one replica spans both

@@ -94,12 +94,7 @@ def test_gpt2_xl_plans_here_with_an_eighth_of_the_state_per_device():
     assert p.parameters > 1.5e9
     replicated = p.parameters * 4 * 3  # float32 weights + Adam's two moments
     per_device = p.memory["parameters"] + p.memory["optimizer_state"]
-    # kdist's table shards no vector over fsdp (norm scales/offsets, biases: 0.06% of the
-    # weights; sharding them would only add collectives): per block 2 norms x 2 (4D),
-    # query/key/value biases (3D), two output biases (2D), the MLP up bias (F); final norm.
-    c = GPT_PRESETS["gpt2-xl"]
-    d, f = c["hidden_dim"], c["intermediate_dim"]
-    small = ((9 * d + f) * c["num_layers"] + 2 * d) * 4 * 3
-    assert per_device <= (replicated - small) / 8 + small + 64  # + Adam's step counters
-    assert per_device / (replicated / 8) < 1.005
+    # Every weight is split 8 ways, the norm scales and biases too (ZeRO-3); only Adam's
+    # scalar step counters are replicated.
+    assert per_device <= replicated / 8 + 64
     assert p.collectives["all-gather"]["count"] > 0

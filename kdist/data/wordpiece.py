@@ -30,7 +30,8 @@ SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)  # ids 0..4 in this order
 def train_word_piece(documents, vocabulary_size: int, path: Path) -> None:
     """Learns a WordPiece vocabulary of at most ``vocabulary_size`` entries into ``path``.
 
-    The special tokens come first (``[PAD]`` = 0). Written atomically (temporary name, then
+    The special tokens come first (``[PAD]`` = 0), then the learned tokens in sorted order, so
+    the same documents always give the same file. Written atomically (temporary name, then
     rename), so concurrent runs never read a half-written file.
     """
     from tokenizers import BertWordPieceTokenizer
@@ -48,7 +49,12 @@ def train_word_piece(documents, vocabulary_size: int, path: Path) -> None:
         documents, vocab_size=vocabulary_size, min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS), show_progress=False, wordpieces_prefix="##",
     )
-    vocabulary = [token for token, _ in sorted(trainer.get_vocab().items(), key=lambda t: t[1])]
+    # The trainer numbers the learned tokens in an order that differs from run to run (its
+    # alphabet is a hash set), and token ids become embedding rows: sort them, so one corpus
+    # gives one vocabulary.txt, ids and model in every process. WordPiece's longest-match
+    # encoding does not depend on the order.
+    learned = sorted(set(trainer.get_vocab()) - set(SPECIAL_TOKENS))
+    vocabulary = [*SPECIAL_TOKENS, *learned]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text("\n".join(vocabulary) + "\n", encoding="utf-8")
@@ -90,11 +96,40 @@ def word_piece_tokenizer(corpus, vocabulary_size: int = 8192,
         >>> tok.id_to_token(0), tok.detokenize(tok.tokenize("return x"))
         ('[PAD]', 'return x')
     """
+    import jax
+
     if vocabulary is not None:
         return load_word_piece(vocabulary)
     path = (cache_dir or cache_root()) / f"wordpiece-{corpus.fingerprint}-{vocabulary_size}" / (
         "vocabulary.txt")
-    if not path.exists():
+    if jax.process_index() == 0 and not path.exists():
         train_word_piece(corpus.train, vocabulary_size, path)
+    if jax.process_count() > 1:
+        _use_process_zeros_vocabulary(path)
     return load_word_piece(path)
+
+
+def _use_process_zeros_vocabulary(path: Path) -> None:
+    """Writes process 0's ``vocabulary.txt`` at ``path`` in every process.
+
+    The HF trainer breaks ties between equally frequent merges in hash order, so two
+    trainings of one corpus can keep different tokens; processes that trained on their own
+    would give one word different ids. Process 0 trains (or reads its cache) and sends the
+    file; the others write it atomically, replacing whatever their own cache held.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    text = path.read_bytes() if jax.process_index() == 0 else b""
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
+    buffer = np.zeros(size, np.uint8)
+    if text:
+        buffer[:] = np.frombuffer(text, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8).tobytes()
+    if jax.process_index() != 0 and (not path.exists() or path.read_bytes() != data):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
 

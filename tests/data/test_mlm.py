@@ -170,3 +170,24 @@ def test_mlm_dataset_on_a_local_corpus(tmp_path):
         import kdist
         keras.distribution.set_distribution(kdist.distribution("data=8"))
         mlm_dataset(str(source), global_batch_size=7, cache_dir=tmp_path)
+
+
+
+def test_vocabulary_ids_do_not_depend_on_the_trainers_numbering(tmp_path, monkeypatch):
+    # Token ids are embedding rows. The HF trainer numbers the tokens it keeps in hash
+    # order, which changes from run to run: two identical pretraining runs diverged until
+    # vocabulary.txt was written in sorted order. Here the trainer keeps the same tokens
+    # under two numberings; the files must be identical.
+    from tokenizers import BertWordPieceTokenizer
+
+    tokens = [PAD, "[UNK]", CLS, SEP, MASK, "a", "b", "##b", "def", "##s", "return"]
+    numberings = iter([random.Random(seed).sample(range(len(tokens)), len(tokens))
+                       for seed in (1, 2)])
+    monkeypatch.setattr(BertWordPieceTokenizer, "train_from_iterator", lambda *a, **k: None)
+    monkeypatch.setattr(BertWordPieceTokenizer, "get_vocab",
+                        lambda self: dict(zip(tokens, next(numberings))))
+    files = [tmp_path / f"run{i}" / "vocabulary.txt" for i in range(2)]
+    for path in files:
+        wordpiece_module.train_word_piece(["a b"], 1024, path)
+    assert files[0].read_text() == files[1].read_text()
+    assert files[0].read_text().splitlines()[:5] == [PAD, "[UNK]", CLS, SEP, MASK]
