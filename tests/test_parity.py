@@ -30,12 +30,17 @@ def padded_spec(variable):
     return spec + (None,) * (len(variable.shape) - len(spec))
 
 
-def expected_spec(path, mesh_sizes):
-    """The PartitionSpec the strategy rules prescribe for a weight."""
-    return tuple(
-        mesh_axis if mesh_axis and mesh_sizes[mesh_axis] > 1 else None
-        for mesh_axis in (LOGICAL_TO_MESH.get(a) for a in logical_axes_for(path))
-    )
+def expected_spec(path, shape, mesh_sizes):
+    """The PartitionSpec the strategy rules prescribe for a weight: its logical axes'
+    mesh axes; under fsdp, a weight they leave unsharded over fsdp (a norm scale, a bias)
+    is split along its largest dimension that divides (ZeRO-3: 1/fsdp of every weight)."""
+    spec = [mesh_axis if mesh_axis and mesh_sizes[mesh_axis] > 1 else None
+            for mesh_axis in (LOGICAL_TO_MESH.get(a) for a in logical_axes_for(path))]
+    fsdp = mesh_sizes["fsdp"]
+    free = [d for d, n in enumerate(shape) if spec[d] is None and n % fsdp == 0]
+    if fsdp > 1 and "fsdp" not in spec and free:
+        spec[max(free, key=lambda d: shape[d])] = "fsdp"
+    return tuple(spec)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -50,7 +55,7 @@ def test_float32_parity_and_layouts(mesh, reference):
     sizes = keras.distribution.distribution().mesh_shape
     slots = {v.path: v for v in model.optimizer.variables}
     for w in model.weights:
-        assert padded_spec(w) == expected_spec(w.path, sizes), w.path
+        assert padded_spec(w) == expected_spec(w.path, w.shape, sizes), w.path
         for slot in ("momentum", "velocity"):
             assert padded_spec(slots[f"adam_w/{w.path.replace('/', '_')}_{slot}"]) == padded_spec(w)
 

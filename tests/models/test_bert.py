@@ -33,7 +33,7 @@ def test_float32_parity_and_layouts(mesh, reference):
     assert reference[0] - reference[2] > 0.05  # the steps did change the loss
     sizes = keras.distribution.distribution().mesh_shape
     for w in model.weights:
-        assert padded_spec(w) == expected_spec(w.path, sizes), w.path
+        assert padded_spec(w) == expected_spec(w.path, w.shape, sizes), w.path
 
 
 def encode(model, token_ids, padding_mask):
