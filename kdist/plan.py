@@ -202,14 +202,17 @@ def activation_bytes_per_token(config: dict, bytes_per_value: int = 4,
 
 
 def parameter_count(config: dict) -> int:
-    """Parameters of a kdist GPT config (exact for GPT-2 and Llama-style configs).
+    """Parameters of a kdist GPT config (exact for GPT-2 and Llama-style configs), padding
+    rows of the token table included.
 
     Example:
         >>> from kdist.models import GPT_PRESETS
-        >>> parameter_count(GPT_PRESETS["gpt2-small"])
-        124439808
+        >>> parameter_count(GPT_PRESETS["gpt2-small"])  # token table padded to 50304 rows
+        124475904
     """
-    d, f, v = config["hidden_dim"], config["intermediate_dim"], config["vocabulary_size"]
+    d, f = config["hidden_dim"], config["intermediate_dim"]
+    multiple = config.get("vocabulary_divisible_by", 1)
+    v = -(-config["vocabulary_size"] // multiple) * multiple  # token table rows
     n = config["num_heads"]
     k = config.get("num_key_value_heads") or n
     h = d // n

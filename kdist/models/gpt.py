@@ -14,7 +14,12 @@ import keras
 import numpy as np
 from keras import layers, ops
 
-from kdist.distribution import check_divisible, gathered, register_logical_axes
+from kdist.distribution import (
+    check_divisible,
+    current_mesh_shape,
+    gathered,
+    register_logical_axes,
+)
 from kdist.models.layers import PreNormBlock, document_mask_and_positions, normalization
 from kdist.models.presets import GPT_PRESETS, preset_config
 
@@ -53,13 +58,19 @@ class TokenEmbedding(keras.layers.ReversibleEmbedding):
         (2, 3, 8)
     """
 
-    def __init__(self, *args, max_sequence_length: int | None = None, **kwargs):
+    def __init__(self, *args, max_sequence_length: int | None = None,
+                 vocabulary_size: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_sequence_length = max_sequence_length
+        # Ids in use; the table may have more rows (padding for aligned matmuls and shards).
+        self.vocabulary_size = vocabulary_size or self.input_dim
 
     def call(self, inputs, reverse=False):
         if reverse:
-            return super().call(inputs, reverse=True)
+            logits = super().call(inputs, reverse=True)  # (B, T, rows)
+            if self.vocabulary_size == self.input_dim:
+                return logits
+            return logits[..., : self.vocabulary_size]  # (B, T, V): padding rows cut
         length = inputs.shape[1]
         if isinstance(length, int) and length > (self.max_sequence_length or length):
             raise ValueError(
@@ -74,7 +85,8 @@ class TokenEmbedding(keras.layers.ReversibleEmbedding):
         return ops.cast(ops.take(table, ops.cast(inputs, "int32"), axis=0), self.compute_dtype)
 
     def get_config(self):
-        return {**super().get_config(), "max_sequence_length": self.max_sequence_length}
+        return {**super().get_config(), "max_sequence_length": self.max_sequence_length,
+                "vocabulary_size": self.vocabulary_size}
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -165,6 +177,13 @@ class GPTBackbone(keras.Model):
             matmul outputs too; see ``PreNormBlock``).
         fused_qkv: one fused query/key/value projection per block (``.../attention/qkv``)
             instead of three; off by default.
+        vocabulary_divisible_by: the token table gets ``vocabulary_size`` rounded up to a
+            multiple of this many rows (Megatron's ``--make-vocab-size-divisible-by``). The
+            extra rows are never an input and are cut from the logits, so the model
+            computes the same function; the output matmul gets aligned shapes (GPT-2's
+            50257 -> 50304: +10-19% tokens/s on an H200, ``benchmarks/README.md``), and a
+            vocabulary with no divisor for the ``model`` axis can be sharded over it (use
+            a multiple of that axis).
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -197,6 +216,7 @@ class GPTBackbone(keras.Model):
         initializer_range: float = 0.02,
         remat: bool | str = False,
         fused_qkv: bool = False,
+        vocabulary_divisible_by: int = 1,
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -211,15 +231,30 @@ class GPTBackbone(keras.Model):
         check_divisible("num_heads", num_heads)
         check_divisible("num_key_value_heads", num_key_value_heads or num_heads)
         check_divisible("intermediate_dim", intermediate_dim)
-        check_divisible("vocabulary_size", vocabulary_size)
+        if not isinstance(vocabulary_divisible_by, int) or vocabulary_divisible_by < 1:
+            raise ValueError(f"vocabulary_divisible_by must be a positive int (e.g. 128); got "
+                             f"{vocabulary_divisible_by!r}.")
+        # Not rounded to the mesh: the table's shape must not depend on it (checkpoints
+        # move between meshes).
+        table_rows = -(-vocabulary_size // vocabulary_divisible_by) * vocabulary_divisible_by
+        model_axis = current_mesh_shape()["model"]
+        if table_rows % model_axis:
+            padded = (f" (padded to {table_rows} rows by vocabulary_divisible_by="
+                      f"{vocabulary_divisible_by})" if table_rows != vocabulary_size else "")
+            raise ValueError(
+                f"vocabulary_size={vocabulary_size}{padded} is not divisible by the 'model' "
+                f"mesh axis of size {model_axis}, so the token table cannot be sharded over "
+                f"it. Pass vocabulary_divisible_by=128 (or another multiple of {model_axis}) "
+                f"to pad the table with rows that are never used, or use another mesh.")
         dtype = kwargs.pop("dtype", None)
         head_dim = hidden_dim // num_heads
         rotary = position_embedding == "rotary"
 
         # === Layers ===
         self.token_embedding = TokenEmbedding(
-            vocabulary_size,
+            table_rows,
             hidden_dim,
+            vocabulary_size=vocabulary_size,
             tie_weights=tie_embeddings,
             embeddings_initializer=keras.initializers.RandomNormal(stddev=initializer_range),
             max_sequence_length=max_sequence_length,
@@ -288,6 +323,7 @@ class GPTBackbone(keras.Model):
         self.initializer_range = initializer_range
         self.remat = remat
         self.fused_qkv = fused_qkv
+        self.vocabulary_divisible_by = vocabulary_divisible_by
 
     @property
     def head_dim(self) -> int:
@@ -328,6 +364,7 @@ class GPTBackbone(keras.Model):
             "initializer_range": self.initializer_range,
             "remat": self.remat,
             "fused_qkv": self.fused_qkv,
+            "vocabulary_divisible_by": self.vocabulary_divisible_by,
         }
 
     @classmethod
@@ -415,7 +452,8 @@ class GPTCausalLM(keras.Model):
         embedding = self.backbone.token_embedding
         table = (ops.convert_to_tensor(embedding.embeddings) if embedding.tie_weights
                  else ops.transpose(ops.convert_to_tensor(embedding.reverse_embeddings)))
-        loss = chunked_cross_entropy(y_pred, table, y, self.loss_chunk_size)  # y_pred: hidden
+        loss = chunked_cross_entropy(y_pred, table, y, self.loss_chunk_size,  # y_pred: hidden
+                                     vocabulary_size=embedding.vocabulary_size)
         for extra in self.losses:
             loss = loss + self._aggregate_additional_loss(extra)
         return loss

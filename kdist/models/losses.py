@@ -35,14 +35,16 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 
 def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model_axis,
-                          replica_axes, fsdp_axis, with_grads):
+                          replica_axes, fsdp_axis, with_grads, vocabulary_size):
     """One device's part: ``hidden (b, T, D)``, ``table (v, D)`` (v = its vocabulary rows),
-    ``labels (b, T)``. Returns the global mean loss and, if asked, the gradients."""
+    ``labels (b, T)``. Returns the global mean loss and, if asked, the gradients. Table rows
+    from ``vocabulary_size`` on are padding: their logits are left out of the softmax."""
     b, t, d = hidden.shape
     v = table.shape[0]
     tc = t // num_chunks
     table = table.astype(hidden.dtype)  # the compute dtype, as the plain path's matmul
     offset = jax.lax.axis_index(model_axis) * v if model_axis else 0
+    padding = (offset + jnp.arange(v)) >= vocabulary_size  # (v,) rows that are no token
     # (b, T, D) -> (C, b, Tc, D): the scan runs over chunks of positions.
     h_chunks = hidden.reshape(b, num_chunks, tc, d).swapaxes(0, 1)
     y_chunks = labels.astype(jnp.int32).reshape(b, num_chunks, tc).swapaxes(0, 1) - offset
@@ -55,6 +57,8 @@ def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model
         h, y = chunk  # (b, Tc, D), (b, Tc) local vocabulary ids (out of range: other shard)
         logits = jnp.einsum("btd,vd->btv", h, table,
                             preferred_element_type=jnp.float32)  # (b, Tc, v) float32
+        # A finite floor, not -inf: exp() gives 0 and 0 x floor stays 0 in the target sum.
+        logits = jnp.where(padding, jnp.finfo(jnp.float32).min, logits)
         row_max = reduce_model(jax.lax.stop_gradient(logits.max(-1)), jax.lax.pmax)  # (b, Tc)
         exp = jnp.exp(logits - row_max[..., None])
         lse = row_max + jnp.log(reduce_model(exp.sum(-1), jax.lax.psum))  # (b, Tc)
@@ -95,16 +99,17 @@ def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model
     return loss, grad_h.astype(hidden.dtype), grad_table
 
 
-def _run(hidden, table, labels, num_chunks, mesh_axes, with_grads):
+def _run(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size, with_grads):
     """Runs the local computation, in ``shard_map`` when ``mesh_axes`` is given."""
     total = hidden.shape[0] * hidden.shape[1]
     if mesh_axes is None:
         return _local_loss_and_grads(hidden, table, labels, num_chunks, total, None, (), None,
-                                     with_grads)
+                                     with_grads, vocabulary_size)
     mesh, replica_axes, model_axis, fsdp_axis = mesh_axes
     fn = functools.partial(_local_loss_and_grads, num_chunks=num_chunks, total_tokens=total,
                            model_axis=model_axis, replica_axes=replica_axes,
-                           fsdp_axis=fsdp_axis, with_grads=with_grads)
+                           fsdp_axis=fsdp_axis, with_grads=with_grads,
+                           vocabulary_size=vocabulary_size)
     batch = P(replica_axes or None, None, None)
     in_specs = (batch, P(model_axis, None), P(replica_axes or None, None))
     out_specs = (P(), batch, P(model_axis, fsdp_axis)) if with_grads else P()
@@ -112,18 +117,19 @@ def _run(hidden, table, labels, num_chunks, mesh_axes, with_grads):
         hidden, table, labels)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused_cross_entropy(hidden, table, labels, num_chunks, mesh_axes):
-    return _run(hidden, table, labels, num_chunks, mesh_axes, with_grads=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused_cross_entropy(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size):
+    return _run(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size,
+                with_grads=False)
 
 
-def _fwd(hidden, table, labels, num_chunks, mesh_axes):
+def _fwd(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size):
     loss, grad_h, grad_table = _run(hidden, table, labels, num_chunks, mesh_axes,
-                                    with_grads=True)
+                                    vocabulary_size, with_grads=True)
     return loss, (grad_h, grad_table)
 
 
-def _bwd(num_chunks, mesh_axes, residuals, g):
+def _bwd(num_chunks, mesh_axes, vocabulary_size, residuals, g):
     grad_h, grad_table = residuals
     return (grad_h * g.astype(grad_h.dtype), (grad_table * g).astype(grad_table.dtype), None)
 
@@ -156,7 +162,8 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int):
     return dist.device_mesh.backend_mesh, replicas, model, fsdp
 
 
-def chunked_cross_entropy(hidden, table, labels, chunk_size: int = 128):
+def chunked_cross_entropy(hidden, table, labels, chunk_size: int = 128,
+                          vocabulary_size: int | None = None):
     """Mean next-token cross-entropy of ``hidden @ table.T`` without materialising the logits.
 
     Args:
@@ -168,6 +175,9 @@ def chunked_cross_entropy(hidden, table, labels, chunk_size: int = 128):
         chunk_size: positions per chunk; the largest divisor of ``T`` not above it is used.
             Peak logits memory is ``B x chunk_size x V`` float32 per chunk instead of
             ``B x T x V``.
+        vocabulary_size: the ids in use when the table has padding rows beyond them
+            (``GPTBackbone(vocabulary_divisible_by=...)``); those rows take no part in the
+            softmax and get zero gradient. None: every row is a token.
 
     Returns the float32 scalar ``mean(logsumexp(logits) - logits[label])``, equal to Keras'
     ``SparseCategoricalCrossentropy(from_logits=True)`` on the full logits; differentiable
@@ -190,6 +200,12 @@ def chunked_cross_entropy(hidden, table, labels, chunk_size: int = 128):
             f"Expected hidden (B, T, D), table (V, D) and labels (B, T); got shapes "
             f"{hidden.shape}, {table.shape}, {labels.shape}.")
     batch, length, dim = hidden.shape
+    rows = table.shape[0]
+    if vocabulary_size is None:
+        vocabulary_size = rows
+    if not isinstance(vocabulary_size, int) or not 0 < vocabulary_size <= rows:
+        raise ValueError(f"vocabulary_size must be an int in [1, {rows}] (the table's rows); "
+                         f"got {vocabulary_size!r}.")
     num_chunks = length // _largest_divisor_at_most(length, chunk_size)
-    mesh_axes = _mesh_axes(batch, table.shape[0], dim)
-    return _fused_cross_entropy(hidden, table, labels, num_chunks, mesh_axes)
+    mesh_axes = _mesh_axes(batch, rows, dim)
+    return _fused_cross_entropy(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size)

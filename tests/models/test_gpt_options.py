@@ -65,3 +65,55 @@ def test_fused_qkv_shards_under_tensor_parallelism():
     assert tuple(kernel.value.sharding.spec)[:2] == ("fsdp", "model")
     losses = train(lm, token_batches(2))
     assert np.isfinite(losses).all()
+
+
+def _padded_copy(plain: GPTCausalLM, multiple: int, **kwargs) -> GPTCausalLM:
+    """The same model with its token table padded to ``multiple`` rows (random padding)."""
+    config = plain.backbone.get_config()
+    padded = GPTCausalLM(GPTBackbone.from_config({**config, "vocabulary_divisible_by": multiple}),
+                         **kwargs)
+    source = {w.path: w.numpy() for w in plain.weights}
+    rng = np.random.default_rng(1)
+    for w in padded.weights:
+        value = source[w.path]
+        if w.shape != value.shape:  # the token table: real rows, then padding
+            value = np.concatenate([value, rng.normal(size=(w.shape[0] - value.shape[0],
+                                                            value.shape[1]))]).astype("float32")
+        w.assign(value)
+    return padded
+
+
+@pytest.mark.parametrize("loss_chunk_size", [None, 4])
+def test_padded_vocabulary_computes_the_same_function(loss_chunk_size):
+    keras.utils.set_random_seed(0)
+    plain = GPTCausalLM(GPTBackbone(**{**TINY_GPT, "vocabulary_size": 250}),
+                        loss_chunk_size=loss_chunk_size)
+    padded = _padded_copy(plain, 128, loss_chunk_size=loss_chunk_size)
+    assert padded.backbone.token_embedding.embeddings.shape == (256, 64)
+    batches = token_batches(3, vocab=250)
+    x, _ = batches[0]
+    logits = padded.predict_on_batch(x)
+    assert logits.shape == (8, 16, 250)  # the padding rows are cut from the logits
+    np.testing.assert_allclose(logits, plain.predict_on_batch(x), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(train(padded, batches), train(plain, batches), rtol=2e-6)
+    config = padded.backbone.get_config()
+    assert GPTBackbone.from_config(config).vocabulary_divisible_by == 128
+    np.testing.assert_array_equal(padded.generate(x[:1, :4], 8, sampler="greedy"),
+                                  plain.generate(x[:1, :4], 8, sampler="greedy"))
+
+
+def test_padding_lets_an_odd_vocabulary_shard_over_model():
+    import kdist
+
+    odd = {**TINY_GPT, "vocabulary_size": 251}  # prime: no model axis divides it
+    keras.distribution.set_distribution(kdist.distribution("fsdp=4,model=2"))
+    with pytest.raises(ValueError, match="vocabulary_size=251 is not divisible by the 'model'"
+                                         ".*vocabulary_divisible_by=128"):
+        GPTBackbone(**odd)
+    batches = token_batches(3, vocab=251)
+    keras.utils.set_random_seed(0)
+    sharded = train(GPTCausalLM(GPTBackbone(**odd, vocabulary_divisible_by=128)), batches)
+    keras.distribution.set_distribution(None)
+    keras.utils.set_random_seed(0)
+    one_device = train(GPTCausalLM(GPTBackbone(**odd, vocabulary_divisible_by=128)), batches)
+    np.testing.assert_allclose(sharded, one_device, rtol=2e-6)

@@ -110,3 +110,22 @@ def test_metrics_fall_back_to_logits_and_bad_values_are_refused():
         GPTCausalLM(GPTBackbone(**TINY_GPT), loss_chunk_size=0)
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_cross_entropy(*_inputs(), chunk_size=0)
+
+
+@pytest.mark.parametrize("mesh", [None, "data=2,fsdp=2,model=2"])
+def test_padding_rows_of_the_table_take_no_part(mesh):
+    # GPTBackbone(vocabulary_divisible_by=...) pads the table; the padding rows must not
+    # enter the softmax (large values here would dominate it) and get no gradient.
+    hidden, table, labels = _inputs()
+    padding = 10 * np.random.default_rng(1).normal(size=(V, D)).astype("float32")
+    expected, (gh, gw) = jax.value_and_grad(_plain_loss, (0, 1))(hidden, table, labels)
+    keras.distribution.set_distribution(kdist.distribution(mesh) if mesh else None)
+    loss, (fh, fw) = jax.jit(jax.value_and_grad(
+        lambda h, w: chunked_cross_entropy(h, w, labels, 4, vocabulary_size=V), (0, 1)))(
+        hidden, np.concatenate([table, padding]))
+    np.testing.assert_allclose(loss, expected, rtol=2e-6)
+    np.testing.assert_allclose(fh, gh, rtol=2e-6, atol=2e-6 * np.abs(gh).max())
+    np.testing.assert_allclose(fw[:V], gw, rtol=2e-6, atol=2e-6 * np.abs(gw).max())
+    np.testing.assert_array_equal(fw[V:], 0)
+    with pytest.raises(ValueError, match="vocabulary_size must be an int in \\[1, 64\\]"):
+        chunked_cross_entropy(hidden, table, labels, 4, vocabulary_size=65)
