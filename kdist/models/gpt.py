@@ -84,6 +84,12 @@ class TokenEmbedding(keras.layers.ReversibleEmbedding):
         )
         return ops.cast(ops.take(table, ops.cast(inputs, "int32"), axis=0), self.compute_dtype)
 
+    def compute_output_spec(self, inputs, reverse=False):
+        spec = super().compute_output_spec(inputs, reverse=reverse)
+        if not reverse:
+            return spec
+        return keras.KerasTensor((*spec.shape[:-1], self.vocabulary_size), spec.dtype)
+
     def get_config(self):
         return {**super().get_config(), "max_sequence_length": self.max_sequence_length,
                 "vocabulary_size": self.vocabulary_size}

@@ -94,6 +94,7 @@ def test_padded_vocabulary_computes_the_same_function(loss_chunk_size):
     x, _ = batches[0]
     logits = padded.predict_on_batch(x)
     assert logits.shape == (8, 16, 250)  # the padding rows are cut from the logits
+    assert padded.output.shape[-1] == 250  # and the functional model says so
     np.testing.assert_allclose(logits, plain.predict_on_batch(x), rtol=2e-6, atol=2e-6)
     np.testing.assert_allclose(train(padded, batches), train(plain, batches), rtol=2e-6)
     config = padded.backbone.get_config()
