@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,6 @@ import pytest
 import kdist
 from kdist import launch
 from tests import multihost_script
-from tests.helpers import ProcessOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "multihost_script.py")
@@ -82,18 +82,35 @@ def test_two_processes_train_like_one(mesh, shares, tmp_path, child_env):
                 np.testing.assert_array_equal(r, reference["rows"][step])
 
 
-class Launched(ProcessOutput):
-    """``python -m kdist.launch ARGS`` in the background, its output read as it comes."""
+class Launched:
+    """``python -m kdist.launch ARGS`` in the background; its output is read as it comes
+    (an unread pipe would fill up and stall the launcher)."""
 
     def __init__(self, *args):
-        super().__init__(subprocess.Popen(
+        self.proc = subprocess.Popen(
             [sys.executable, "-m", "kdist.launch", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-        ))
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout))
+        self.reader.start()
+
+    def wait_for(self, predicate, timeout=240):
+        deadline = time.monotonic() + timeout
+        while not predicate(self.lines) and time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert predicate(self.lines), "".join(self.lines)
 
     def pids(self) -> dict[int, int]:
         return {int(x.split()[2]): int(x.split()[4]) for x in self.lines
                 if x.startswith("[launch] rank ")}
+
+    def finish(self, timeout) -> tuple[int, str]:
+        status = self.proc.wait(timeout=timeout)
+        self.reader.join()
+        return status, "".join(self.lines)
 
 
 def both_ready(lines):
