@@ -68,6 +68,16 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code  # -9 (killed by SIGKILL) -> 137, as a shell says
 
 
+def _cause(children: list) -> "subprocess.Popen | None":
+    """The failed rank to report among those seen failed in one poll, or None.
+
+    A rank a signal ended (a kill, the OOM killer) is the cause; the others usually failed
+    because it vanished, and may have exited within the same poll.
+    """
+    failures = [c for c in children if c.returncode not in (None, 0)]
+    return min(failures, key=lambda c: c.returncode >= 0) if failures else None
+
+
 def launch(
     command: list[str], processes: int = 2, devices_per_process: int = 4, grace: float = 10.0
 ) -> int:
@@ -112,28 +122,27 @@ def launch(
     status = 0
     try:
         kill_at = None  # once set: SIGKILL whatever still runs at that time
-        while [c.poll() for c in children].count(None):  # poll every child, each time
-            if kill_at is None:
-                failures = [c for c in children if c.returncode not in (None, 0)]
-                if failures:
-                    first = failures[0]
-                    status = _status(first.returncode)
-                    with lock:
-                        print(f"[launch] rank {children.index(first)} exited with status "
-                              f"{status}; stopping the others", flush=True)
-                    for child in children:
-                        if child.poll() is None:
-                            child.terminate()
-                    kill_at = time.monotonic() + grace
-                elif received:  # forwarded already; a rank that ignores it is killed later
-                    kill_at = time.monotonic() + grace
-            elif time.monotonic() > kill_at:
+        while True:
+            running = [c.poll() for c in children].count(None)  # poll every child, each time
+            first = _cause(children) if kill_at is None else None
+            if first is not None:  # also when every rank ended within the same poll
+                status = _status(first.returncode)
+                with lock:
+                    print(f"[launch] rank {children.index(first)} exited with status "
+                          f"{status}" + ("; stopping the others" if running else ""), flush=True)
+                for child in children:
+                    if child.poll() is None:
+                        child.terminate()
+                kill_at = time.monotonic() + grace
+            elif kill_at is None and received:  # forwarded; a rank that ignores it dies later
+                kill_at = time.monotonic() + grace
+            elif kill_at is not None and time.monotonic() > kill_at:
                 for child in children:
                     if child.poll() is None:
                         child.kill()
+            if not running:
+                break
             time.sleep(0.05)
-        if status == 0:
-            status = next((_status(c.returncode) for c in children if c.returncode), 0)
         if received and status == 0:
             status = 128 + received[0]
     finally:

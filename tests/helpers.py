@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import keras
 import numpy as np
 
@@ -76,3 +78,36 @@ def uncached_greedy(model, prompt: np.ndarray, max_length: int) -> np.ndarray:
     for t in range(length, max_length):
         tokens[:, t] = model.predict_on_batch(tokens)[:, t - 1].argmax(-1)
     return tokens
+
+
+class ProcessOutput:
+    """A child process's text stdout, read line by line on a thread (an unread pipe would
+    fill up and stall the child). ``wait_for`` blocks on a condition the reader signals for
+    every line, with a bound; ``finish`` waits for the exit and the last line."""
+
+    def __init__(self, proc):
+        self.proc, self.lines, self._ended = proc, [], False
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def wait_for(self, predicate, timeout: float = 240):
+        """Until ``predicate(lines)`` holds; fails with the output if the output ends or
+        ``timeout`` seconds pass first."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._ended or predicate(self.lines), timeout)
+            assert predicate(self.lines), "".join(self.lines)
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        status = self.proc.wait(timeout=timeout)
+        self._reader.join()
+        return status, "".join(self.lines)

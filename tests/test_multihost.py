@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import kdist
 from kdist import launch
 from tests import multihost_script
+from tests.helpers import ProcessOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "multihost_script.py")
@@ -82,35 +82,18 @@ def test_two_processes_train_like_one(mesh, shares, tmp_path, child_env):
                 np.testing.assert_array_equal(r, reference["rows"][step])
 
 
-class Launched:
-    """``python -m kdist.launch ARGS`` in the background; its output is read as it comes
-    (an unread pipe would fill up and stall the launcher)."""
+class Launched(ProcessOutput):
+    """``python -m kdist.launch ARGS`` in the background, its output read as it comes."""
 
     def __init__(self, *args):
-        self.proc = subprocess.Popen(
+        super().__init__(subprocess.Popen(
             [sys.executable, "-m", "kdist.launch", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-        )
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout))
-        self.reader.start()
-
-    def wait_for(self, predicate, timeout=240):
-        deadline = time.monotonic() + timeout
-        while not predicate(self.lines) and time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert predicate(self.lines), "".join(self.lines)
+        ))
 
     def pids(self) -> dict[int, int]:
         return {int(x.split()[2]): int(x.split()[4]) for x in self.lines
                 if x.startswith("[launch] rank ")}
-
-    def finish(self, timeout) -> tuple[int, str]:
-        status = self.proc.wait(timeout=timeout)
-        self.reader.join()
-        return status, "".join(self.lines)
 
 
 def both_ready(lines):
@@ -127,10 +110,20 @@ def test_launcher_ends_the_others_when_one_is_killed(tmp_path, child_env):
     status, output = run.finish(timeout=60)
     elapsed = time.monotonic() - killed_at
     assert status == 128 + signal.SIGKILL, output
-    assert "[launch] rank 1 exited with status 137; stopping the others" in output
+    assert "[launch] rank 1 exited with status 137" in output
     assert elapsed < 5 + 5  # the grace period, plus polling and exit
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)  # rank 0 is gone too
+
+
+def test_launcher_blames_the_killed_rank_when_several_fail_in_one_poll():
+    # A survivor often errors in the same 50 ms poll as the rank that was killed (its peer
+    # vanished); reporting the lowest failed rank would blame the survivor and exit 1.
+    rank = lambda code: argparse.Namespace(returncode=code)  # noqa: E731
+    children = [rank(1), rank(-signal.SIGKILL), rank(None)]
+    assert launch._cause(children) is children[1]
+    assert launch._cause([rank(0), rank(2), rank(3)]).returncode == 2  # first exit status
+    assert launch._cause([rank(0), rank(None)]) is None
 
 
 def test_launcher_forwards_sigterm_and_prefixes_output(tmp_path, child_env):

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -18,7 +17,7 @@ import kdist
 from kdist.callbacks import Checkpoint, CheckpointError
 from kdist.callbacks.checkpoint import committed_steps, read_metadata, verify_step
 from kdist.data.lm import LMBatches
-from tests.helpers import TINY_GPT, parity_optimizer, tiny_gpt, weights
+from tests.helpers import TINY_GPT, ProcessOutput, parity_optimizer, tiny_gpt, weights
 
 TOKENS = np.random.default_rng(0).integers(0, 256, size=4000).astype(np.int32)
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
@@ -237,21 +236,18 @@ def start_worker(directory, mode):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for(path, process, timeout=300):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert process.poll() is None, process.communicate()[0]
-        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
-        time.sleep(0.2)
+def said(word):
+    """A predicate for ProcessOutput.wait_for: the worker printed ``word`` on a line."""
+    return lambda lines: f"{word}\n" in lines
 
 
 @pytest.mark.slow
 def test_kill_9_during_a_save_resumes_from_the_last_committed_step(tmp_path):
     directory = tmp_path / "ckpt"
-    worker = start_worker(directory, "hang-in-save")
-    wait_for(tmp_path / "in_save", worker)
-    worker.kill()  # SIGKILL while step 4 is written but not committed
-    worker.wait()
+    worker = ProcessOutput(start_worker(directory, "hang-in-save"))
+    worker.wait_for(said("in_save"), timeout=300)
+    worker.proc.kill()  # SIGKILL while step 4 is written but not committed
+    worker.finish(timeout=60)
     assert committed_steps(directory) == [2]
     assert [p.name for p in directory.iterdir() if "tmp" in p.name] == ["4.orbax-checkpoint-tmp"]
     restart = start_worker(directory, "train")
@@ -265,11 +261,11 @@ def test_kill_9_during_a_save_resumes_from_the_last_committed_step(tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_exits(tmp_path):
     directory = tmp_path / "ckpt"
-    worker = start_worker(directory, "until-signal")
-    wait_for(tmp_path / "running", worker)
-    worker.send_signal(signal.SIGTERM)
-    out = worker.communicate(timeout=300)[0]
-    assert worker.returncode == 128 + signal.SIGTERM, out
+    worker = ProcessOutput(start_worker(directory, "until-signal"))
+    worker.wait_for(said("running"), timeout=300)
+    worker.proc.send_signal(signal.SIGTERM)
+    status, out = worker.finish(timeout=300)
+    assert status == 128 + signal.SIGTERM, out
     assert "DONE" not in out  # exited, did not return from fit
     steps = committed_steps(directory)
     assert len(steps) == 1 and steps[0] >= 3, out
