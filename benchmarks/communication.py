@@ -25,10 +25,14 @@ import kdist  # noqa: E402,F401  (before jax: Keras' JAX backend)
 # isort: split
 from kdist.plan import format_bytes, plan  # noqa: E402
 
-STRATEGIES = {"dp": "data=8", "fsdp": "fsdp=8", "model": "model=8",
-              "hybrid": "data=2,fsdp=2,model=2"}
 # gpt-nano with 8 heads (head_dim 32) so that model=8 divides the heads.
 OVERRIDES = {"num_heads": 8}
+FUSED = {**OVERRIDES, "fused_qkv": True}  # one query/key/value projection per block
+STRATEGIES = [  # (name, mesh, model options)
+    ("dp", "data=8", OVERRIDES), ("fsdp", "fsdp=8", OVERRIDES), ("model", "model=8", OVERRIDES),
+    ("hybrid", "data=2,fsdp=2,model=2", OVERRIDES),
+    ("model, fused QKV", "model=8", FUSED), ("hybrid, fused QKV", "data=2,fsdp=2,model=2", FUSED),
+]
 
 
 def main():
@@ -39,10 +43,10 @@ def main():
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "communication.json"))
     args = p.parse_args()
     rows = []
-    for strategy, mesh in STRATEGIES.items():
+    for strategy, mesh, overrides in STRATEGIES:
         result = plan(args.preset, mesh=mesh, global_batch_size=args.batch,
                       sequence_length=args.length, device_memory="1TiB", suggest=False,
-                      model_overrides=OVERRIDES)
+                      model_overrides=overrides)
         actual = {k: v["wire_bytes"] for k, v in result.collectives.items()}
         counts = {k: int(v["count"]) for k, v in result.collectives.items()}
         theory = result.theoretical_collectives
@@ -56,16 +60,16 @@ def main():
               f"{format_bytes(sum(theory.values()))}", flush=True)
     print(f"\n{args.preset} (heads 8), float32, batch {args.batch} x {args.length}, "
           f"per device per step, ring wire bytes")
-    print(f"{'strategy':<8}{'kind':<16}{'count':>6}{'actual':>12}{'minimum':>12}{'ratio':>8}")
+    print(f"{'strategy':<20}{'kind':<16}{'count':>6}{'actual':>12}{'minimum':>12}{'ratio':>8}")
     for r in rows:
         kinds = sorted(set(r["actual_wire_bytes"]) | set(r["theoretical_wire_bytes"]))
         for kind in kinds:
             a = r["actual_wire_bytes"].get(kind, 0.0)
             t = r["theoretical_wire_bytes"].get(kind, 0.0)
             ratio = f"{a / t:.2f}" if t else "-"
-            print(f"{r['strategy']:<8}{kind:<16}{r['counts'].get(kind, 0):>6}"
+            print(f"{r['strategy']:<20}{kind:<16}{r['counts'].get(kind, 0):>6}"
                   f"{format_bytes(a):>12}{format_bytes(t):>12}{ratio:>8}")
-        print(f"{r['strategy']:<8}{'total':<16}{'':>6}"
+        print(f"{r['strategy']:<20}{'total':<16}{'':>6}"
               f"{format_bytes(sum(r['actual_wire_bytes'].values())):>12}"
               f"{format_bytes(sum(r['theoretical_wire_bytes'].values())):>12}"
               f"{r['ratio']:>8.2f}")

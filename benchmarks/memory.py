@@ -39,18 +39,24 @@ RUNS = [  # (label, mesh, remat)
     ("kdist", "data=2,fsdp=4", False),
     ("kdist fused CE", "data=1", False),
     ("kdist fused CE", "fsdp=8", False),
+    ("kdist fused CE + chunked attention", "data=1", False),
+    ("kdist fused CE + chunked attention", "fsdp=8", False),
     ("keras-hub", "data=1", False),
     ("keras-hub", "fsdp=8", False),
 ]
 # The same shape as keras-hub's: the preset's table padding (50304 rows) left out.
 SAME_SHAPE = {"vocabulary_divisible_by": 1}
-LOSS_CHUNK_SIZE = 128  # "fused CE" rows: GPTCausalLM(loss_chunk_size=...), no full logits
+# Options of the rows named after them: GPTCausalLM(loss_chunk_size=...) never builds the full
+# logits; attention_chunk_size never keeps the attention probabilities.
+VARIANTS = {"kdist fused CE": {"loss_chunk_size": 128},
+            "kdist fused CE + chunked attention": {"loss_chunk_size": 128,
+                                                   "attention_chunk_size": 128}}
 
 
-def kdist_fused_ce():
+def kdist_variant(label):
     from kdist.models import GPTCausalLM
 
-    return GPTCausalLM.from_preset(PRESET, **SAME_SHAPE, loss_chunk_size=LOSS_CHUNK_SIZE)
+    return lambda: GPTCausalLM.from_preset(PRESET, **SAME_SHAPE, **VARIANTS[label])
 
 
 def keras_hub_gpt2():
@@ -82,8 +88,8 @@ def main():
             result = plan(PRESET, mesh=mesh, global_batch_size=args.batch,
                           sequence_length=args.length, remat=remat, devices=devices,
                           device_memory="1TiB", suggest=False, model_overrides=SAME_SHAPE)
-        elif label == "kdist fused CE":
-            result = plan(kdist_fused_ce, mesh=mesh, global_batch_size=args.batch,
+        elif label in VARIANTS:
+            result = plan(kdist_variant(label), mesh=mesh, global_batch_size=args.batch,
                           sequence_length=args.length, devices=devices, device_memory="1TiB",
                           suggest=False, batch=(spec, spec))
         else:
@@ -92,20 +98,21 @@ def main():
                           suggest=False, auto_shard=True,
                           batch=({"token_ids": spec, "padding_mask": spec}, spec))
         sizes = result.mesh
-        est = estimate(GPT_PRESETS[PRESET], sizes, args.batch, args.length, remat=remat)
+        config = {**GPT_PRESETS[PRESET], **VARIANTS.get(label, {})}
+        est = estimate(config, sizes, args.batch, args.length, remat=remat)
         rows.append({"model": label, "mesh": mesh, "remat": remat, "peak": result.total,
                      "memory": result.memory, "estimate": est,
                      "compile_seconds": result.compile_seconds})
         print(f"{label} {mesh} remat={remat}: peak {format_bytes(result.total)}, estimate "
               f"{format_bytes(est['total'])} ({result.compile_seconds:.0f} s)", flush=True)
     print(f"\n{PRESET}, float32, global batch {args.batch} x {args.length}, per device")
-    print(f"{'model':<16}{'mesh':<15}{'remat':<7}{'peak':>11}{'estimate':>11}{'peak/est':>9}"
+    print(f"{'model':<36}{'mesh':<15}{'remat':<7}{'peak':>11}{'estimate':>11}{'peak/est':>9}"
           f"{'vs keras-hub':>13}")
     hub = {r["mesh"]: r["peak"] for r in rows if r["model"] == "keras-hub"}
     for r in rows:
         versus = (f"{r['peak'] / hub[r['mesh']]:.2f}x" if r["mesh"] in hub else "-")
         r["vs_keras_hub"] = r["peak"] / hub[r["mesh"]] if r["mesh"] in hub else None
-        print(f"{r['model']:<16}{r['mesh']:<15}{str(r['remat']):<7}"
+        print(f"{r['model']:<36}{r['mesh']:<15}{str(r['remat']):<7}"
               f"{format_bytes(r['peak']):>11}{format_bytes(r['estimate']['total']):>11}"
               f"{r['peak'] / r['estimate']['total']:>9.2f}{versus:>13}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,11 @@
 step's temporary memory, each against the defaults, in one process.
 
 Options: the fused chunked cross-entropy (``GPTCausalLM(loss_chunk_size=...)``), the fused
-QKV projection (``fused_qkv=True``) and the remat policies (``remat="block"`` /
-``"save_dots"``). Every variant is built from the same seed and trained on the same
-batches; rounds interleave them (order reversed every other round) and each variant's
-tokens/s is divided by the baseline's of the same round. Memory is XLA's
+QKV projection (``fused_qkv=True``), the remat policies (``remat="block"`` /
+``"save_dots"``) and chunked attention (``attention_chunk_size``). Every variant is built
+from the same seed and trained on the same batches; rounds interleave them (order reversed
+every other round) and each variant's tokens/s is divided by the baseline's of the same
+round. Memory is XLA's
 ``memory_analysis()`` of the compiled train step: ``temp`` is the scratch the step needs on
 top of its arguments (weights, optimizer state, batch) — activations kept for the backward
 pass, logits, gradients.
@@ -37,6 +38,11 @@ CONFIGS = {
                                     8, 128, {
         "baseline": ({}, {}),
         "loss_chunk_size=32": ({}, {"loss_chunk_size": 32}),
+    }),
+    "gpt2-small(2 layers, T=1024)": ("gpt2-small", {"num_layers": 2, "vocabulary_size": 50256},
+                                     2, 1024, {
+        "baseline": ({}, {}),
+        "attention_chunk_size=128": ({"attention_chunk_size": 128}, {}),
     }),
 }
 

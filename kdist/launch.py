@@ -68,7 +68,7 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code  # -9 (killed by SIGKILL) -> 137, as a shell says
 
 
-def _cause(children: list) -> "subprocess.Popen | None":
+def _cause(children: list) -> subprocess.Popen | None:
     """The failed rank to report among those seen failed in one poll, or None.
 
     A rank a signal ended (a kill, the OOM killer) is the cause; the others usually failed

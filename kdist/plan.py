@@ -180,7 +180,8 @@ def activation_bytes_per_token(config: dict, bytes_per_value: int = 4,
 
     Per layer and token (D hidden, F MLP, N heads, T sequence): the block input and two
     norm outputs (3D), queries/keys/values (3D), attention scores and probabilities
-    (2NT), the attention output and its projection (2D), the MLP's up projection and
+    (2NT; with ``attention_chunk_size`` only the softmax's running max and sum, 2N), the
+    attention output and its projection (2D), the MLP's up projection and
     activation (2F, 3F gated), its down projection (D). Once per token: the logits and
     their softmax gradient in float32 (2V x 4 bytes). With ``remat`` only each block's input
     is kept, plus one block's activations while it is recomputed.
@@ -194,7 +195,8 @@ def activation_bytes_per_token(config: dict, bytes_per_value: int = 4,
     n, t, v = config["num_heads"], config["max_sequence_length"], config["vocabulary_size"]
     t = config.get("sequence_length", t)
     gated = config.get("mlp_activation") == "swiglu"
-    per_layer = bytes_per_value * (9 * d + 2 * n * t + (3 if gated else 2) * f)
+    attention = 2 * n * (1 if config.get("attention_chunk_size") else t)
+    per_layer = bytes_per_value * (9 * d + attention + (3 if gated else 2) * f)
     logits = 2 * v * 4
     if remat:
         return config["num_layers"] * bytes_per_value * d + per_layer + logits

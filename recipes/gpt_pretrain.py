@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="bfloat16 = Keras mixed_bfloat16; auto = float32 on CPU only")
     p.add_argument("--remat", action="store_true", help="rematerialise each block")
+    p.add_argument("--attention-chunk-size", type=int, default=None,
+                   help="attend over key chunks of this size, keeping no probabilities "
+                        "(saves memory where no flash attention runs, e.g. CPU)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=30)
@@ -134,6 +137,7 @@ def main(argv=None):
         dropout=args.dropout,
         remat=args.remat,
         document_mask=args.document_mask,
+        attention_chunk_size=args.attention_chunk_size,
     )
     model.compile(
         optimizer=kdist.optim.adamw(

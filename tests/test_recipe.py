@@ -53,8 +53,9 @@ def test_recipe_with_gradient_accumulation(tmp_path):
 
 
 @pytest.mark.slow
-def test_recipe_llama_with_document_mask(tmp_path):
+def test_recipe_llama_with_document_mask_and_chunked_attention(tmp_path):
     summary = gpt_pretrain.main(TINY + ["--preset", "llama-nano", "--document-mask",
+                                        "--attention-chunk-size", "16",
                                         "--mesh", "fsdp=4,model=2",
                                         "--output-dir", str(tmp_path)])
     assert summary["validation_loss_after"] < summary["validation_loss_before"] - 0.5

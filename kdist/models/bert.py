@@ -116,7 +116,8 @@ class PostNormBlock(layers.Layer):
 
     Attention is bidirectional (kdist's ``CausalSelfAttention`` with ``causal=False``);
     ``attention_mask`` ``(B, 1, 1, T)`` hides padded keys. Norms compute in float32 under
-    mixed precision. ``remat=True`` wraps the block in ``keras.remat``.
+    mixed precision. ``remat=True`` wraps the block in ``keras.remat``;
+    ``attention_chunk_size`` is ``CausalSelfAttention``'s (probabilities not kept).
 
     Example:
         >>> block = PostNormBlock(num_heads=4, head_dim=16, intermediate_dim=128)
@@ -133,6 +134,7 @@ class PostNormBlock(layers.Layer):
         layer_norm_epsilon: float = 1e-12,
         initializer_range: float = 0.02,
         remat: bool = False,
+        attention_chunk_size: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -143,10 +145,11 @@ class PostNormBlock(layers.Layer):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         self.remat = remat
+        self.attention_chunk_size = attention_chunk_size
         dtype = self.dtype_policy
         self.attention = CausalSelfAttention(
             num_heads, head_dim, causal=False, initializer_range=initializer_range,
-            dtype=dtype, name="attention",
+            attention_chunk_size=attention_chunk_size, dtype=dtype, name="attention",
         )
         self.attention_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="attention_norm")
@@ -182,6 +185,7 @@ class PostNormBlock(layers.Layer):
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "initializer_range": self.initializer_range,
             "remat": self.remat,
+            "attention_chunk_size": self.attention_chunk_size,
         }
 
 
@@ -203,6 +207,8 @@ class BertBackbone(keras.Model):
         layer_norm_epsilon: epsilon of every LayerNorm (BERT: 1e-12).
         initializer_range: stddev of the normal initialiser (BERT: 0.02).
         remat: rematerialise each block in the backward pass.
+        attention_chunk_size: attend over chunks of this many keys without keeping the
+            attention probabilities for the backward pass (``CausalSelfAttention``).
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -229,6 +235,7 @@ class BertBackbone(keras.Model):
         layer_norm_epsilon: float = 1e-12,
         initializer_range: float = 0.02,
         remat: bool = False,
+        attention_chunk_size: int | None = None,
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -267,6 +274,7 @@ class BertBackbone(keras.Model):
                 layer_norm_epsilon=layer_norm_epsilon,
                 initializer_range=initializer_range,
                 remat=remat,
+                attention_chunk_size=attention_chunk_size,
                 dtype=dtype,
                 name=f"encoder_block_{i}",
             )
@@ -308,6 +316,7 @@ class BertBackbone(keras.Model):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         self.remat = remat
+        self.attention_chunk_size = attention_chunk_size
 
     def get_config(self):
         return {
@@ -325,6 +334,7 @@ class BertBackbone(keras.Model):
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "initializer_range": self.initializer_range,
             "remat": self.remat,
+            "attention_chunk_size": self.attention_chunk_size,
         }
 
     @classmethod

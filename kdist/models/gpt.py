@@ -183,6 +183,10 @@ class GPTBackbone(keras.Model):
             matmul outputs too; see ``PreNormBlock``).
         fused_qkv: one fused query/key/value projection per block (``.../attention/qkv``)
             instead of three; off by default.
+        attention_chunk_size: attend over chunks of this many keys without keeping the
+            attention probabilities for the backward pass (``CausalSelfAttention``); for
+            CPUs and document masks, where no fused attention kernel runs. None: Keras'
+            attention (cuDNN flash attention on a GPU).
         vocabulary_divisible_by: the token table gets ``vocabulary_size`` rounded up to a
             multiple of this many rows (Megatron's ``--make-vocab-size-divisible-by``). The
             extra rows are never an input and are cut from the logits, so the model
@@ -223,6 +227,7 @@ class GPTBackbone(keras.Model):
         remat: bool | str = False,
         fused_qkv: bool = False,
         vocabulary_divisible_by: int = 1,
+        attention_chunk_size: int | None = None,
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -287,6 +292,7 @@ class GPTBackbone(keras.Model):
                 output_initializer_range=initializer_range / np.sqrt(2 * num_layers),
                 remat=remat,
                 fused_qkv=fused_qkv,
+                attention_chunk_size=attention_chunk_size,
                 dtype=dtype,
                 name=f"block_{i}",
             )
@@ -330,6 +336,7 @@ class GPTBackbone(keras.Model):
         self.remat = remat
         self.fused_qkv = fused_qkv
         self.vocabulary_divisible_by = vocabulary_divisible_by
+        self.attention_chunk_size = attention_chunk_size
 
     @property
     def head_dim(self) -> int:
@@ -371,6 +378,7 @@ class GPTBackbone(keras.Model):
             "remat": self.remat,
             "fused_qkv": self.fused_qkv,
             "vocabulary_divisible_by": self.vocabulary_divisible_by,
+            "attention_chunk_size": self.attention_chunk_size,
         }
 
     @classmethod

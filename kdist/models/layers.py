@@ -12,6 +12,7 @@ from keras import layers, ops
 from keras_hub.layers import RotaryEmbedding
 
 from kdist.distribution import shard_batch
+from kdist.models.attention import chunked_attention
 
 
 def _normal(stddev: float) -> keras.initializers.Initializer:
@@ -54,6 +55,11 @@ class CausalSelfAttention(layers.Layer):
         fused_qkv: one ``qkv`` projection with kernel ``(D, K, N/K + 2, H)`` (each key/value
             head's query heads, then its key, then its value) instead of ``query``, ``key``
             and ``value``: one matmul instead of three. Off by default (weight names differ).
+        attention_chunk_size: if set, training and evaluation attend through
+            :func:`kdist.models.attention.chunked_attention` over chunks of this many keys:
+            the ``(B, N, T, T)`` probabilities are never kept for the backward pass (for
+            backends without a fused attention kernel: CPU, or document masks). None:
+            ``keras.ops.dot_product_attention`` (cuDNN flash attention on a GPU).
 
     Example:
         >>> attn = CausalSelfAttention(num_heads=4, head_dim=16, num_key_value_heads=2,
@@ -73,10 +79,16 @@ class CausalSelfAttention(layers.Layer):
         output_initializer_range: float | None = None,
         causal: bool = True,
         fused_qkv: bool = False,
+        attention_chunk_size: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if attention_chunk_size is not None and (
+                not isinstance(attention_chunk_size, int) or attention_chunk_size < 1):
+            raise ValueError(f"attention_chunk_size must be None (Keras' attention) or a "
+                             f"positive int (keys per chunk); got {attention_chunk_size!r}.")
         self.fused_qkv = fused_qkv
+        self.attention_chunk_size = attention_chunk_size
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_key_value_heads = num_key_value_heads
@@ -172,8 +184,15 @@ class CausalSelfAttention(layers.Layer):
         q, k, v = self.project_qkv(x)  # (B, T, N|K, H)
         if cache is None:
             q, k = self.rotate(q, positions=positions), self.rotate(k, positions=positions)
-            out = ops.dot_product_attention(q, k, v, mask=attention_mask, is_causal=self.causal)
-            return self.attention_output(out)  # (B, T, D)
+            # Keras infers output shapes with symbolic batch and length; the chunking needs
+            # concrete ones, and the shapes are the same either way.
+            if self.attention_chunk_size and all(isinstance(d, int) for d in k.shape[:2]):
+                out = chunked_attention(q, k, v, mask=attention_mask, is_causal=self.causal,
+                                        chunk_size=self.attention_chunk_size)
+            else:
+                out = ops.dot_product_attention(q, k, v, mask=attention_mask,
+                                                is_causal=self.causal)
+            return self.attention_output(out)  # (B, T, N, H) -> (B, T, D)
         q, k = self.rotate(q, cache_index), self.rotate(k, cache_index)
         start = [0, cache_index, 0, 0]
         k = ops.slice_update(cache[:, 0], start, ops.cast(k, cache.dtype))  # (B, S, K, H)
@@ -197,6 +216,7 @@ class CausalSelfAttention(layers.Layer):
             "output_initializer_range": self.output_initializer_range,
             "causal": self.causal,
             "fused_qkv": self.fused_qkv,
+            "attention_chunk_size": self.attention_chunk_size,
         }
 
 
@@ -328,6 +348,7 @@ class PreNormBlock(layers.Layer):
         output_initializer_range: float | None = None,
         remat: bool | str = False,
         fused_qkv: bool = False,
+        attention_chunk_size: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -348,6 +369,7 @@ class PreNormBlock(layers.Layer):
         self.initializer_range = initializer_range
         self.output_initializer_range = output_initializer_range
         self.remat = remat
+        self.attention_chunk_size = attention_chunk_size
         dtype = self.dtype_policy
         self.attention_norm = normalization(norm, layer_norm_epsilon, "attention_norm", dtype)
         self.attention = CausalSelfAttention(
@@ -359,6 +381,7 @@ class PreNormBlock(layers.Layer):
             initializer_range=initializer_range,
             output_initializer_range=output_initializer_range,
             fused_qkv=fused_qkv,
+            attention_chunk_size=attention_chunk_size,
             dtype=dtype,
             name="attention",
         )
@@ -416,6 +439,7 @@ class PreNormBlock(layers.Layer):
             "output_initializer_range": self.output_initializer_range,
             "remat": self.remat,
             "fused_qkv": self.fused_qkv,
+            "attention_chunk_size": self.attention_chunk_size,
         }
 
 
