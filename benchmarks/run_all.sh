@@ -22,6 +22,9 @@ else
 fi
 run "$PYTHON" benchmarks/throughput_overhead.py
 run env XLA_FLAGS="$HOST8" "$PYTHON" benchmarks/mesh_step_time.py --out benchmarks/results/mesh_step_time.json
+run env XLA_FLAGS="$HOST8" "$PYTHON" benchmarks/communication.py
+run env XLA_FLAGS="$HOST8" "$PYTHON" benchmarks/memory.py
+run "$PYTHON" benchmarks/gradient_reduction.py
 if "$PYTHON" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
   run "$PYTHON" benchmarks/gpu.py
 else

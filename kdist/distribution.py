@@ -28,6 +28,8 @@ import keras
 import numpy as np
 from keras.distribution import DeviceMesh, LayoutMap, ModelParallel, TensorLayout
 
+from kdist.reduction import in_manual_region
+
 MESH_AXES = ("data", "fsdp", "model")
 REPLICA_AXES = ("data", "fsdp")
 
@@ -189,10 +191,12 @@ class KdistDistribution(ModelParallel):
     """
 
     def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True,
-                 auto_shard: bool = False, allow_replicated: Sequence[str] = ()):
+                 auto_shard: bool = False, allow_replicated: Sequence[str] = (),
+                 gradient_reduction: str | None = None):
         # Before Keras' __init__, which reads num_model_replicas when there are several
         # processes.
         self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
+        self.gradient_reduction = gradient_reduction
         layout_map = LayoutMap(device_mesh)
         super().__init__(
             layout_map=layout_map, batch_dim_name="data", auto_shard_dataset=auto_shard_dataset
@@ -277,7 +281,8 @@ class KdistDistribution(ModelParallel):
 
 def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                  auto_shard_dataset: bool = False, auto_shard: bool = False,
-                 allow_replicated: Sequence[str] = ()) -> KdistDistribution:
+                 allow_replicated: Sequence[str] = (),
+                 gradient_reduction: str | None = None) -> KdistDistribution:
     """Builds the Keras distribution for a mesh spec over all (or the given) devices.
 
     Set it before building the model; ``compile`` and ``fit`` then run sharded. With several
@@ -287,17 +292,30 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     then splits by process. ``auto_shard=True`` shards weights that no kdist table names
     (keras-hub or your own model) by structure and shape (``kdist.auto_sharding``);
     ``allow_replicated`` lists path regexes of large weights that may stay replicated.
+    ``gradient_reduction="float32"`` or ``"bfloat16"``: kdist's GPT models reduce each
+    weight's gradient themselves, once, as a reduce-scatter over ``fsdp`` and an all-reduce
+    over ``data``, in that type (``kdist.reduction``; meshes without ``model``, no dropout);
+    None leaves the reductions to XLA.
 
     Example:
         >>> import keras, kdist
         >>> keras.distribution.set_distribution(kdist.distribution("auto"))
     """
+    if gradient_reduction not in (None, "float32", "bfloat16"):
+        raise ValueError(f"gradient_reduction must be None (XLA places the reductions), "
+                         f"'float32' or 'bfloat16'; got {gradient_reduction!r}.")
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
     shape = tuple(parse_mesh(spec, len(devices)).values())  # (data, fsdp, model)
+    if gradient_reduction and shape[2] > 1:
+        raise ValueError(
+            f"gradient_reduction={gradient_reduction!r} covers the data and fsdp axes; mesh "
+            f"'{spec}' has a model axis of {shape[2]}. Use a mesh without 'model' or "
+            f"gradient_reduction=None (XLA places the reductions).")
     mesh = DeviceMesh(shape=shape, axis_names=MESH_AXES,
                       devices=np.asarray(devices).reshape(shape))
     return KdistDistribution(mesh, auto_shard_dataset=auto_shard_dataset,
-                             auto_shard=auto_shard, allow_replicated=allow_replicated)
+                             auto_shard=auto_shard, allow_replicated=allow_replicated,
+                             gradient_reduction=gradient_reduction)
 
 
 def shard_batch(x):
@@ -311,6 +329,8 @@ def shard_batch(x):
     dist = keras.distribution.distribution()
     batch = x.shape[0]
     if not isinstance(dist, KdistDistribution) or not isinstance(batch, int):
+        return x
+    if in_manual_region():  # a per-device computation (kdist.reduction): nothing to pin
         return x
     if batch % dist.num_model_replicas:
         return x
@@ -326,7 +346,7 @@ def gathered(x, logical_axes: Sequence[str | None]):
     by replicating it. Identity when no kdist distribution is active.
     """
     dist = keras.distribution.distribution()
-    if not isinstance(dist, KdistDistribution):
+    if not isinstance(dist, KdistDistribution) or in_manual_region():
         return x
     axes = tuple(m if m != "fsdp" else None for m in map(dist.mesh_axis_for, logical_axes))
     return keras.distribution.distribute_tensor(x, TensorLayout(axes, dist.device_mesh))

@@ -232,7 +232,8 @@ def parameter_count(config: dict) -> int:
 
 def theoretical_collective_bytes(config: dict, mesh: dict[str, int], global_batch_size: int,
                                  sequence_length: int, compute_bytes: int = 4,
-                                 parameter_bytes: int = 4) -> dict[str, float]:
+                                 parameter_bytes: int = 4,
+                                 gradient_bytes: int | None = None) -> dict[str, float]:
     """The minimum ring wire bytes per device per step, by collective kind, for a strategy.
 
     With P the parameter bytes, d/f/m the data/fsdp/model axis sizes and
@@ -247,7 +248,9 @@ def theoretical_collective_bytes(config: dict, mesh: dict[str, int], global_batc
       ``2 ring(m) x B_local T D`` bytes), plus the vocabulary-parallel embedding's forward and
       backward all-reduce (2 more), with ``B_local`` the per-replica batch.
 
-    Small all-reduces (loss, gradient norm, softmax statistics) are not counted.
+    Gradients are reduced in ``gradient_bytes`` per value (default: ``parameter_bytes``; 2
+    with ``gradient_reduction="bfloat16"``). Small all-reduces (loss, gradient norm, softmax
+    statistics) are not counted.
 
     Example:
         >>> from kdist.models import GPT_PRESETS
@@ -262,8 +265,9 @@ def theoretical_collective_bytes(config: dict, mesh: dict[str, int], global_batc
         return (n - 1) / n
 
     p = parameter_count(config) * parameter_bytes
-    out = {"all-gather": 2 * ring(f) * p / m, "reduce-scatter": ring(f) * p / m,
-           "all-reduce": 2 * ring(d) * p / (f * m)}
+    g = parameter_count(config) * (gradient_bytes or parameter_bytes)
+    out = {"all-gather": 2 * ring(f) * p / m, "reduce-scatter": ring(f) * g / m,
+           "all-reduce": 2 * ring(d) * g / (f * m)}
     local_batch = global_batch_size / (d * f)
     activation = local_batch * sequence_length * config["hidden_dim"] * compute_bytes
     out["all-reduce"] += (4 * config["num_layers"] + 2) * 2 * ring(m) * activation
@@ -513,6 +517,7 @@ def plan(
     verify: bool = True,
     model_overrides: dict | None = None,
     auto_shard: bool = False,
+    gradient_reduction: str | None = None,
 ) -> Plan:
     """Compiles one train step on abstract inputs and reports what it needs per device.
 
@@ -533,6 +538,8 @@ def plan(
         model_overrides: config fields replacing the preset's (e.g. ``num_layers``).
         auto_shard: shard weights no kdist table names by structure and shape
             (:mod:`kdist.auto_sharding`): for keras-hub or your own models.
+        gradient_reduction: the distribution's (``kdist.distribution``): None, ``"float32"``
+            or ``"bfloat16"``.
 
     Example:
         >>> p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=128,
@@ -601,7 +608,7 @@ def plan(
         fn = _gpt_model_fn(model_name, remat, model_overrides) if config else model_fn
         return _compile_plan(fn, sizes, devices, policy, global_batch_size // grad_accum,
                              sequence_length, grad_accum, optimizer or adamw, batch,
-                             auto_shard)
+                             auto_shard, gradient_reduction)
 
     start = time.perf_counter()
     compiled, state, model_obj = run(sizes, remat, grad_accum)
@@ -623,7 +630,8 @@ def plan(
     if config is not None:
         theory = {k: v * grad_accum for k, v in theoretical_collective_bytes(
             config, sizes, micro, sequence_length,
-            2 if policy == "mixed_bfloat16" else 4).items()}
+            2 if policy == "mixed_bfloat16" else 4,
+            gradient_bytes=2 if gradient_reduction == "bfloat16" else None).items()}
     result = Plan(
         config=dict(model=model_name, mesh=mesh, global_batch_size=global_batch_size,
                     sequence_length=sequence_length, precision=policy, remat=remat,
@@ -646,7 +654,7 @@ def plan(
 
 
 def _compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length, grad_accum,
-                  optimizer_fn, batch, auto_shard=False):
+                  optimizer_fn, batch, auto_shard=False, gradient_reduction=None):
     import jax
 
     # A fresh Keras session (stable variable paths, the abstract model dropped afterwards);
@@ -655,8 +663,8 @@ def _compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length
     previous_dist = keras.distribution.distribution()
     keras.utils.clear_session()
     num = math.prod(sizes.values())
-    dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard)
-            if num > 1 else None)
+    dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard,
+                         gradient_reduction=gradient_reduction) if num > 1 else None)
     try:
         keras.config.set_dtype_policy(policy)
         keras.distribution.set_distribution(dist)

@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--attention-chunk-size", type=int, default=None,
                    help="attend over key chunks of this size, keeping no probabilities "
                         "(saves memory where no flash attention runs, e.g. CPU)")
+    p.add_argument("--gradient-reduction", default=None, choices=["float32", "bfloat16"],
+                   help="kdist reduces each gradient once (reduce-scatter + all-reduce), in "
+                        "this type; default: XLA places the reductions (kdist.reduction)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=30)
@@ -115,7 +118,8 @@ def main(argv=None):
             remat=args.remat, grad_accum=args.grad_accum)
         mesh = kdist.plan.mesh_spec(chosen)
         print(f"mesh auto: {why}")
-    keras.distribution.set_distribution(kdist.distribution(mesh))
+    keras.distribution.set_distribution(
+        kdist.distribution(mesh, gradient_reduction=args.gradient_reduction))
     keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
 
     micro_batch = args.global_batch_size // args.grad_accum

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 from keras import layers, ops
 
+from kdist import reduction
 from kdist.distribution import (
     check_divisible,
     current_mesh_shape,
@@ -448,7 +449,24 @@ class GPTCausalLM(keras.Model):
                             and not kwargs.get("metrics") and not kwargs.get("weighted_metrics"))
         if loss is None:
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        dist = keras.distribution.distribution()
+        if getattr(dist, "gradient_reduction", None):
+            reduction.check(dist, self)  # before any compilation
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
+
+    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables,
+                                 metrics_variables, x, y, sample_weight, training=False,
+                                 optimizer_variables=None):
+        # With the distribution's gradient_reduction, training computes the loss per device
+        # and reduces each weight's gradient once (kdist.reduction).
+        dist = keras.distribution.distribution()
+        compute = super().compute_loss_and_updates
+        if training and getattr(dist, "gradient_reduction", None):
+            return reduction.loss_and_updates(
+                self, compute, trainable_variables, non_trainable_variables,
+                metrics_variables, x, y, sample_weight, optimizer_variables)
+        return compute(trainable_variables, non_trainable_variables, metrics_variables, x, y,
+                       sample_weight, training=training, optimizer_variables=optimizer_variables)
 
     def call(self, inputs, training=None):
         if training and self._fused_loss:

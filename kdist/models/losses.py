@@ -29,6 +29,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kdist.reduction import varying_axes
+
+
+def _to_varying(x, axes):
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
@@ -77,11 +84,11 @@ def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model
 
     init = (jnp.zeros((), jnp.float32),
             jnp.zeros((v, d), jnp.float32) if with_grads else jnp.zeros((), jnp.float32))
-    # Inside shard_map the carries vary per device like the chunks they sum (vma types).
-    varying = replica_axes + ((model_axis,) if model_axis else ())
-    if varying:
-        init = (jax.lax.pcast(init[0], replica_axes, to="varying") if replica_axes else init[0],
-                jax.lax.pcast(init[1], varying, to="varying"))
+    # Inside shard_map (this one's or kdist.reduction's) the carries vary per device like
+    # the chunks they sum (vma types): the loss like the rows, the table's gradient like
+    # the rows and the table.
+    rows = varying_axes(hidden) | varying_axes(labels)
+    init = (_to_varying(init[0], rows), _to_varying(init[1], rows | varying_axes(table)))
     (loss_sum, grad_table), grad_h = jax.lax.scan(body, init, (h_chunks, y_chunks))
     if replica_axes:
         loss_sum = jax.lax.psum(loss_sum, replica_axes)
@@ -143,10 +150,11 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int):
     import keras
 
     from kdist.distribution import REPLICA_AXES, KdistDistribution
+    from kdist.reduction import in_manual_region
 
     dist = keras.distribution.distribution()
-    if not isinstance(dist, KdistDistribution):
-        return None
+    if not isinstance(dist, KdistDistribution) or in_manual_region():
+        return None  # one device, or already per device (kdist.reduction)
     shape = dist.mesh_shape
     replicas = tuple(a for a in REPLICA_AXES if shape[a] > 1)
     model = "model" if shape["model"] > 1 else None
