@@ -118,6 +118,13 @@ def varying_axes(x) -> frozenset:
     return aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying  # jax >= 0.9
 
 
+def to_varying(x, axes):
+    """``x`` typed as varying over ``axes`` too (a scan's initial carry must have the type
+    of the carry it returns; outside ``shard_map`` there are no axes and nothing changes)."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _use_fwd(weight, fsdp_dim, batch_axes, reduce_dtype):
     return _use(weight, fsdp_dim, batch_axes, reduce_dtype), None
 

@@ -102,3 +102,12 @@ def test_unsupported_settings_are_refused_before_compiling():
     model = _model("fsdp=8", "float32", {**TINY_GPT, "dropout": 0.1})
     with pytest.raises(ValueError, match="dropout"):
         model.compile(optimizer=parity_optimizer())
+
+
+def test_chunked_attention_trains_like_one_device_under_kdist_reduction():
+    # Its scans run per device inside the manual region (carries typed as varying).
+    batches = token_batches(3)
+    config = {**TINY_GPT, "attention_chunk_size": 8}
+    reference = train(_model(None, None, config), batches)
+    np.testing.assert_allclose(train(_model("fsdp=8", "float32", config), batches), reference,
+                               rtol=2e-6)

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdist.reduction import to_varying, varying_axes
+
 _F32 = jnp.float32
 # Keras' masked logit (keras/src/backend/jax/nn.py): finite, so fully masked rows stay finite.
 _NEG = float(-0.7 * np.finfo(np.float32).max)
@@ -97,6 +99,10 @@ def _key_mask(mask, batch, length, keys, chunk, pad):
     return m.reshape(m.shape[:2] + (-1, chunk))
 
 
+def _varying(*arrays) -> frozenset:
+    return frozenset().union(*map(varying_axes, arrays))
+
+
 def _visible(mask_j, j, chunk, length, is_causal):
     """Key chunk ``j``'s mask (1 attend, 0 masked, -1 padding), broadcastable to
     ``(B, K, G, T, c)``."""
@@ -132,7 +138,9 @@ def _forward(q, k, v, mask, is_causal):
 
     stats = jnp.full((batch, kv_heads, groups, length), _NEG, _F32)
     init = (jnp.zeros(q.shape, _F32), stats, jnp.zeros_like(stats))
-    (o, peak, total), _ = jax.lax.scan(step, init, (k, v, mask, jnp.arange(k.shape[0])))
+    # Inside shard_map (kdist.reduction) the carries vary per device like q, k and v.
+    init = [to_varying(c, _varying(q, k, v, mask)) for c in init]
+    (o, peak, total), _ = jax.lax.scan(step, tuple(init), (k, v, mask, jnp.arange(k.shape[0])))
     out = (o / jnp.moveaxis(total, 3, 1)[..., None]).astype(q.dtype)
     # Max and sum, not their log-sum-exp: for a fully masked row peak = -0.7 * float32 max,
     # where adding log(total) would be lost to rounding.
@@ -171,8 +179,8 @@ def _attend_bwd(is_causal, residuals, d_out):
         dk_j = jnp.einsum("bkgtc,btkgh->bckh", ds, q, preferred_element_type=_F32)
         return dq, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
 
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, _F32),
-                                (k, v, mask, jnp.arange(k.shape[0])))
+    dq = to_varying(jnp.zeros(q.shape, _F32), _varying(q, k, v, mask, d_out))
+    dq, (dk, dv) = jax.lax.scan(step, dq, (k, v, mask, jnp.arange(k.shape[0])))
     return dq.astype(q.dtype), dk, dv, None
 
 

@@ -29,12 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kdist.reduction import varying_axes
-
-
-def _to_varying(x, axes):
-    missing = tuple(sorted(set(axes) - varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+from kdist.reduction import to_varying, varying_axes
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -88,7 +83,7 @@ def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model
     # the chunks they sum (vma types): the loss like the rows, the table's gradient like
     # the rows and the table.
     rows = varying_axes(hidden) | varying_axes(labels)
-    init = (_to_varying(init[0], rows), _to_varying(init[1], rows | varying_axes(table)))
+    init = (to_varying(init[0], rows), to_varying(init[1], rows | varying_axes(table)))
     (loss_sum, grad_table), grad_h = jax.lax.scan(body, init, (h_chunks, y_chunks))
     if replica_axes:
         loss_sum = jax.lax.psum(loss_sum, replica_axes)
