@@ -80,8 +80,8 @@ def chunked_attention(query, key, value, mask=None, is_causal: bool = False,
 
 
 def _key_mask(mask, batch, length, keys, chunk, pad):
-    """The user's mask as ``(Bm, Tm, chunks, c)`` booleans (Bm in {1, B}, Tm in {1, T}),
-    padded keys masked out."""
+    """The user's mask as ``(Bm, Tm, chunks, c)`` int8 codes (Bm in {1, B}, Tm in {1, T}):
+    1 attend, 0 masked, -1 a padding key."""
     if mask is None:
         m = jnp.ones((1, 1, keys), bool)
     else:
