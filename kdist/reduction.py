@@ -63,6 +63,19 @@ def check(dist, model) -> None:
             f"gradient_reduction=None.")
 
 
+def refuse(model) -> None:
+    """For models without kdist's reduction (BERT): an error instead of silently leaving
+    the reductions to XLA when the distribution asks for it."""
+    import keras
+
+    reduction = getattr(keras.distribution.distribution(), "gradient_reduction", None)
+    if reduction:
+        raise ValueError(
+            f"gradient_reduction={reduction!r} is implemented for kdist's GPT models; "
+            f"{type(model).__name__} trains with XLA's reductions. Build the distribution "
+            f"with gradient_reduction=None.")
+
+
 def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sample_weight,
                      optimizer_variables):
     """Keras' ``compute_loss_and_updates(..., training=True)`` with kdist's reduction.

@@ -11,6 +11,7 @@ import pytest
 import kdist
 from kdist import hlo
 from kdist.models import GPTBackbone, GPTCausalLM
+from tests.bert_helpers import tiny_bert_mlm
 from tests.helpers import TINY_GPT, TINY_LLAMA, parity_optimizer, token_batches, train
 
 MESHES = ["data=8", "fsdp=8", "data=2,fsdp=4"]
@@ -102,6 +103,10 @@ def test_unsupported_settings_are_refused_before_compiling():
     model = _model("fsdp=8", "float32", {**TINY_GPT, "dropout": 0.1})
     with pytest.raises(ValueError, match="dropout"):
         model.compile(optimizer=parity_optimizer())
+    bert = tiny_bert_mlm()  # built on one device, compiled under the reducing distribution
+    keras.distribution.set_distribution(kdist.distribution("fsdp=8", gradient_reduction="float32"))
+    with pytest.raises(ValueError, match="BertMaskedLM trains with XLA's reductions"):
+        bert.compile(optimizer=parity_optimizer())
 
 
 def test_chunked_attention_trains_like_one_device_under_kdist_reduction():

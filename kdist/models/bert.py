@@ -19,6 +19,7 @@ import keras
 import numpy as np  # noqa: F401 (used by the docstring examples)
 from keras import layers, ops
 
+from kdist import reduction
 from kdist.distribution import check_divisible, gathered, register_logical_axes, shard_batch
 from kdist.models.gpt import PositionEmbedding, TokenEmbedding
 from kdist.models.layers import MLP, CausalSelfAttention
@@ -430,6 +431,7 @@ class BertMaskedLM(keras.Model):
         super().__init__(inputs=inputs, outputs=logits, **kwargs)
 
     def compile(self, optimizer="adamw", loss=None, weighted_metrics=None, **kwargs):
+        reduction.refuse(self)
         super().compile(
             optimizer=optimizer,
             loss=loss or _sample_weighted_loss(),
@@ -507,6 +509,7 @@ class BertClassifier(keras.Model):
         self.classifier_dropout = classifier_dropout
 
     def compile(self, optimizer="adamw", loss=None, weighted_metrics=None, **kwargs):
+        reduction.refuse(self)
         super().compile(
             optimizer=optimizer,
             loss=loss or _sample_weighted_loss(),
