@@ -3,9 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-# The main job runs on 8 host (CPU) devices, one Eigen thread each (see kdist/__init__.py).
-HOST8 := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false" \
-	TF_CPP_MIN_LOG_LEVEL=2
+# The recipes run on 8 host (CPU) devices: --host-devices 8 calls kdist.force_host_devices(8)
+# (one Eigen thread per device, enough pool threads for their collectives).
+HOST8 := --host-devices 8
+QUIET := TF_CPP_MIN_LOG_LEVEL=2
 
 .PHONY: setup run test lint clean bench
 
@@ -18,14 +19,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup  ## GPT pretraining on the embedded corpus over 8 host devices (ARGS="--steps 50" ...)
-	$(HOST8) $(BIN)/python recipes/gpt_pretrain.py $(ARGS)
+	$(QUIET) $(BIN)/python recipes/gpt_pretrain.py $(HOST8) $(ARGS)
 
 .PHONY: bert-pretrain bert-finetune
 bert-pretrain: setup  ## BERT masked-LM pretraining on the embedded corpus (runs/bert_pretrain)
-	$(HOST8) $(BIN)/python recipes/bert_pretrain.py $(ARGS)
+	$(QUIET) $(BIN)/python recipes/bert_pretrain.py $(HOST8) $(ARGS)
 
 bert-finetune: setup  ## fine-tune it on the offline stdlib-packages task (runs/bert_finetune)
-	$(HOST8) $(BIN)/python recipes/bert_finetune.py $(ARGS)
+	$(QUIET) $(BIN)/python recipes/bert_finetune.py $(HOST8) $(ARGS)
 
 test: setup  ## the whole test suite (and lint)
 	$(BIN)/ruff check kdist recipes tests benchmarks

@@ -34,8 +34,10 @@ def child_env(devices: int = 1, tcmalloc: bool = True) -> dict[str, str]:
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.pop("XLA_FLAGS", None)
-    if devices > 1:
+    env.pop("NPROC", None)
+    if devices > 1:  # what kdist.force_host_devices(devices) sets
         env["XLA_FLAGS"] = HOST8.replace("=8", f"={devices}", 1)
+        env["NPROC"] = str(4 * devices)
     lib = tcmalloc_path() if tcmalloc else None
     if lib:
         env["LD_PRELOAD"] = lib
@@ -106,6 +108,24 @@ def keras_clock(warmup: int):
             self.seconds = time.perf_counter() - self.start
 
     return Clock()
+
+
+def bench_adamw():
+    """The optimizer every side of a speed comparison trains with (kdist's AdamW)."""
+    import kdist
+
+    return kdist.optim.adamw(1e-4, warmup_steps=10, decay_steps=1000)
+
+
+def keras_fit_runner(model, x, y, batch: int, timed_tokens: int):
+    """A function running one ``model.fit`` over ``x, y`` and returning tokens/s of every
+    step after the first (timed by :func:`keras_clock`)."""
+    def run():
+        clock = keras_clock(1)
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[clock])
+        return timed_tokens / clock.seconds
+    return run
 
 
 def write_result(name: str, payload: dict) -> Path:

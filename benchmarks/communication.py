@@ -1,10 +1,10 @@
 """Bytes moved by each collective of the compiled train step, per strategy, vs the minimum.
 
-For each mesh, ``kdist.plan.plan`` compiles the real Keras train step on abstract inputs
+For each mesh, ``kdist.planning.plan`` compiles the real Keras train step on abstract inputs
 over 8 host devices and ``kdist.hlo`` reads every collective from the optimized HLO. The
 figure compared is ring "wire" bytes sent per device per step (all-reduce 2(n-1)/n x size,
 all-gather / reduce-scatter (n-1)/n x size); the minimum per strategy is
-``kdist.plan.theoretical_collective_bytes`` (dp: ring all-reduce of the gradients; fsdp:
+``kdist.planning.theoretical_collective_bytes`` (dp: ring all-reduce of the gradients; fsdp:
 all-gather of the weights forward and backward + reduce-scatter of the gradients; model:
 4 activation all-reduces per layer + 2 for the vocabulary-parallel embedding).
 
@@ -23,7 +23,7 @@ os.environ.setdefault(
 import kdist  # noqa: E402,F401  (before jax: Keras' JAX backend)
 
 # isort: split
-from kdist.plan import format_bytes, plan  # noqa: E402
+from kdist.planning import format_bytes, plan  # noqa: E402
 
 # gpt-nano with 8 heads (head_dim 32) so that model=8 divides the heads.
 OVERRIDES = {"num_heads": 8}
@@ -34,7 +34,7 @@ STRATEGIES = [  # (name, mesh, model options, gradient_reduction: None = XLA pla
     ("model, fused QKV", "model=8", FUSED, None),
     ("hybrid, fused QKV", "data=2,fsdp=2,model=2", FUSED, None),
     ("data+fsdp", "data=2,fsdp=4", OVERRIDES, None),
-    # kdist reduces each weight's gradient itself (kdist.reduction): float32, then bfloat16.
+    # kdist reduces each weight's gradient itself (kdist.parallel.reduction): f32, then bf16.
     ("dp, kdist f32", "data=8", OVERRIDES, "float32"),
     ("fsdp, kdist f32", "fsdp=8", OVERRIDES, "float32"),
     ("data+fsdp, kdist f32", "data=2,fsdp=4", OVERRIDES, "float32"),

@@ -2,7 +2,7 @@
 
 For each preset (deep GPT-2 / Llama shapes reduced in layers so they compile in seconds; the
 ratio is per layer, so fewer layers change it only through the embedding share), the
-model is built and compiled with AdamW, and ``kdist.flops.xla_train_step_flops`` lowers its
+model is built and compiled with AdamW, and ``kdist.planning.xla_train_step_flops`` lowers its
 Keras ``train_step`` on abstract inputs and reads ``cost_analysis()["flops"]``. The formula
 is ``model_flops_per_token(..., causal_half=False).training x tokens``: matmuls only, the
 full ``T x T`` attention matrices — what a dense XLA kernel executes. A ratio above 1 is
@@ -60,7 +60,7 @@ def child(args) -> dict:
     keras.utils.set_random_seed(0)
     lm = kdist.models.GPTCausalLM.from_preset(preset, **lm_options, **overrides)
     lm.compile(optimizer=kdist.optim.adamw())
-    xla = kdist.flops.xla_train_step_flops(lm, batch, length)
+    xla = kdist.planning.xla_train_step_flops(lm, batch, length)
     flops = kdist.flops.model_flops_per_token(lm, length, causal_half=False)
     formula = flops.training * batch * length
     hardware = flops.hardware * batch * length

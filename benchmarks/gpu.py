@@ -9,7 +9,7 @@ and GPU allow; kdist's attention layer passes no mask in plain causal training s
 then time ``fit`` steps after warm-up. MFU = tokens/s x ``kdist.flops.model_flops_per_token``
 (training = 3 x forward matmul FLOPs, causal attention counted as half of T x T — the
 MaxText/Megatron convention; the full-T x T figure is also given) / (devices x the
-data-sheet bf16 dense peak from ``kdist.flops.PEAK_TFLOPS``). A time budget skips the
+data-sheet bf16 dense peak from ``kdist.callbacks.peak.PEAK_TFLOPS``). A time budget skips the
 remaining variants rather than overrun (default 7 minutes).
 
     python benchmarks/gpu.py                      # on the GPU machine
@@ -106,7 +106,7 @@ def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
     flops = kdist.flops.model_flops_per_token(lm, length)  # causal half (MaxText)
     full = kdist.flops.model_flops_per_token(lm, length, causal_half=False)
     dtype = "float32" if dry_run else "bfloat16"
-    peak = kdist.flops.device_peak(devices, dtype)
+    peak = kdist.callbacks.peak.device_peak(devices, dtype)
     denominator = len(devices) * peak.tflops * 1e12
     stats = devices[0].memory_stats() or {}
     return {"preset": preset, "options": {**backbone_options, **lm_options}, "batch": batch,

@@ -2,10 +2,10 @@
 weights + optimizer + activations estimate and against keras-hub's GPT2 of the same shape.
 
 Every figure is XLA's ``memory_analysis()`` of the compiled train step (arguments + outputs
-- donated aliases + temporaries), from ``kdist.plan.plan`` on abstract inputs over 8 host
+- donated aliases + temporaries), from ``kdist.planning.plan`` on abstract inputs over 8 host
 devices (1 device for the 1-device rows). The keras-hub model is ``GPT2Backbone`` (dropout
 0, as kdist's preset) with its tied token embedding as the LM head, sharded by
-``kdist.auto_sharding`` (``auto_shard=True``); both use kdist's AdamW and sparse
+``kdist.parallel.auto`` (``auto_shard=True``); both use kdist's AdamW and sparse
 categorical cross-entropy on float32 logits.
 
     XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false" \\
@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 
 from kdist.models import GPT_PRESETS  # noqa: E402
-from kdist.plan import estimate, format_bytes, plan  # noqa: E402
+from kdist.planning import estimate, format_bytes, plan  # noqa: E402
 
 PRESET = "gpt2-small"
 RUNS = [  # (label, mesh, remat)

@@ -26,7 +26,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import keras_clock, print_table, run_child, spread, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bench_adamw,
+    keras_fit_runner,
+    print_table,
+    run_child,
+    spread,
+    write_result,
+)
 
 SHAPE = dict(vocabulary_size=8192, num_layers=4, num_heads=4, hidden_dim=256,
              intermediate_dim=1024, max_sequence_length=256)
@@ -47,16 +54,10 @@ def child(args) -> dict:
     x, y = tokens[:, :-1], tokens[:, 1:]
     timed_tokens = steps * batch * length
 
-    def adamw():
-        return kdist.optim.adamw(1e-4, warmup_steps=10, decay_steps=1000)
+    adamw = bench_adamw
 
     def keras_fit(model, inputs):
-        def run():
-            clock = keras_clock(1)
-            model.fit(inputs, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
-                      callbacks=[clock])
-            return timed_tokens / clock.seconds
-        return run
+        return keras_fit_runner(model, inputs, y, batch, timed_tokens)
 
     sides = {}
     if args.mesh != "1 device":

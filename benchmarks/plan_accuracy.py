@@ -1,6 +1,6 @@
-"""Planned per-device memory (kdist.plan, compiled on abstract inputs) against a real run.
+"""Planned per-device memory (kdist.planning, compiled on abstract inputs) against a real run.
 
-For each configuration: ``kdist.plan.plan(...)`` on 1 device, then
+For each configuration: ``kdist.planning.plan(...)`` on 1 device, then
 ``kdist.measure.measure_train_memory(...)`` — real weights, real AdamW state, 3 real
 ``train_on_batch`` steps in a fresh subprocess on 1 device; the peak is device memory stats
 where the backend has them, else the process's peak RSS above its idle baseline (the
@@ -20,7 +20,7 @@ import kdist  # noqa: F401  (before jax: Keras' JAX backend)
 import jax
 
 from kdist.measure import measure_train_memory
-from kdist.plan import format_bytes, plan
+from kdist.planning import format_bytes, plan
 
 CONFIGS = [
     # activation-dominated

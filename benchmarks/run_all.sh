@@ -9,21 +9,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TF_CPP_MIN_LOG_LEVEL=2
+# What kdist.force_host_devices(8) sets, for scripts that read their devices from the env.
 HOST8="--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false"
 
 run() { echo; echo "=== $* ==="; "$@"; }
 run "$PYTHON" benchmarks/compute_waste.py
 run "$PYTHON" benchmarks/keras_overhead.py
 run "$PYTHON" benchmarks/optimisations.py
+run "$PYTHON" benchmarks/defaults.py
 if "$PYTHON" -c "import torch" 2>/dev/null; then
   run "$PYTHON" benchmarks/peers.py
 else
   echo "peers.py skipped: no torch (pip install -e '.[bench]')"
 fi
 run "$PYTHON" benchmarks/throughput_overhead.py
-run env XLA_FLAGS="$HOST8" "$PYTHON" benchmarks/mesh_step_time.py --out benchmarks/results/mesh_step_time.json
-run env XLA_FLAGS="$HOST8" "$PYTHON" benchmarks/communication.py
-run env XLA_FLAGS="$HOST8" "$PYTHON" benchmarks/memory.py
+run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/mesh_step_time.py --out benchmarks/results/mesh_step_time.json
+run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/communication.py
+run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/memory.py
 run "$PYTHON" benchmarks/gradient_reduction.py
 if "$PYTHON" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
   run "$PYTHON" benchmarks/gpu.py

@@ -12,47 +12,12 @@ data and the optimizer recipe:
 """
 
 import os
-import re
 
-os.environ.setdefault("KERAS_BACKEND", "jax")
-
-
-def _single_threaded_eigen_for_forced_host_devices() -> None:
-    """With several forced host devices, keep XLA:CPU's Eigen matmuls on each device's thread.
-
-    Seen here (8 forced devices, 2 cores): a train step aborted in an all-gather rendezvous
-    ("Expected 8 threads ... only 3 arrived") — device threads were waiting on a saturated
-    shared Eigen pool. One Eigen thread per device avoids the shared pool; step time under
-    fsdp=8 was unchanged (1.69 vs 1.72 s). Only applies if jax is not imported yet.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
-    if forced and int(forced.group(1)) > 1 and "xla_cpu_multi_thread_eigen" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
-
-
-_single_threaded_eigen_for_forced_host_devices()
-
-
-def _enough_pool_threads_for_host_collectives() -> None:
-    """Sizes XLA:CPU's intra-op pool for collectives between forced host devices.
-
-    XLA:CPU's thunk executor runs a device's collective on that pool, and the thread waits
-    there until every participant arrives. The pool has max(cores, devices) threads, 8 here,
-    so when collectives of different groups are ready at once (an all-gather over fsdp
-    and an all-reduce over model), the waiting participants can hold every thread and the
-    rest never start: seen here on 2 loaded cores as "Expected 8 threads to join the
-    rendezvous, but only 6 arrived" after 40 s, in GPT and BERT runs alike. The pool
-    reads its size from NPROC; 4 threads per device leave room for 4 concurrent
-    collectives. Only applies if jax is not imported yet and NPROC is not set.
-    """
-    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)",
-                       os.environ.get("XLA_FLAGS", ""))
-    if forced and int(forced.group(1)) > 1:
-        os.environ.setdefault("NPROC", str(4 * int(forced.group(1))))
-
-
-_enough_pool_threads_for_host_collectives()
+# The one environment default kdist sets: Keras' backend, when the user chose none (kdist
+# needs JAX). Nothing else in the environment changes at import; forcing host devices and
+# XLA:CPU flags is an explicit call, kdist.force_host_devices(n).
+if "KERAS_BACKEND" not in os.environ:
+    os.environ["KERAS_BACKEND"] = "jax"
 
 # ruff: noqa: E402
 import keras
@@ -64,18 +29,19 @@ if keras.backend.backend() != "jax":
         f"import kdist before keras."
     )
 
-from kdist import callbacks, data, flops, models, optim
-from kdist.distribution import KdistDistribution, distribution, parse_mesh
+from kdist import callbacks, data, flops, models, optim, parallel
 from kdist.multihost import initialize
+from kdist.parallel import KdistDistribution, distribution, force_host_devices, parse_mesh
 
 # isort: split
-from kdist import auto_sharding, hlo, plan  # planning: `kdist plan`, any-model sharding
+from kdist import hlo, planning  # planning: `kdist plan`
+from kdist import planning as plan  # its former name: kdist.plan.plan(...) still works
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "KdistDistribution", "callbacks", "data", "distribution", "flops", "models", "optim",
-    "parse_mesh",
+    "KdistDistribution", "callbacks", "data", "distribution", "flops", "force_host_devices",
+    "models", "optim", "parallel", "parse_mesh",
     "initialize",
-    "auto_sharding", "hlo", "plan",
+    "hlo", "plan", "planning",
 ]

@@ -16,7 +16,7 @@ execution of the instruction:
   ``(n-1)/n * bytes`` for all-gather, reduce-scatter and all-to-all, ``2(n-1)/n * bytes``
   for all-reduce (a reduce-scatter then an all-gather), ``bytes`` for a collective-permute.
   This is the figure to compare strategies with, and the one
-  :func:`kdist.plan.theoretical_collective_bytes` predicts.
+  :func:`kdist.planning.theoretical_collective_bytes` predicts.
 
 Instructions are counted where they appear: a collective inside a loop body is counted
 once, not once per iteration (kdist's models unroll their layers, so there is none).

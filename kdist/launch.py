@@ -3,7 +3,7 @@
     python -m kdist.launch --processes 2 --devices-per-process 4 recipes/gpt_pretrain.py --steps 20
     python -m kdist.launch --processes 2 -m pytest ...        # a module instead of a script
 
-Each process gets ``XLA_FLAGS=--xla_force_host_platform_device_count=D``, Keras' variables
+Each process gets the host-device settings of ``kdist.force_host_devices(D)``, Keras' variables
 ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` (a free port on 127.0.0.1), ``_NUM_PROCESSES`` and
 ``_PROCESS_ID`` (read by :func:`kdist.initialize`), and gloo for CPU collectives. Output lines
 are prefixed by rank (``[0] ...``). SIGINT and SIGTERM are forwarded to every process. If one
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -28,7 +27,7 @@ import sys
 import threading
 import time
 
-_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
+from kdist.parallel.devices import host_device_environment
 
 
 def free_port() -> int:
@@ -41,8 +40,7 @@ def free_port() -> int:
 def process_env(rank: int, processes: int, devices: int, port: int, base=None) -> dict:
     """The environment of process ``rank``: device count, coordinator, id, CPU collectives."""
     env = dict(os.environ if base is None else base)
-    flags = _DEVICE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    env.update(host_device_environment(devices, env))
     env.update(
         KERAS_DISTRIBUTION_JOB_ADDRESSES=f"127.0.0.1:{port}",
         KERAS_DISTRIBUTION_NUM_PROCESSES=str(processes),

@@ -1,4 +1,4 @@
-"""Measure what a real train step uses, to check a plan against (see :mod:`kdist.plan`).
+"""Measure what a real train step uses, to check a plan against (see :mod:`kdist.planning`).
 
 :func:`measure_train_memory` trains a kdist GPT for a few steps in a fresh subprocess on
 one device and returns its peak memory above an idle baseline:
@@ -77,17 +77,17 @@ def measure_train_memory(
     """Peak memory of ``steps`` real train steps of a kdist GPT on one device, in bytes.
 
     Returns ``{"peak", "source", "baseline_rss", "peak_rss", "losses"}``; ``peak`` is the
-    figure to compare with a 1-device :func:`kdist.plan.plan` of the same configuration.
+    figure to compare with a 1-device :func:`kdist.planning.plan` of the same configuration.
 
     Example:
         >>> m = measure_train_memory("gpt-nano", 4, 64)  # doctest: +SKIP
         >>> m["peak"] > 0  # doctest: +SKIP
         True
     """
-    from kdist.plan import _precision_policy
+    from kdist.planning import precision_policy
 
     args = {"preset": preset, "batch": global_batch_size, "length": sequence_length,
-            "policy": _precision_policy(precision), "remat": bool(remat), "steps": steps,
+            "policy": precision_policy(precision), "remat": bool(remat), "steps": steps,
             "overrides": model_overrides or {}}
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(

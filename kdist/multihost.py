@@ -28,6 +28,8 @@ import sys
 import threading
 import time
 
+from kdist import _keras_compat
+
 _ADDRESS = re.compile(r"^\[?[\w.:-]+\]?:\d+$")
 
 
@@ -54,11 +56,7 @@ def _env_int(name: str) -> int | None:
 
 def _cluster_detected():
     """The cluster environment JAX would auto-detect (SLURM, Open MPI, ...), or None."""
-    try:
-        from jax._src.clusters import ClusterEnv
-    except ImportError:  # a JAX without the cluster registry: nothing to detect
-        return None
-    for env in ClusterEnv._cluster_types:
+    for env in _keras_compat.cluster_environments():
         if getattr(env, "opt_in_only_method", False):
             continue
         try:
@@ -85,14 +83,13 @@ def process_info() -> ProcessInfo:
         1
     """
     import jax
-    from jax._src import distributed
 
     return ProcessInfo(
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         local_device_count=jax.local_device_count(),
         device_count=jax.device_count(),
-        coordinator_address=distributed.global_state.coordinator_address,
+        coordinator_address=_keras_compat.coordinator_address(),
     )
 
 
@@ -125,9 +122,8 @@ def initialize(
         1
     """
     import jax
-    from jax._src import distributed, xla_bridge
 
-    if distributed.global_state.client is not None:  # already initialized: idempotent
+    if _keras_compat.distributed_client() is not None:  # already initialized: idempotent
         return process_info()
 
     addresses = os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "")
@@ -149,7 +145,7 @@ def initialize(
 
     cluster = None if cluster is None else cluster.__name__
     _check_arguments(coordinator_address, num_processes, process_id, timeout, cluster)
-    if xla_bridge.backends_are_initialized():
+    if _keras_compat.jax_backends_started():
         raise RuntimeError(
             "kdist.initialize() must run before JAX starts its devices, but JAX already has "
             "(something called jax.devices(), created an array or built a Keras model). Call "
@@ -276,11 +272,10 @@ def _check_process_count(requested: int | None, timeout: int) -> None:
     and so is process 0 (each process publishes its own view in the coordinator's store).
     """
     import jax
-    from jax._src import distributed
 
     actual = jax.process_count()
     me = jax.process_index()
-    client = distributed.global_state.client
+    client = _keras_compat.distributed_client()
     # Publish first, so that the others learn of a mismatch here too.
     client.key_value_set(f"kdist/num_processes/{me}", str(requested or actual))
     if requested is not None and requested != actual:
@@ -303,8 +298,4 @@ def _check_process_count(requested: int | None, timeout: int) -> None:
 
 def _sync_keras_seed() -> None:
     """The same Keras seed in every process, as ``keras.distribution.initialize`` does."""
-    try:
-        from keras.src.backend.jax.distribution_lib import initialize_rng
-    except ImportError:  # a Keras without it: nothing to align
-        return
-    initialize_rng()
+    _keras_compat.sync_keras_seed()

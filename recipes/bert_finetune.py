@@ -21,11 +21,21 @@ import json
 import time
 from pathlib import Path
 
-import kdist  # before jax: it selects Keras' JAX backend and XLA:CPU flags
+import kdist  # before keras: it selects Keras' JAX backend if none is chosen
 
 # isort: split
 import jax
 import keras
+from recipe_flags import (
+    check_sequence_length,
+    check_warmup,
+    int_at_least,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    probability,
+)
 
 DEFAULT_PRETRAINED = "runs/bert_pretrain"
 
@@ -38,25 +48,40 @@ def parse_args(argv=None):
     p.add_argument("--from-scratch", action="store_true",
                    help="random initialisation (with --preset) instead of pretrained weights")
     p.add_argument("--preset", default="bert-tiny", help="model shape when from scratch")
-    p.add_argument("--vocabulary-size", type=int, default=8192,
+    p.add_argument("--vocabulary-size", default=8192,
+                   type=int_at_least("--vocabulary-size", 256,
+                                     "special tokens and the corpus's characters"),
                    help="WordPiece vocabulary trained on the corpus, when from scratch")
     p.add_argument("--task", default="stdlib-packages",
                    help="stdlib-packages (offline) or a TFDS dataset name, e.g. glue/sst2")
     p.add_argument("--data-dir", default=None, help="TFDS data directory")
     p.add_argument("--download", action="store_true", help="let TFDS download the dataset")
     p.add_argument("--mesh", default="auto", help="e.g. auto, fsdp=8, data=2,model=4")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=32)
-    p.add_argument("--sequence-length", type=int, default=128)
+    p.add_argument("--host-devices", type=positive_int("--host-devices", 8), default=None,
+                   help="present the CPU as this many devices (kdist.force_host_devices); "
+                        "default: the devices JAX finds")
+    p.add_argument("--steps", type=positive_int("--steps", 300), default=300,
+                   help="optimizer steps")
+    p.add_argument("--global-batch-size", type=positive_int("--global-batch-size", 32),
+                   default=32)
+    p.add_argument("--sequence-length", default=128,
+                   type=int_at_least("--sequence-length", 3, "[CLS] text [SEP]"),
+                   help="tokens per example, at most the model's positions")
     p.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--learning-rate", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=30)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--dropout", type=float, default=0.1, help="backbone dropout")
-    p.add_argument("--classifier-dropout", type=float, default=0.1)
-    p.add_argument("--eval-every", type=int, default=100, help="steps between validations")
+    p.add_argument("--learning-rate", type=positive_float("--learning-rate", 1e-3),
+                   default=1e-3, help="peak, after warmup")
+    p.add_argument("--warmup-steps", type=nonnegative_int("--warmup-steps", 30), default=30,
+                   help="less than --steps")
+    p.add_argument("--weight-decay", type=nonnegative_float("--weight-decay", 0.01),
+                   default=0.01)
+    p.add_argument("--dropout", type=probability("--dropout", 0.1), default=0.1,
+                   help="backbone dropout, in [0, 1)")
+    p.add_argument("--classifier-dropout", type=probability("--classifier-dropout", 0.1),
+                   default=0.1, help="in [0, 1)")
+    p.add_argument("--eval-every", type=positive_int("--eval-every", 100), default=100,
+                   help="steps between validations (each on the whole validation split)")
     p.add_argument("--output-dir", default="runs/bert_finetune")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int("--seed", 0), default=0)
     return p.parse_args(argv)
 
 
@@ -80,11 +105,31 @@ def pretrained_source(args):
     return directory
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.steps < 1 or (args.steps % args.eval_every and args.steps > args.eval_every):
+def check_args(args):
+    """Refuses flags that are each valid but wrong together, before anything is built."""
+    if args.steps % args.eval_every and args.steps > args.eval_every:
         raise ValueError(f"--steps ({args.steps}) must be positive and a multiple of "
                          f"--eval-every ({args.eval_every}).")
+    check_warmup(args)
+    if args.from_scratch:
+        kdist.models.presets.preset_config(kdist.models.BERT_PRESETS, args.preset)
+
+
+def check_model_fits(args, config, tokenizer, where):
+    """--sequence-length and the vocabulary against the model's config, before it is built."""
+    check_sequence_length(args, config["max_sequence_length"], where)
+    if tokenizer.vocabulary_size() > config["vocabulary_size"]:
+        raise ValueError(f"The vocabulary has {tokenizer.vocabulary_size()} tokens but the model "
+                         f"of {where} embeds only {config['vocabulary_size']}: ids from "
+                         f"{config['vocabulary_size']} up would give NaN logits. Use the "
+                         f"vocabulary.txt the model was pretrained with.")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.host_devices:  # before anything starts JAX's devices
+        kdist.force_host_devices(args.host_devices)
+    check_args(args)
     eval_every = min(args.eval_every, args.steps)
     source = pretrained_source(args)
     output_dir = Path(args.output_dir)
@@ -101,19 +146,25 @@ def main(argv=None):
         tokenizer = kdist.data.load_word_piece(source / "vocabulary.txt")
         config = json.loads((source / "summary.json").read_text())["backbone_config"]
         config = {k: v for k, v in config.items() if k not in ("name", "trainable", "dtype")}
-        backbone = kdist.models.BertBackbone(**{**config, "dropout": args.dropout})
+        check_model_fits(args, config, tokenizer, f"--pretrained {source}")
     else:
         tokenizer = kdist.data.word_piece_tokenizer(kdist.data.load_corpus(),
                                                     args.vocabulary_size)
-        backbone = kdist.models.BertBackbone.from_preset(
-            args.preset, vocabulary_size=tokenizer.vocabulary_size(), dropout=args.dropout)
-    if args.sequence_length > backbone.max_sequence_length:
-        raise ValueError(f"--sequence-length {args.sequence_length} exceeds the model's "
-                         f"{backbone.max_sequence_length} positions.")
+        config = kdist.models.presets.preset_config(
+            kdist.models.BERT_PRESETS, args.preset, vocabulary_size=tokenizer.vocabulary_size())
+        check_model_fits(args, config, tokenizer, f"--preset {args.preset}")
     data = kdist.data.classification_dataset(
         args.task, tokenizer, args.sequence_length, args.global_batch_size, seed=args.seed,
         data_dir=args.data_dir, download=args.download,
     )
+    for split in ("train", "validation"):
+        kdist.data.check_token_ids(getattr(data, split).token_ids, config["vocabulary_size"],
+                                   f"The encoded {split} examples of --task {args.task}")
+    if source is not None:
+        backbone = kdist.models.BertBackbone(**{**config, "dropout": args.dropout})
+    else:
+        backbone = kdist.models.BertBackbone.from_preset(
+            args.preset, vocabulary_size=tokenizer.vocabulary_size(), dropout=args.dropout)
     model = kdist.models.BertClassifier(backbone, data.num_classes,
                                         classifier_dropout=args.classifier_dropout)
     if source is not None:

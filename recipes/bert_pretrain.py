@@ -23,54 +23,85 @@ import math
 import time
 from pathlib import Path
 
-import kdist  # before jax: it selects Keras' JAX backend and XLA:CPU flags
+import kdist  # before keras: it selects Keras' JAX backend if none is chosen
 
 # isort: split
 import jax
 import keras
 import numpy as np
+from recipe_flags import (
+    check_sequence_length,
+    check_warmup,
+    existing_path,
+    int_at_least,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    probability,
+    text_encoding,
+)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="bert-tiny", help="see kdist.models.BERT_PRESETS")
     p.add_argument("--mesh", default="auto", help="e.g. auto, fsdp=8, data=2,model=4")
+    p.add_argument("--host-devices", type=positive_int("--host-devices", 8), default=None,
+                   help="present the CPU as this many devices (kdist.force_host_devices); "
+                        "default: the devices JAX finds")
     p.add_argument("--data", default="python-stdlib", help="python-stdlib or a text file/dir/glob")
+    p.add_argument("--encoding", type=text_encoding(), default="utf-8",
+                   help="of local text files (e.g. latin-1); default utf-8")
     p.add_argument("--vocabulary", default=None,
+                   type=existing_path("--vocabulary", "WordPiece vocabulary.txt"),
                    help="a WordPiece vocabulary.txt (default: train one on the corpus)")
-    p.add_argument("--vocabulary-size", type=int, default=8192, help="when training one")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=32, help="sequences per step")
-    p.add_argument("--sequence-length", type=int, default=128)
-    p.add_argument("--mask-rate", type=float, default=0.15, help="share of tokens selected")
+    p.add_argument("--vocabulary-size", default=8192,
+                   type=int_at_least("--vocabulary-size", 256,
+                                     "special tokens and the corpus's characters"),
+                   help="when training one")
+    p.add_argument("--steps", type=positive_int("--steps", 300), default=300,
+                   help="optimizer steps")
+    p.add_argument("--global-batch-size", type=positive_int("--global-batch-size", 32),
+                   default=32, help="sequences per step")
+    p.add_argument("--sequence-length", default=128,
+                   type=int_at_least("--sequence-length", 8, "[CLS] A [SEP] B [SEP]"),
+                   help="tokens per sequence, at most the preset's positions")
+    p.add_argument("--mask-rate", type=probability("--mask-rate", 0.15, zero=False),
+                   default=0.15, help="share of tokens selected, in (0, 1)")
     p.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="bfloat16 = Keras mixed_bfloat16; auto = float32 on CPU only")
     p.add_argument("--remat", action="store_true", help="rematerialise each block")
-    p.add_argument("--learning-rate", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=30)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--eval-every", type=int, default=100, help="steps between validations")
-    p.add_argument("--eval-steps", type=int, default=8, help="validation batches")
+    p.add_argument("--learning-rate", type=positive_float("--learning-rate", 1e-3),
+                   default=1e-3, help="peak, after warmup")
+    p.add_argument("--warmup-steps", type=nonnegative_int("--warmup-steps", 30), default=30,
+                   help="less than --steps")
+    p.add_argument("--weight-decay", type=nonnegative_float("--weight-decay", 0.01),
+                   default=0.01)
+    p.add_argument("--dropout", type=probability("--dropout", 0.1), default=0.0,
+                   help="in [0, 1)")
+    p.add_argument("--eval-every", type=positive_int("--eval-every", 100), default=100,
+                   help="steps between validations")
+    p.add_argument("--eval-steps", type=positive_int("--eval-steps", 8), default=None,
+                   help="validation batches, evenly strided over the validation split "
+                        "(default: the whole split)")
     p.add_argument("--output-dir", default="runs/bert_pretrain")
-    p.add_argument("--log-every", type=int, default=20, help="steps per throughput log row")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--log-every", type=positive_int("--log-every", 20), default=20,
+                   help="steps per throughput log row")
+    p.add_argument("--peak-tflops", type=positive_float("--peak-tflops", 100.0), default=None,
                    help="per-device dense peak for MFU (default: table, or measured on CPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int("--seed", 0), default=0)
     return p.parse_args(argv)
 
 
 def check_args(args):
     """Refuses bad flags before anything is built or compiled."""
-    if args.steps < 1 or (args.steps % args.eval_every and args.steps > args.eval_every):
+    if args.steps % args.eval_every and args.steps > args.eval_every:
         raise ValueError(f"--steps ({args.steps}) must be positive and a multiple of "
                          f"--eval-every ({args.eval_every}).")
-    if not 0 < args.mask_rate < 1:
-        raise ValueError(f"--mask-rate must be in (0, 1); got {args.mask_rate}.")
+    check_warmup(args)
     preset = kdist.models.presets.preset_config(kdist.models.BERT_PRESETS, args.preset)
-    if args.sequence_length > preset["max_sequence_length"]:
-        raise ValueError(f"--sequence-length {args.sequence_length} exceeds {args.preset}'s "
-                         f"{preset['max_sequence_length']} positions.")
+    check_sequence_length(args, preset["max_sequence_length"], f"--preset {args.preset}")
 
 
 def show_predictions(model, data, count=8):
@@ -91,6 +122,8 @@ def show_predictions(model, data, count=8):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.host_devices:  # before anything starts JAX's devices
+        kdist.force_host_devices(args.host_devices)
     check_args(args)
     eval_every = min(args.eval_every, args.steps)
     output_dir = Path(args.output_dir)
@@ -113,6 +146,7 @@ def main(argv=None):
         seed=args.seed,
         validation_steps=args.eval_steps,
         mask_selection_rate=args.mask_rate,
+        encoding=args.encoding,
     )
     model = kdist.models.BertMaskedLM.from_preset(
         args.preset, vocabulary_size=data.vocabulary_size, dropout=args.dropout, remat=args.remat
@@ -132,13 +166,15 @@ def main(argv=None):
           f"{data.train_sequences:,} training sequences of {args.sequence_length} tokens, "
           f"{data.mask_selection_length} masked slots per sequence")
 
+    print(f"validation on {data.validation_coverage}")
     start = time.time()
     before = model.evaluate(data.validation, verbose=0, return_dict=True)
     print(f"before training: validation loss {before['loss']:.4f} (uniform over the "
           f"vocabulary: {math.log(data.vocabulary_size):.4f}), masked-token accuracy "
           f"{before['masked_accuracy']:.4f}")
-    flops = kdist.flops.bert_flops_per_token(model, args.sequence_length,
-                                             masked_positions=data.mask_selection_length)
+    flops = model.cost_model_for(  # the MLM head at the masked positions actually trained
+        model.backbone.get_config(), masked_positions=data.mask_selection_length,
+    ).flops_per_token(args.sequence_length)
     history = model.fit(
         data.train,
         validation_data=data.validation,

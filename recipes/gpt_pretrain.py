@@ -26,76 +26,121 @@ import math
 import time
 from pathlib import Path
 
-import kdist  # before jax: it selects Keras' JAX backend and XLA:CPU flags
+import kdist  # before keras: it selects Keras' JAX backend if none is chosen
 
 # isort: split
 import jax
 import keras
 import numpy as np
+from recipe_flags import (
+    check_sequence_length,
+    check_warmup,
+    existing_path,
+    int_at_least,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    probability,
+    text_encoding,
+)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="gpt-nano", help="see kdist.models.GPT_PRESETS")
     p.add_argument("--mesh", default="auto", help="e.g. auto, fsdp=8, data=2,model=4")
+    p.add_argument("--host-devices", type=positive_int("--host-devices", 8), default=None,
+                   help="present the CPU as this many devices (kdist.force_host_devices); "
+                        "default: the devices JAX finds")
     p.add_argument("--data", default="python-stdlib",
                    help="python-stdlib, a text file/dir/glob, or tfds:NAME (e.g. tfds:lm1b)")
     p.add_argument("--tfds-data-dir", default=None, help="where TFDS datasets are prepared")
     p.add_argument("--tfds-manual-dir", default=None, help="a TFDS dataset's manual download")
     p.add_argument("--tfds-download", action="store_true", help="let TFDS download and prepare")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=16, help="sequences per step")
-    p.add_argument("--sequence-length", type=int, default=256)
-    p.add_argument("--vocabulary-size", type=int, default=8192, help="byte-pair vocabulary")
+    p.add_argument("--encoding", type=text_encoding(), default="utf-8",
+                   help="of local text files (e.g. latin-1); default utf-8")
+    p.add_argument("--steps", type=positive_int("--steps", 200), default=200,
+                   help="optimizer steps")
+    p.add_argument("--global-batch-size", type=positive_int("--global-batch-size", 16),
+                   default=16, help="sequences per step")
+    p.add_argument("--sequence-length", type=positive_int("--sequence-length", 256),
+                   default=256, help="tokens per sequence, at most the preset's positions")
+    p.add_argument("--vocabulary-size",
+                   type=int_at_least("--vocabulary-size", 258, "256 bytes, end-of-text, a merge"),
+                   default=8192, help="byte-pair vocabulary")
     p.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="bfloat16 = Keras mixed_bfloat16; auto = float32 on CPU only")
     p.add_argument("--remat", action="store_true", help="rematerialise each block")
-    p.add_argument("--attention-chunk-size", type=int, default=None,
+    p.add_argument("--attention-chunk-size", type=positive_int("--attention-chunk-size", 64),
+                   default=None,
                    help="attend over key chunks of this size, keeping no probabilities "
                         "(saves memory where no flash attention runs, e.g. CPU)")
     p.add_argument("--gradient-reduction", default=None, choices=["float32", "bfloat16"],
                    help="kdist reduces each gradient once (reduce-scatter + all-reduce), in "
-                        "this type; default: XLA places the reductions (kdist.reduction)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--learning-rate", type=float, default=2e-3)
-    p.add_argument("--warmup-steps", type=int, default=30)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--dropout", type=float, default=0.0)
+                        "this type; default: XLA places the reductions (kdist.parallel.reduction)")
+    p.add_argument("--grad-accum", type=positive_int("--grad-accum", 2), default=1,
+                   help="micro-batches per step")
+    p.add_argument("--learning-rate", type=positive_float("--learning-rate", 2e-3),
+                   default=2e-3, help="peak, after warmup")
+    p.add_argument("--warmup-steps", type=nonnegative_int("--warmup-steps", 30), default=30,
+                   help="less than --steps")
+    p.add_argument("--weight-decay", type=nonnegative_float("--weight-decay", 0.1),
+                   default=0.1)
+    p.add_argument("--dropout", type=probability("--dropout", 0.1), default=0.0,
+                   help="in [0, 1)")
     p.add_argument("--document-mask", action="store_true",
                    help="attention stays within each packed document; positions restart")
-    p.add_argument("--eval-every", type=int, default=50, help="steps between validations")
-    p.add_argument("--eval-steps", type=int, default=16, help="validation batches")
-    p.add_argument("--sample-length", type=int, default=64, help="tokens to generate at the end")
+    p.add_argument("--eval-every", type=positive_int("--eval-every", 50), default=50,
+                   help="steps between validations")
+    p.add_argument("--eval-steps", type=positive_int("--eval-steps", 16), default=None,
+                   help="validation batches, evenly strided over the validation split "
+                        "(default: the whole split)")
+    p.add_argument("--sample-length", type=nonnegative_int("--sample-length", 64), default=64,
+                   help="tokens to generate at the end")
     p.add_argument("--output-dir", default="runs/gpt_pretrain")
-    p.add_argument("--log-every", type=int, default=10, help="steps per throughput log row")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--log-every", type=positive_int("--log-every", 10), default=10,
+                   help="steps per throughput log row")
+    p.add_argument("--peak-tflops", type=positive_float("--peak-tflops", 100.0), default=None,
                    help="per-device dense peak for MFU (default: table, or measured on CPU)")
     p.add_argument("--profile-steps", default=None, metavar="A:B",
                    help="JAX profiler trace of steps A..B into OUTPUT_DIR/tensorboard")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int("--seed", 0), default=0)
     p.add_argument("--checkpoint-dir", default=None, help="default OUTPUT_DIR/checkpoints")
+    # Checked in check_args (tests/test_recipe_checkpoint.py expects that ValueError).
     p.add_argument("--checkpoint-every", type=int, default=50,
                    help="optimizer steps between checkpoints (also on SIGTERM and at the end)")
     p.add_argument("--resume", action="store_true",
                    help="fail unless a checkpoint to resume exists (resuming is automatic)")
     p.add_argument("--init-from", default=None,
+                   type=existing_path("--init-from", "checkpoint dir or .keras file"),
                    help="initial weights only: a checkpoint dir or .keras file; ignored on resume")
     return p.parse_args(argv)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def check_args(args):
+    """Refuses flags that are each valid but wrong together, before anything is built."""
     if args.steps % args.eval_every and args.steps > args.eval_every:
         raise ValueError(f"--steps ({args.steps}) must be a multiple of --eval-every "
                          f"({args.eval_every}).")
-    eval_every = min(args.eval_every, args.steps)
-    if args.grad_accum < 1 or args.global_batch_size % args.grad_accum:
-        raise ValueError(f"--grad-accum ({args.grad_accum}) must be a positive divisor of "
-                         f"--global-batch-size ({args.global_batch_size}).")
     if args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every must be >= 0 (0: only at the end and on "
-                         f"SIGTERM); got {args.checkpoint_every}.")
-    kdist.models.presets.preset_config(kdist.models.GPT_PRESETS, args.preset)  # fail early
+                         f"SIGTERM); got {args.checkpoint_every}. Pass e.g. --checkpoint-every "
+                         f"50.")
+    if args.global_batch_size % args.grad_accum:
+        raise ValueError(f"--grad-accum ({args.grad_accum}) must be a positive divisor of "
+                         f"--global-batch-size ({args.global_batch_size}).")
+    check_warmup(args)
+    preset = kdist.models.presets.preset_config(kdist.models.GPT_PRESETS, args.preset)
+    check_sequence_length(args, preset["max_sequence_length"], f"--preset {args.preset}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.host_devices:  # before anything starts JAX's devices
+        kdist.force_host_devices(args.host_devices)
+    check_args(args)
+    eval_every = min(args.eval_every, args.steps)
     profile_steps = kdist.callbacks.parse_profile_steps(args.profile_steps)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -134,6 +179,7 @@ def main(argv=None):
         tfds_data_dir=args.tfds_data_dir,
         tfds_manual_dir=args.tfds_manual_dir,
         tfds_download=args.tfds_download,
+        encoding=args.encoding,
     )
     model = kdist.models.GPTCausalLM.from_preset(
         args.preset,
@@ -169,6 +215,7 @@ def main(argv=None):
           f"{precision}, {model.count_params():,} parameters, "
           f"{data.train_tokens:,} training tokens")
 
+    print(f"validation loss on {data.validation_coverage}")
     start = time.time()
     untrained = model.evaluate(data.validation, verbose=0, return_dict=True)["loss"]
     print(f"validation loss before training: {untrained:.4f} "

@@ -3,17 +3,16 @@
 import os
 import tempfile
 
-# Must happen before jax is first imported (by keras or kdist). Single-threaded Eigen per
-# device: see kdist/__init__.py (a shared Eigen pool stalled a collective rendezvous).
-os.environ["XLA_FLAGS"] = (
-    "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false"
-)
 os.environ["KERAS_BACKEND"] = "jax"
-# Enough XLA:CPU pool threads that concurrent collectives cannot deadlock (kdist/__init__.py).
-os.environ.setdefault("NPROC", "32")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Tokenizers and token stores of the test session live in one temporary cache.
 os.environ.setdefault("KDIST_CACHE", tempfile.mkdtemp(prefix="kdist-test-cache-"))
+
+import kdist  # noqa: E402
+
+# 8 CPU devices, with the XLA:CPU settings that keep their collectives from stalling
+# (kdist/parallel/devices.py); before anything starts JAX's backends.
+kdist.force_host_devices(8)
 
 import jax  # noqa: E402
 import keras  # noqa: E402

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-import kdist  # before jax: Keras' JAX backend and XLA:CPU flags
+import kdist  # kdist.launch gave this process its host devices (kdist.force_host_devices)
 
 # isort: split
 import jax
@@ -193,7 +193,22 @@ def ckpt(args) -> dict:
     )
 
 
-COMMANDS = {"train": train, "hang": hang, "ckpt": ckpt, "wordpiece": wordpiece}
+def devices(args) -> dict:
+    """Where this process's devices sit in the mesh: ``{axis: sorted coordinates}``."""
+    info = setup(args.mesh)
+    mesh = keras.distribution.distribution().device_mesh
+    local = {d.id for d in jax.local_devices()}
+    coords = {axis: set() for axis in mesh.axis_names}
+    for index, device in np.ndenumerate(mesh.backend_mesh.devices):
+        if device.id in local:
+            for axis, i in zip(mesh.axis_names, index):
+                coords[axis].add(int(i))
+    return dict(process_index=info.process_index,
+                coords={axis: sorted(c) for axis, c in coords.items()})
+
+
+COMMANDS = {"train": train, "hang": hang, "ckpt": ckpt, "wordpiece": wordpiece,
+            "devices": devices}
 
 
 def main(argv=None) -> int:

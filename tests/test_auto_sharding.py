@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import kdist
-from kdist.auto_sharding import ShardingError, coverage_report, infer_axes
+from kdist.parallel.auto import ShardingError, infer_axes
+from kdist.parallel.report import coverage_report
 from tests.helpers import parity_optimizer, token_batches
 
 MESH = {"data": 1, "fsdp": 4, "model": 2}
@@ -99,7 +100,7 @@ def test_keras_hub_backbones_train_sharded_like_one_device(kind):
                or p.endswith("attention_layer/query/kernel")]
         assert qkv, sorted(specs)
         if mesh == "fsdp=8":
-            # kdist's GPT table also names token_embedding/embeddings: (vocab, embed->fsdp).
+            # A token table's embed dimension goes on fsdp, as kdist's own rules do.
             assert specs["token_embedding/embeddings"] == (None, "fsdp")
             assert all(specs[p][0] == "fsdp" for p in qkv)
         else:
@@ -121,8 +122,7 @@ def test_coverage_report_lists_every_weight_and_per_device_bytes_shrink():
     small = sum(np.prod(w.shape) * 4 for w in model.weights if np.prod(w.shape) <= 4096)
     assert sharded == pytest.approx((full - small) / 8 + small)
     rules = {r["rule"] for r in rows}
-    # Llama's token embedding paths are also in kdist's GPT table; the rest is automatic.
-    assert rules == {"fsdp by shape", "replicated (small)", "kdist logical-axes table"}
+    assert rules == {"fsdp by shape", "replicated (small)"}  # all automatic
     assert next(r for r in rows if r["path"].endswith("query/kernel"))["axes"][0] == "fsdp"
 
 

@@ -41,3 +41,15 @@ def test_report_writes_png_and_summary(tmp_path, capsys, finished):
 def test_report_explains_a_missing_log(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "No throughput.jsonl" in capsys.readouterr().err
+
+
+def test_report_says_why_an_mfu_is_missing(tmp_path, capsys):
+    write_run(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "throughput.jsonl").read_text().splitlines()]
+    for row in rows:
+        if row["kind"] == "interval":
+            row.update(mfu=None, mfu_unreliable="1.2 TFLOP/s per device exceeds the measured "
+                                                "peak 1, which is too low")
+    (tmp_path / "throughput.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert cli.main(["report", str(tmp_path)]) == 0
+    assert "MFU not reported (1.2 TFLOP/s per device exceeds" in capsys.readouterr().out

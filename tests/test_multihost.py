@@ -82,6 +82,24 @@ def test_two_processes_train_like_one(mesh, shares, tmp_path, child_env):
                 np.testing.assert_array_equal(r, reference["rows"][step])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, expected", [
+    # model fastest-varying: each host holds whole model groups; data spans the hosts.
+    ("data=2,model=4", [{"data": [r], "fsdp": [0], "model": [0, 1, 2, 3]} for r in (0, 1)]),
+    ("data=2,fsdp=2,model=2",
+     [{"data": [r], "fsdp": [0, 1], "model": [0, 1]} for r in (0, 1)]),
+])
+def test_device_order_keeps_model_inside_a_host_and_data_across(mesh, expected, tmp_path,
+                                                                child_env):
+    status = launch.launch([sys.executable, SCRIPT, "devices", "--mesh", mesh,
+                            "--out", str(tmp_path)], processes=2, devices_per_process=4)
+    assert status == 0
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"devices-rank{rank}.json").read_text())
+        assert seen["process_index"] == rank
+        assert seen["coords"] == expected[rank]
+
+
 class Launched(ProcessOutput):
     """``python -m kdist.launch ARGS`` in the background, its output read as it comes."""
 
@@ -136,13 +154,14 @@ def test_launcher_forwards_sigterm_and_prefixes_output(tmp_path, child_env):
         "    sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, stop)\n"
         "print('ready', os.environ['KERAS_DISTRIBUTION_NUM_PROCESSES'],\n"
-        "      os.environ['XLA_FLAGS'].split()[-1], flush=True)\n"
+        "      [f for f in os.environ['XLA_FLAGS'].split() if 'count' in f][0],\n"
+        "      'eigen=false' in os.environ['XLA_FLAGS'], flush=True)\n"
         "time.sleep(120)\n"
     )
     run = Launched("--processes", "2", "--devices-per-process", "3", str(child), str(tmp_path))
     run.wait_for(both_ready)
     assert sorted(x for x in run.lines if "ready" in x) == [
-        f"[{r}] ready 2 --xla_force_host_platform_device_count=3\n" for r in (0, 1)
+        f"[{r}] ready 2 --xla_force_host_platform_device_count=3 True\n" for r in (0, 1)
     ]
     run.proc.send_signal(signal.SIGTERM)
     status, output = run.finish(timeout=30)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kdist import launch
-from kdist.callbacks.checkpoint import committed_steps
+from kdist.checkpointing import committed_steps
 from tests import multihost_script
 from tests.test_multihost import SCRIPT, Launched
 

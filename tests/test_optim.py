@@ -64,3 +64,33 @@ def test_schedule_counts_updates_under_accumulation():
 def test_bad_accumulation_is_refused():
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive"):
         kdist.optim.adamw(gradient_accumulation_steps=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(learning_rate=-1e-3), r"learning_rate must be a finite number in \(0, inf\); got -0.001"),
+    (dict(learning_rate=0.0), r"learning_rate must be a finite number in \(0, inf\); got 0.0"),
+    (dict(learning_rate=float("nan")), "learning_rate must be a finite number.*got nan"),
+    (dict(learning_rate=float("inf")), "learning_rate must be a finite number.*got inf"),
+    (dict(learning_rate="3e-4"), "learning_rate must be a number; got '3e-4'"),
+    (dict(warmup_steps=-1), "warmup_steps must be an integer >= 0; got -1"),
+    (dict(warmup_steps=2.5), "warmup_steps must be an integer >= 0; got 2.5"),
+    (dict(decay_steps=0), "decay_steps must be an integer >= 1; got 0"),
+    (dict(min_learning_rate_ratio=1.5), r"min_learning_rate_ratio must be .* \[0, 1\]"),
+    (dict(weight_decay=-0.1), r"weight_decay must be a finite number in \[0, inf\)"),
+    (dict(beta_1=1.0), r"beta_1 must be a finite number in \[0, 1\); got 1.0"),
+    (dict(beta_2=float("nan")), "beta_2 must be a finite number"),
+    (dict(epsilon=0.0), r"epsilon must be a finite number in \(0, inf\)"),
+    (dict(clipnorm=-1.0), r"clipnorm must be a finite number in \(0, inf\)"),
+    (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps must be a positive"),
+])
+def test_invalid_arguments_are_refused_naming_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        adamw(**kwargs)
+
+
+def test_schedule_arguments_are_checked_too():
+    with pytest.raises(ValueError, match="learning_rate must be a finite number"):
+        warmup_cosine(float("nan"), 10, 100)
+    with pytest.raises(ValueError, match="decay_steps must be an integer >= 1; got -5"):
+        warmup_cosine(1e-3, 10, -5)
+    assert adamw(np.float32(1e-3), warmup_steps=np.int64(0), clipnorm=None) is not None

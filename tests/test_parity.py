@@ -1,11 +1,47 @@
 """Sharded training computes the same function as 1-device training."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
 
-from kdist.distribution import LOGICAL_TO_MESH, logical_axes_for
+from kdist.parallel.rules import LOGICAL_TO_MESH, declared_axes
 from tests.helpers import tiny_gpt, token_batches, train, weights
+
+# The layouts as the models' regex tables gave them before each layer declared its weights'
+# axes (kdist.parallel.rules.add_weight / build_with_axes): the declarations must agree.
+EXPECTED_AXES = {
+    r"token_embedding/embeddings": ("vocab", "embed"),
+    r"token_embedding/reverse_embeddings": ("embed", "vocab"),
+    r"position_embedding/embeddings": ("position", "embed"),
+    r"segment_embedding/embeddings": (None, "embed"),
+    r"(encoder_)?block_\d+/attention/query/kernel": ("embed", "heads", "head_dim"),
+    r"(encoder_)?block_\d+/attention/query/bias": ("heads", "head_dim"),
+    r"(encoder_)?block_\d+/attention/(key|value)/kernel": ("embed", "kv_heads", "head_dim"),
+    r"(encoder_)?block_\d+/attention/(key|value)/bias": ("kv_heads", "head_dim"),
+    r"block_\d+/attention/qkv/kernel": ("embed", "kv_heads", None, "head_dim"),
+    r"block_\d+/attention/qkv/bias": ("kv_heads", None, "head_dim"),
+    r"(encoder_)?block_\d+/attention/attention_output/kernel": ("heads", "head_dim", "embed"),
+    r"(encoder_)?block_\d+/attention/attention_output/bias": ("norm",),
+    r"(encoder_)?block_\d+/mlp/(up|gate)/kernel": ("embed", "mlp"),
+    r"(encoder_)?block_\d+/mlp/(up|gate)/bias": ("mlp",),
+    r"(encoder_)?block_\d+/mlp/down/kernel": ("mlp", "embed"),
+    r"(encoder_)?block_\d+/mlp/down/bias": ("norm",),
+    r"((encoder_)?block_\d+/(attention_norm|mlp_norm)|final_norm|embeddings_norm|mlm_norm)"
+    r"/(gamma|beta|scale)": ("norm",),
+    r"(pooler|mlm_transform)/kernel": ("embed", None),
+    r"(pooler|mlm_transform)/bias": ("norm",),
+    r"mlm_output_bias/bias": ("vocab",),
+    r"classifier_head/kernel": ("embed", None),
+    r"classifier_head/bias": (None,),
+}
+
+
+def expected_axes(path):
+    matches = [axes for pattern, axes in EXPECTED_AXES.items() if re.fullmatch(pattern, path)]
+    assert len(matches) == 1, (path, matches)
+    return matches[0]
 
 MESHES = ["data=8", "fsdp=8", "fsdp=4,model=2", "data=2,model=4", "data=2,fsdp=2,model=2"]
 BATCHES = token_batches(steps=3)
@@ -35,7 +71,7 @@ def expected_spec(path, shape, mesh_sizes):
     mesh axes; under fsdp, a weight they leave unsharded over fsdp (a norm scale, a bias)
     is split along its largest dimension that divides (ZeRO-3: 1/fsdp of every weight)."""
     spec = [mesh_axis if mesh_axis and mesh_sizes[mesh_axis] > 1 else None
-            for mesh_axis in (LOGICAL_TO_MESH.get(a) for a in logical_axes_for(path))]
+            for mesh_axis in (LOGICAL_TO_MESH.get(a) for a in expected_axes(path))]
     fsdp = mesh_sizes["fsdp"]
     free = [d for d, n in enumerate(shape) if spec[d] is None and n % fsdp == 0]
     if fsdp > 1 and "fsdp" not in spec and free:
@@ -55,6 +91,7 @@ def test_float32_parity_and_layouts(mesh, reference):
     sizes = keras.distribution.distribution().mesh_shape
     slots = {v.path: v for v in model.optimizer.variables}
     for w in model.weights:
+        assert declared_axes(w) == expected_axes(w.path), w.path
         assert padded_spec(w) == expected_spec(w.path, w.shape, sizes), w.path
         for slot in ("momentum", "velocity"):
             assert padded_spec(slots[f"adam_w/{w.path.replace('/', '_')}_{slot}"]) == padded_spec(w)

@@ -24,6 +24,8 @@ def test_recipe_runs_and_learns(tmp_path, capsys):
     assert abs(summary["validation_loss_before"] - math.log(1024)) < 0.5
     assert summary["tokens"] == 8 * 8 * 64
     assert "sample:" in out and "outputs written to" in out
+    assert "validation loss on 2 of the validation split's" in out  # --eval-steps 2: strided
+    assert "evenly strided over the whole split" in out
     for name in ("model.keras", "vocabulary.json", "merges.txt", "log.csv", "summary.json"):
         assert (tmp_path / name).exists(), name
     assert json.loads((tmp_path / "summary.json").read_text())["mesh"] == "data=2,fsdp=2,model=2"
@@ -62,3 +64,63 @@ def test_recipe_llama_with_document_mask_and_chunked_attention(tmp_path):
                                         "--mesh", "fsdp=4,model=2",
                                         "--output-dir", str(tmp_path)])
     assert summary["validation_loss_after"] < summary["validation_loss_before"] - 0.5
+
+
+def parse_error(main, argv, capsys) -> str:
+    """The error argparse prints for ``argv`` (it exits with status 2 before any work)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: must be a positive integer; got 0. Pass e.g. --steps"),
+    (["--steps", "-5"], "argument --steps: must be a positive integer; got -5"),
+    (["--steps", "ten"], "argument --steps: expected an integer, got 'ten'"),
+    (["--eval-every", "0"], "argument --eval-every: must be a positive integer; got 0"),
+    (["--eval-steps", "0"], "argument --eval-steps: must be a positive integer; got 0"),
+    (["--learning-rate=-1e-3"], "argument --learning-rate: must be a positive number; got "
+                                   "-1e-3. Pass e.g. --learning-rate 0.002"),
+    (["--learning-rate", "0"], "argument --learning-rate: must be a positive number; got 0"),
+    (["--learning-rate", "nan"], "argument --learning-rate: expected a finite number, got 'nan'. "
+                                 "Pass e.g. --learning-rate 0.002"),
+    (["--learning-rate", "inf"], "argument --learning-rate: expected a finite number, got 'inf'"),
+    (["--warmup-steps", "-1"], "argument --warmup-steps: must be >= 0; got -1"),
+    (["--weight-decay", "-0.1"], "argument --weight-decay: must be >= 0; got -0.1"),
+    (["--dropout", "1.5"], r"argument --dropout: must be in [0, 1); got 1.5. Pass e.g. "
+                           r"--dropout 0.1"),
+    (["--dropout", "1"], "argument --dropout: must be in [0, 1); got 1."),
+    (["--dropout", "-0.1"], "argument --dropout: must be in [0, 1); got -0.1"),
+    (["--grad-accum", "0"], "argument --grad-accum: must be a positive integer; got 0"),
+    (["--global-batch-size", "0"], "argument --global-batch-size: must be a positive integer"),
+    (["--sequence-length", "-8"], "argument --sequence-length: must be a positive integer"),
+    (["--vocabulary-size", "100"], "argument --vocabulary-size: must be at least 258 (256 "
+                                   "bytes, end-of-text, a merge); got 100"),
+    (["--attention-chunk-size", "0"], "argument --attention-chunk-size: must be a positive"),
+    (["--log-every", "0"], "argument --log-every: must be a positive integer; got 0"),
+    (["--sample-length", "-1"], "argument --sample-length: must be >= 0; got -1"),
+    (["--peak-tflops", "0"], "argument --peak-tflops: must be a positive number; got 0"),
+    (["--seed", "-1"], "argument --seed: must be >= 0; got -1"),
+    (["--init-from", "/no/such/checkpoint"], "argument --init-from: /no/such/checkpoint: no such "
+                                             "file or directory. Pass an existing checkpoint dir"),
+    (["--encoding", "klingon"], "argument --encoding: unknown text encoding 'klingon'. Pass a "
+                                "Python codec name, e.g. --encoding utf-8"),
+])
+def test_bad_flags_fail_at_parsing_naming_the_flag(argv, message, capsys, tmp_path):
+    err = parse_error(gpt_pretrain.main, argv + ["--output-dir", str(tmp_path)], capsys)
+    assert message in err, err
+    assert not any(tmp_path.iterdir())  # nothing was made
+
+
+def test_flags_wrong_together_fail_before_any_model(tmp_path):
+    out = ["--output-dir", str(tmp_path / "out")]
+    with pytest.raises(ValueError, match="--sequence-length 512 exceeds the 256 positions of "
+                                         "--preset gpt-nano. Pass --sequence-length 256 or less"):
+        gpt_pretrain.main(["--sequence-length", "512"] + out)
+    with pytest.raises(ValueError, match=r"--warmup-steps \(30\) must be less than --steps "
+                                         r"\(10\).*Pass e.g. --warmup-steps 1"):
+        gpt_pretrain.main(["--steps", "10", "--eval-every", "10"] + out)
+    with pytest.raises(ValueError, match="--checkpoint-every must be >= 0"):
+        gpt_pretrain.main(["--checkpoint-every", "-1"] + out)
+    assert not (tmp_path / "out").exists()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kdist.callbacks import CheckpointError
-from kdist.callbacks.checkpoint import committed_steps, read_metadata
+from kdist.checkpointing import committed_steps, read_metadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import gpt_pretrain  # noqa: E402

@@ -30,7 +30,7 @@ import numpy as np
 from kdist.data.corpus import stdlib_files
 from kdist.data.sampling import StepSampler
 from kdist.data.wordpiece import CLS, PAD, SEP
-from kdist.distribution import replica_count
+from kdist.parallel.layout import replica_count
 
 STDLIB_PACKAGES_TASK = "stdlib-packages"
 DEFAULT_PACKAGES = ("asyncio", "email", "idlelib", "importlib", "multiprocessing", "xml")

@@ -9,12 +9,15 @@ is the same on every run and machine with the same Python.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import hashlib
 import os
 import sysconfig
 from pathlib import Path
+
+from kdist.data.checks import decode_text
 
 STDLIB = "python-stdlib"
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -53,12 +56,28 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     return root, files
 
 
-def load_corpus(source: str = STDLIB, validation_fraction: float = 0.05) -> Corpus:
+def canonical_encoding(encoding: str) -> str:
+    """The codec's canonical name (``"latin-1"`` -> ``"iso8859-1"``); ``ValueError`` if unknown."""
+    try:
+        return codecs.lookup(encoding).name
+    except (LookupError, TypeError):
+        raise ValueError(
+            f"Unknown text encoding {encoding!r} (encoding=, --encoding). Use a Python codec "
+            f"name such as 'utf-8', 'latin-1' or 'cp1252'."
+        ) from None
+
+
+def load_corpus(
+    source: str = STDLIB, validation_fraction: float = 0.05, encoding: str = "utf-8"
+) -> Corpus:
     """Loads a corpus: ``"python-stdlib"``, or a local text file, directory or glob.
 
     Local sources use every file matched (directories recursively, ``*.txt``, ``*.md``,
     ``*.py``), one document per file; a single file is cut at line boundaries into
-    ``_PIECES_OF_ONE_FILE`` documents so that it can still be split.
+    ``_PIECES_OF_ONE_FILE`` documents so that it can still be split. Local files are decoded
+    with ``encoding`` (the standard library is UTF-8); bytes not valid in it are counted and
+    warned about, and a file with more than 0.1% of them is refused
+    (:func:`kdist.data.checks.decode_text`).
 
     Example:
         >>> corpus = load_corpus("python-stdlib")
@@ -69,13 +88,18 @@ def load_corpus(source: str = STDLIB, validation_fraction: float = 0.05) -> Corp
         raise ValueError(
             f"validation_fraction must be in (0, 1); got {validation_fraction}."
         )
+    encoding = canonical_encoding(encoding)
     if source == STDLIB:
         root, files = stdlib_files()
+        encoding = "utf-8"
     else:
-        root, files = _local_files(source)
+        root, files = local_files(source)
     train, validation = [], []
-    fingerprint = hashlib.sha256(source.encode())
-    for relative, text in _documents(root, files):
+    # The encoding is part of the key (another decoding is another text); UTF-8 keeps the
+    # key that stores written before the encoding option have.
+    fingerprint = hashlib.sha256(
+        source.encode() + (b"" if encoding == "utf-8" else f"|{encoding}".encode()))
+    for relative, text in _documents(root, files, encoding):
         if not text.strip():
             continue
         fingerprint.update(f"{relative}:{len(text)}\n".encode())
@@ -92,19 +116,25 @@ def load_corpus(source: str = STDLIB, validation_fraction: float = 0.05) -> Corp
 _PIECES_OF_ONE_FILE = 100
 
 
-def _documents(root: Path, files: list[Path]):
+def read_text(path: Path, encoding: str = "utf-8") -> str:
+    """A text file's contents, decoded with ``encoding``, undecodable bytes counted (a
+    warning naming the file) and refused above 0.1% of its bytes."""
+    return decode_text(path.read_bytes(), str(path), encoding)
+
+
+def _documents(root: Path, files: list[Path], encoding: str = "utf-8"):
     """(relative name, text) per document."""
     if len(files) == 1:
-        lines = files[0].read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        lines = read_text(files[0], encoding).splitlines(keepends=True)
         step = max(1, -(-len(lines) // _PIECES_OF_ONE_FILE))
         for k in range(0, len(lines), step):
             yield f"{files[0].name}#{k // step}", "".join(lines[k : k + step])
         return
     for path in files:
-        yield str(path.relative_to(root)), path.read_text(encoding="utf-8", errors="replace")
+        yield str(path.relative_to(root)), read_text(path, encoding)
 
 
-def _local_files(source: str) -> tuple[Path, list[Path]]:
+def local_files(source: str) -> tuple[Path, list[Path]]:
     path = Path(source).expanduser()
     if path.is_dir():
         files = sorted(

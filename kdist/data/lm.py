@@ -13,12 +13,9 @@ directly (exact, cheap resume), and each process reads only its own rows.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import functools
 import hashlib
-import itertools
 import os
 import types
 from functools import lru_cache
@@ -27,102 +24,16 @@ from pathlib import Path
 import keras
 import numpy as np
 
+from kdist.data.checks import check_token_ids
 from kdist.data.corpus import STDLIB
 from kdist.data.sources import text_source
+from kdist.data.token_store import exclusive, token_store
 from kdist.data.tokenizer import END_OF_TEXT, byte_pair_tokenizer, cache_root
-from kdist.distribution import process_batch_share, replica_count
+from kdist.parallel.layout import process_batch_share, replica_count
 
-_ENCODE_CHUNK = 64  # documents per tokenizer call
-# A fixed-size .npy header: written as a placeholder first, rewritten with the length last.
-_HEADER_BYTES = 128
 # Text used to train a byte-pair vocabulary when none is cached (the start of the training
 # split): enough for a stable vocabulary, bounded for corpora of any size.
 TOKENIZER_TRAINING_CHARACTERS = 64_000_000
-
-
-@contextlib.contextmanager
-def exclusive(lock_path: Path):
-    """An exclusive lock between processes (``flock`` on ``lock_path``), held in the block.
-
-    Processes that start together (the ranks of one job, or several jobs on one cache)
-    then build a tokenizer or token store once, and the others wait and reuse it.
-    """
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _npy_header(dtype: np.dtype, length: int) -> bytes:
-    """A version-1.0 ``.npy`` header for a 1-D array, padded to ``_HEADER_BYTES``."""
-    text = (f"{{'descr': {np.lib.format.dtype_to_descr(np.dtype(dtype))!r}, "
-            f"'fortran_order': False, 'shape': ({length},), }}")
-    body = text.ljust(_HEADER_BYTES - 10 - 1) + "\n"
-    return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
-
-
-def token_store(
-    documents, tokenizer, path: Path, num_documents: int | None = None, verbose: bool = True
-) -> np.ndarray:
-    """The memory-mapped token stream of ``documents``, tokenized into ``path`` once.
-
-    ``documents`` is an iterable of strings, or a callable returning one (then it is only
-    called if the store must be built). It is consumed in a single streaming pass, chunk by
-    chunk, each document followed by the end-of-text id, with a progress bar
-    (``num_documents`` sets its target): a corpus larger than memory is never held whole.
-    The file is written under a temporary name and renamed when complete, while holding a
-    lock: other processes wait and then reuse it, and a crash leaves no file that looks like
-    a finished store (its leftover is removed by the next builder).
-
-    Example:
-        >>> tokens = token_store(["a b", "c"], tokenizer, Path("/tmp/t.npy"))  # doctest: +SKIP
-    """
-    path = Path(path)
-    if not path.exists():
-        with exclusive(path.with_name(path.name + ".lock")):
-            if not path.exists():  # another process may have built it while we waited
-                _write_token_store(documents, tokenizer, path, num_documents, verbose)
-    return np.load(path, mmap_mode="r")
-
-
-def _write_token_store(documents, tokenizer, path, num_documents, verbose) -> None:
-    if callable(documents):
-        documents = documents()
-    eot = tokenizer.token_to_id(END_OF_TEXT)
-    dtype = np.dtype(np.uint16 if tokenizer.vocabulary_size() <= 2**16 else np.uint32)
-    for stale in path.parent.glob(path.name + ".tmp*"):  # a crashed builder's leftover
-        stale.unlink()
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    progress = None
-    if verbose:
-        print(f"Tokenizing into {path.name} (once; later runs reuse it)", flush=True)
-        progress = keras.utils.Progbar(num_documents, unit_name="document")
-    length = done = 0
-    documents = iter(documents)
-    with open(tmp, "wb") as out:
-        out.write(_npy_header(dtype, 0))
-        while chunk := list(itertools.islice(documents, _ENCODE_CHUNK)):
-            done += len(chunk)
-            texts = [d for d in chunk if d.strip()]  # blank documents are left out
-            pieces = []
-            for ids in tokenizer.tokenize(texts) if texts else []:
-                pieces += [np.asarray(ids, dtype=dtype), np.asarray([eot], dtype=dtype)]
-            if pieces:
-                array = np.concatenate(pieces)
-                out.write(array.tobytes())
-                length += array.size
-            if progress is not None:
-                progress.update(done)
-        out.seek(0)
-        out.write(_npy_header(dtype, length))
-        out.flush()
-        os.fsync(out.fileno())
-    if verbose:
-        print(f"{done:,} documents, {length:,} tokens", flush=True)
-    os.replace(tmp, path)
 
 
 class LMBatches(keras.utils.PyDataset):
@@ -137,11 +48,18 @@ class LMBatches(keras.utils.PyDataset):
         num_steps: length of the dataset; None means endless (training, with
             ``steps_per_epoch``).
         process_index, process_count: which share of each global batch this process reads.
+        spread: with ``shuffle=False`` and ``num_steps`` covering fewer windows than the
+            stream holds, sample ``i`` of the ``n = num_steps * global_batch_size`` is window
+            ``i * num_windows // n``: evenly strided over the whole stream (a validation
+            sample representative of all of it), instead of its first ``n`` windows.
         end_of_text_id: if set, inputs are ``{"token_ids", "segment_ids"}`` where segment
             ids count the documents (end-of-text tokens) before each position, for
             document-aware attention; the end-of-text token closes its own document.
         workers, max_queue_size: threads preparing batches ahead of the training step,
             and how many they may hold (Keras' ``PyDataset`` prefetching).
+        vocabulary_size: if given, every id of ``tokens`` is checked to lie in
+            ``[0, vocabulary_size)`` now (one pass; ``lm_dataset`` checks its stores already):
+            an id past the vocabulary would give NaN logits and a loss of 0.0.
 
     Example:
         >>> ds = LMBatches(np.arange(1000), sequence_length=8, global_batch_size=4)
@@ -164,6 +82,8 @@ class LMBatches(keras.utils.PyDataset):
         end_of_text_id: int | None = None,
         workers: int = 1,
         max_queue_size: int = 8,
+        spread: bool = False,
+        vocabulary_size: int | None = None,
     ):
         # workers > 1: Keras' PyDataset prepares batches ahead on threads, in order.
         super().__init__(workers=workers, max_queue_size=max_queue_size)
@@ -182,6 +102,7 @@ class LMBatches(keras.utils.PyDataset):
         self.process_index = process_index
         self.process_count = process_count
         self.end_of_text_id = end_of_text_id
+        self.spread = spread
         self.num_windows = (len(tokens) - 1) // sequence_length
         if self.num_windows < 1:
             raise ValueError(
@@ -190,6 +111,8 @@ class LMBatches(keras.utils.PyDataset):
                 f"sequence_length."
             )
         self._offsets = np.arange(sequence_length + 1)
+        if vocabulary_size is not None:
+            check_token_ids(tokens, vocabulary_size, "LMBatches' tokens")
 
     @property
     def num_batches(self):
@@ -209,6 +132,10 @@ class LMBatches(keras.utils.PyDataset):
         local = self.global_batch_size // self.process_count
         first = step * self.global_batch_size + self.process_index * local
         samples = np.arange(first, first + local)
+        if not self.shuffle and self.spread and self.num_steps is not None:
+            total = self.num_steps * self.global_batch_size
+            if total < self.num_windows:
+                return samples * self.num_windows // total  # evenly strided over the stream
         epochs, positions = np.divmod(samples, self.num_windows)
         if not self.shuffle:
             return positions
@@ -239,6 +166,7 @@ class LMData:
     vocabulary_size: int
     train_tokens: int
     validation_tokens: int
+    validation_coverage: str = ""  # what the validation batches cover, for a log line
 
 
 def lm_dataset(
@@ -256,6 +184,7 @@ def lm_dataset(
     tfds_download: bool = False,
     prefetch: int = 2,
     verbose: bool = True,
+    encoding: str = "utf-8",
 ) -> LMData:
     """Causal-LM data from a source: tokenizer, token store, train and validation batches.
 
@@ -266,8 +195,17 @@ def lm_dataset(
     the inputs carry segment ids, for a model built with ``document_mask=True``. The global
     batch must divide by the number of replicas of the active distribution
     (``data * fsdp``); each process's datasets yield only its share of every global batch
-    (:func:`kdist.distribution.process_batch_share`). ``prefetch`` threads prepare training
+    (:func:`kdist.parallel.layout.process_batch_share`). ``prefetch`` threads prepare training
     batches ahead of the step (Keras' ``PyDataset`` workers); 1 prepares them in line.
+
+    Validation covers the whole validation split, in order, by default; with
+    ``validation_steps=N`` (fewer batches than the split holds) it is a fixed sample of N
+    batches whose windows are evenly strided over the whole split (``LMBatches(spread=True)``),
+    not its first N batches. ``LMData.validation_coverage`` says which, in words.
+
+    Local text files are decoded with ``encoding``; undecodable bytes are counted, warned
+    about, and refused above 0.1% of a file (:func:`kdist.data.checks.decode_text`). Token
+    ids are checked against the vocabulary when each token store is opened.
 
     Example:
         >>> data = lm_dataset("python-stdlib", sequence_length=128, global_batch_size=8)
@@ -290,8 +228,14 @@ def lm_dataset(
         )
     if not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch must be a positive integer (threads); got {prefetch!r}.")
+    if validation_steps is not None and (
+            isinstance(validation_steps, bool) or not isinstance(validation_steps, int)
+            or validation_steps < 1):
+        raise ValueError(f"validation_steps must be a positive integer or None (the whole "
+                         f"validation split); got {validation_steps!r}.")
     cache = Path(cache_dir) if cache_dir is not None else cache_root()
-    text = text_source(source, tfds_data_dir, tfds_manual_dir, tfds_download)
+    text = text_source(source, tfds_data_dir, tfds_manual_dir, tfds_download,
+                       encoding=encoding)
     sample = types.SimpleNamespace(  # what byte_pair_tokenizer reads, streamed
         fingerprint=text.fingerprint, train=text.sample(TOKENIZER_TRAINING_CHARACTERS)
     )
@@ -305,6 +249,7 @@ def lm_dataset(
             functools.partial(text.documents, split), tokenizer,
             cache / f"tokens-{text.fingerprint}-{vocab_key}-{split}.npy",
             num_documents=text.num_documents(split), verbose=verbose,
+            what=f"The {split} token store of {source!r}",
         )
         for split in ("train", "validation")
     }
@@ -323,11 +268,19 @@ def lm_dataset(
             f"global batch of {global_batch_size} x {sequence_length}. Use a smaller batch or "
             f"sequence_length, or a larger corpus."
         )
+    steps = min(validation_steps or full_validation_steps, full_validation_steps)
     validation = LMBatches(
         stores["validation"], sequence_length, global_batch_size, shuffle=False,
-        num_steps=min(validation_steps or full_validation_steps, full_validation_steps),
-        **process,
+        num_steps=steps, spread=True, **process,
     )
+    split_tokens = full_validation_steps * global_batch_size * sequence_length
+    if steps == full_validation_steps:
+        coverage = (f"the whole validation split: {steps} batches, {split_tokens:,} tokens "
+                    f"in order")
+    else:
+        coverage = (f"{steps} of the validation split's {full_validation_steps} batches "
+                    f"({steps * global_batch_size * sequence_length:,} of {split_tokens:,} "
+                    f"tokens), windows evenly strided over the whole split")
     return LMData(
         train=train,
         validation=validation,
@@ -335,4 +288,5 @@ def lm_dataset(
         vocabulary_size=tokenizer.vocabulary_size(),
         train_tokens=len(stores["train"]),
         validation_tokens=len(stores["validation"]),
+        validation_coverage=coverage,
     )

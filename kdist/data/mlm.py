@@ -30,11 +30,12 @@ from pathlib import Path
 import keras
 import numpy as np
 
+from kdist.data.checks import check_token_ids
 from kdist.data.corpus import STDLIB, load_corpus
 from kdist.data.sampling import StepSampler
 from kdist.data.tokenizer import cache_root
 from kdist.data.wordpiece import CLS, MASK, PAD, SEP, word_piece_tokenizer
-from kdist.distribution import replica_count
+from kdist.parallel.layout import replica_count
 
 
 def pack_segments(documents, tokenizer, sequence_length: int) -> dict[str, np.ndarray]:
@@ -139,6 +140,9 @@ class MLMBatches(keras.utils.PyDataset):
         seed, shuffle, start_step, num_steps, process_index, process_count: as for
             :class:`kdist.data.LMBatches`; the masks depend on ``seed`` and the step too.
         split: a number mixed into the mask seed, so validation masks differ from training's.
+        spread: with ``shuffle=False`` and ``num_steps`` covering fewer rows than there are,
+            the rows are evenly strided over all of them (a representative validation
+            sample), not the first ``num_steps * global_batch_size``.
 
     Example:
         >>> packed = {"token_ids": np.full((10, 16), 7), "segment_ids": np.zeros((10, 16)),
@@ -168,6 +172,7 @@ class MLMBatches(keras.utils.PyDataset):
         process_index: int = 0,
         process_count: int = 1,
         split: int = 0,
+        spread: bool = False,
     ):
         super().__init__()
         from keras_hub.layers import MaskedLMMaskGenerator
@@ -182,8 +187,10 @@ class MLMBatches(keras.utils.PyDataset):
         self.seed = seed
         self.split = split
         self.process_index = process_index
-        self.sampler = StepSampler(len(packed["token_ids"]), global_batch_size, seed, shuffle,
-                                   process_index, process_count)
+        self.sampler = StepSampler(
+            len(packed["token_ids"]), global_batch_size, seed, shuffle, process_index,
+            process_count,
+            spread=num_steps * global_batch_size if spread and num_steps is not None else None)
         self.mask_selection_length = mask_selection_length or default_mask_selection_length(
             self.sequence_length, mask_selection_rate)
         self.masker = MaskedLMMaskGenerator(
@@ -248,6 +255,7 @@ class MLMData:
     train_sequences: int
     validation_sequences: int
     mask_selection_length: int
+    validation_coverage: str = ""  # what the validation batches cover, for a log line
 
 
 def mlm_dataset(
@@ -261,12 +269,17 @@ def mlm_dataset(
     validation_steps: int | None = None,
     mask_selection_rate: float = 0.15,
     cache_dir: str | os.PathLike | None = None,
+    encoding: str = "utf-8",
 ) -> MLMData:
     """Masked-LM data from a corpus: WordPiece tokenizer, packed rows, masked batches.
 
     The WordPiece vocabulary is ``vocabulary`` (a ``vocabulary.txt``) or trained on the
     training split and cached; packed rows are cached per (corpus, vocabulary, length).
     The global batch must divide by the replicas (``data * fsdp``) of the active mesh.
+    Validation is the whole validation split by default; with ``validation_steps=N`` (fewer
+    batches than it holds), N batches of rows evenly strided over all of it. Local text is
+    decoded with ``encoding`` (see :func:`kdist.data.load_corpus`); packed token ids are
+    checked against the vocabulary.
 
     Example:
         >>> data = mlm_dataset(sequence_length=64, global_batch_size=8)
@@ -286,8 +299,13 @@ def mlm_dataset(
             f"global_batch_size={global_batch_size} is not divisible by the {replicas} model "
             f"replicas (data x fsdp) of the active mesh. Use a multiple of {replicas}."
         )
+    if validation_steps is not None and (
+            isinstance(validation_steps, bool) or not isinstance(validation_steps, int)
+            or validation_steps < 1):
+        raise ValueError(f"validation_steps must be a positive integer or None (the whole "
+                         f"validation split); got {validation_steps!r}.")
     cache = Path(cache_dir) if cache_dir is not None else cache_root()
-    corpus = load_corpus(source)
+    corpus = load_corpus(source, encoding=encoding)
     tokenizer = word_piece_tokenizer(corpus, vocabulary_size, cache, vocabulary)
     vocab_key = hashlib.sha256("\n".join(tokenizer.get_vocabulary()).encode()).hexdigest()[:12]
     stores = {
@@ -297,6 +315,9 @@ def mlm_dataset(
         )
         for split in ("train", "validation")
     }
+    for split, store in stores.items():  # a cached store from another vocabulary, say
+        check_token_ids(store["token_ids"], tokenizer.vocabulary_size(),
+                        f"The packed {split} rows of {source!r}")
     common = dict(
         global_batch_size=global_batch_size,
         vocabulary_size=tokenizer.vocabulary_size(),
@@ -315,11 +336,14 @@ def mlm_dataset(
             f"larger corpus."
         )
     train = MLMBatches(stores["train"], start_step=start_step, split=0, **common)
-    validation = MLMBatches(
-        stores["validation"], shuffle=False, split=1,
-        num_steps=min(validation_steps or full_validation_steps, full_validation_steps),
-        **common,
-    )
+    steps = min(validation_steps or full_validation_steps, full_validation_steps)
+    validation = MLMBatches(stores["validation"], shuffle=False, split=1, num_steps=steps,
+                            spread=True, **common)
+    if steps == full_validation_steps:
+        coverage = f"the whole validation split: {steps} batches in order"
+    else:
+        coverage = (f"{steps} of the validation split's {full_validation_steps} batches, rows "
+                    f"evenly strided over the whole split")
     return MLMData(
         train=train,
         validation=validation,
@@ -328,4 +352,5 @@ def mlm_dataset(
         train_sequences=len(stores["train"]["token_ids"]),
         validation_sequences=len(stores["validation"]["token_ids"]),
         mask_selection_length=train.mask_selection_length,
+        validation_coverage=coverage,
     )

@@ -3,7 +3,9 @@
 Global sample ``i`` of a run is item ``permutation(seed, epoch)[i % num_items]`` with
 ``epoch = i // num_items`` (in order when not shuffled); step ``s`` holds samples
 ``s * global_batch_size ...``, of which process ``p`` takes its contiguous share. This is
-the rule of :class:`kdist.data.LMBatches`, shared by the BERT datasets.
+the rule of :class:`kdist.data.LMBatches`, shared by the BERT datasets. Unshuffled, with
+``spread=N`` (fewer samples than items), sample ``i < N`` is item ``i * num_items // N``:
+a fixed sample evenly strided over all the items (validation), not the first ``N``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class StepSampler:
     """
 
     def __init__(self, num_items: int, global_batch_size: int, seed: int = 0,
-                 shuffle: bool = True, process_index: int = 0, process_count: int = 1):
+                 shuffle: bool = True, process_index: int = 0, process_count: int = 1,
+                 spread: int | None = None):
         if global_batch_size % process_count:
             raise ValueError(
                 f"global_batch_size={global_batch_size} does not divide by the "
@@ -37,6 +40,7 @@ class StepSampler:
         self.shuffle = shuffle
         self.process_index = process_index
         self.process_count = process_count
+        self.spread = spread if spread is not None and 0 < spread < num_items else None
 
     @lru_cache(maxsize=2)  # noqa: B019 (one sampler per dataset; two epochs in flight)
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -50,6 +54,8 @@ class StepSampler:
 
     def rows(self, step: int) -> np.ndarray:
         """Item indices of this process's rows at ``step``."""
+        if not self.shuffle and self.spread is not None:
+            return self.samples(step) * self.num_items // self.spread
         epochs, positions = np.divmod(self.samples(step), self.num_items)
         if not self.shuffle:
             return positions

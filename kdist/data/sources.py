@@ -23,7 +23,14 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from kdist.data.corpus import STDLIB, _local_files, is_validation, load_corpus
+from kdist.data.corpus import (
+    STDLIB,
+    canonical_encoding,
+    is_validation,
+    load_corpus,
+    local_files,
+    read_text,
+)
 
 SPLITS = ("train", "validation")
 TFDS_PREFIX = "tfds:"
@@ -63,8 +70,8 @@ class TextSource:
 class CorpusSource(TextSource):
     """The embedded corpus (or one local file cut into pieces): small enough to read at once."""
 
-    def __init__(self, source: str = STDLIB):
-        self._corpus = load_corpus(source)
+    def __init__(self, source: str = STDLIB, encoding: str = "utf-8"):
+        self._corpus = load_corpus(source, encoding=encoding)
         self.name = source
         self.fingerprint = self._corpus.fingerprint
 
@@ -82,15 +89,21 @@ class FilesSource(TextSource):
 
     The split is by a hash of each file's relative path (as for the embedded corpus); the
     fingerprint hashes relative paths, sizes and modification times, so editing a file
-    makes a new token store.
+    makes a new token store. Files are decoded with ``encoding``: a file with bytes not valid
+    in it gets a warning (naming it and the count), and one with more than 0.1% of its bytes
+    invalid is refused (:func:`kdist.data.checks.decode_text`).
     """
 
-    def __init__(self, source: str, validation_fraction: float = 0.05):
-        root, files = _local_files(source)
+    def __init__(self, source: str, validation_fraction: float = 0.05,
+                 encoding: str = "utf-8"):
+        root, files = local_files(source)
         self.name = source
         self._root = root
+        self._encoding = canonical_encoding(encoding)
         self._split = {"train": [], "validation": []}
         digest = hashlib.sha256(source.encode())
+        if self._encoding != "utf-8":  # another decoding is another text (and store)
+            digest.update(f"|{self._encoding}\n".encode())
         for path in files:
             relative = str(path.relative_to(root))
             stat = path.stat()
@@ -109,7 +122,7 @@ class FilesSource(TextSource):
     def documents(self, split: str) -> Iterator[str]:
         self._check_split(split)
         for path in self._split[split]:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            text = read_text(path, self._encoding)
             if text.strip():
                 yield text
 
@@ -277,8 +290,11 @@ def text_source(
     tfds_data_dir: str | os.PathLike | None = None,
     tfds_manual_dir: str | os.PathLike | None = None,
     tfds_download: bool = False,
+    encoding: str = "utf-8",
 ) -> TextSource:
     """The :class:`TextSource` for a source spec (see the module docstring).
+
+    ``encoding`` is for local text files (TFDS text is UTF-8; so is the standard library).
 
     Example:
         >>> source = text_source("python-stdlib")
@@ -296,7 +312,7 @@ def text_source(
     if source == STDLIB:
         return CorpusSource(source)
     path = Path(source).expanduser()
-    if path.is_file():
-        return CorpusSource(source)  # one file: cut into pieces, so that it can be split
-    return FilesSource(source)
+    if path.is_file():  # one file: cut into pieces, so that it can be split
+        return CorpusSource(source, encoding=encoding)
+    return FilesSource(source, encoding=encoding)
 

@@ -1,11 +1,44 @@
-"""Keras 3 models with logical-axes tables for the sharding rules."""
+"""Keras 3 model families (GPT, BERT) on shared base classes, layers and cost models.
 
-from kdist.models.bert import BERT_LOGICAL_AXES, BertBackbone, BertClassifier, BertMaskedLM
-from kdist.models.gpt import GPT_LOGICAL_AXES, GPTBackbone, GPTCausalLM
+Example:
+    >>> from kdist.models import task_for_preset
+    >>> task_for_preset("gpt-nano").__name__, task_for_preset("bert-base").__name__
+    ('GPTCausalLM', 'BertMaskedLM')
+"""
+
+from kdist.models.base import Backbone, CostModel, Task
+from kdist.models.bert import (
+    BertBackbone,
+    BertClassifier,
+    BertCostModel,
+    BertMaskedLM,
+)
+from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEmbedding
+from kdist.models.gpt import GPTBackbone, GPTCausalLM, GPTCostModel
 from kdist.models.presets import BERT_PRESETS, GPT_PRESETS
 from kdist.models.pretrained import load_backbone_weights
 
+# The task a preset name trains by default (pretraining): each family's presets table.
+_PRESET_TASKS: tuple[type[Task], ...] = (GPTCausalLM, BertMaskedLM)
+
+
+def task_for_preset(preset: str) -> type[Task]:
+    """The task class whose backbone has the preset ``preset`` (its pretraining task).
+
+    Example:
+        >>> task_for_preset("llama-nano").__name__
+        'GPTCausalLM'
+    """
+    for task in _PRESET_TASKS:
+        if preset in task.backbone_class.presets:
+            return task
+    known = [name for task in _PRESET_TASKS for name in task.backbone_class.presets]
+    raise ValueError(f"Unknown preset '{preset}'. Available presets: {', '.join(known)}.")
+
+
 __all__ = [
-    "BERT_LOGICAL_AXES", "BERT_PRESETS", "BertBackbone", "BertClassifier", "BertMaskedLM",
-    "GPT_LOGICAL_AXES", "GPT_PRESETS", "GPTBackbone", "GPTCausalLM", "load_backbone_weights",
+    "BERT_PRESETS", "Backbone", "BertBackbone", "BertClassifier", "BertCostModel",
+    "BertMaskedLM", "CostModel", "GPTBackbone", "GPTCausalLM", "GPTCostModel", "GPT_PRESETS",
+    "PositionEmbedding", "SegmentEmbedding", "Task", "TokenEmbedding", "load_backbone_weights",
+    "task_for_preset",
 ]

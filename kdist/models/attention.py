@@ -1,4 +1,5 @@
-"""Memory-efficient attention: ``softmax(Q K^T / sqrt(H)) V`` over key chunks, in plain JAX.
+"""Self-attention: the ``CausalSelfAttention`` layer and memory-efficient attention over key
+chunks (``softmax(Q K^T / sqrt(H)) V`` in plain JAX, :func:`chunked_attention`).
 
 Where no fused attention kernel runs (XLA:CPU; a GPU with a document mask, which cuDNN's
 path in Keras does not take; a TPU without Splash), ``keras.ops.dot_product_attention``
@@ -23,9 +24,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
+from keras import layers, ops
+from keras_hub.layers import RotaryEmbedding
 
-from kdist.reduction import to_varying, varying_axes
+from kdist.parallel.constraints import to_varying, varying_axes
+from kdist.parallel.rules import build_with_axes
 
 _F32 = jnp.float32
 # Keras' masked logit (keras/src/backend/jax/nn.py): finite, so fully masked rows stay finite.
@@ -138,7 +143,7 @@ def _forward(q, k, v, mask, is_causal):
 
     stats = jnp.full((batch, kv_heads, groups, length), _NEG, _F32)
     init = (jnp.zeros(q.shape, _F32), stats, jnp.zeros_like(stats))
-    # Inside shard_map (kdist.reduction) the carries vary per device like q, k and v.
+    # Inside shard_map (kdist.parallel.reduction) the carries vary per device like q, k and v.
     init = [to_varying(c, _varying(q, k, v, mask)) for c in init]
     (o, peak, total), _ = jax.lax.scan(step, tuple(init), (k, v, mask, jnp.arange(k.shape[0])))
     out = (o / jnp.moveaxis(total, 3, 1)[..., None]).astype(q.dtype)
@@ -185,3 +190,197 @@ def _attend_bwd(is_causal, residuals, d_out):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _normal(stddev: float) -> keras.initializers.Initializer:
+    return keras.initializers.RandomNormal(stddev=stddev)
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class CausalSelfAttention(layers.Layer):
+    """Causal self-attention: multi-head or grouped-query, learned or rotary positions.
+
+    Projections are ``EinsumDense`` with kernels shaped ``(D, N, H)`` (query), ``(D, K, H)``
+    (key, value) and ``(N, H, D)`` (output), so tensor parallelism splits the head axes and
+    XLA reduces the output projection's partial sums. Attention itself is
+    ``keras.ops.dot_product_attention`` (grouped-query natively; cuDNN flash attention on
+    GPU where available; logits and softmax in float32 under ``mixed_bfloat16``).
+
+    Args:
+        num_heads: query heads N.
+        head_dim: H.
+        num_key_value_heads: K (N must divide by K); None means N (multi-head attention).
+        rotary_max_wavelength: if set, queries and keys are rotated by position (RoPE,
+            keras-hub's ``RotaryEmbedding``) with this base wavelength.
+        use_bias: biases on the four projections.
+        causal: mask future keys (decoder). ``False`` gives bidirectional attention
+            (encoder, BERT), where only ``attention_mask`` restricts which keys are seen.
+        fused_qkv: one ``qkv`` projection with kernel ``(D, K, N/K + 2, H)`` (each key/value
+            head's query heads, then its key, then its value) instead of ``query``, ``key``
+            and ``value``: one matmul instead of three. Off by default (weight names differ).
+        attention_chunk_size: if set, training and evaluation attend through
+            :func:`kdist.models.attention.chunked_attention` over chunks of this many keys:
+            the ``(B, N, T, T)`` probabilities are never kept for the backward pass (for
+            backends without a fused attention kernel: CPU, or document masks). None:
+            ``keras.ops.dot_product_attention`` (cuDNN flash attention on a GPU).
+
+    Example:
+        >>> attn = CausalSelfAttention(num_heads=4, head_dim=16, num_key_value_heads=2,
+        ...                            rotary_max_wavelength=10000.0)
+        >>> attn(keras.ops.ones((2, 8, 64))).shape
+        (2, 8, 64)
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_key_value_heads: int | None = None,
+        rotary_max_wavelength: float | None = None,
+        use_bias: bool = True,
+        initializer_range: float = 0.02,
+        output_initializer_range: float | None = None,
+        causal: bool = True,
+        fused_qkv: bool = False,
+        attention_chunk_size: int | None = None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if attention_chunk_size is not None and (
+                not isinstance(attention_chunk_size, int) or attention_chunk_size < 1):
+            raise ValueError(f"attention_chunk_size must be None (Keras' attention) or a "
+                             f"positive int (keys per chunk); got {attention_chunk_size!r}.")
+        self.fused_qkv = fused_qkv
+        self.attention_chunk_size = attention_chunk_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_key_value_heads = num_key_value_heads
+        self.rotary_max_wavelength = rotary_max_wavelength
+        self.use_bias = use_bias
+        self.initializer_range = initializer_range
+        self.output_initializer_range = output_initializer_range
+        self.causal = causal
+        kv_heads = num_key_value_heads or num_heads
+        if num_heads % kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must be a multiple of num_key_value_heads={kv_heads} "
+                f"(each key/value head serves num_heads / num_key_value_heads query heads)."
+            )
+        self.rotary = (
+            RotaryEmbedding(max_wavelength=rotary_max_wavelength, dtype=self.dtype_policy)
+            if rotary_max_wavelength
+            else None
+        )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_heads
+
+    def build(self, input_shape):
+        hidden_dim = input_shape[-1]
+
+        def projection(name, heads, heads_axis):
+            layer = layers.EinsumDense(
+                "btd,dnh->btnh",
+                output_shape=(None, heads, self.head_dim),
+                bias_axes="nh" if self.use_bias else None,
+                kernel_initializer=_normal(self.initializer_range),
+                dtype=self.dtype_policy,
+                name=name,
+            )
+            build_with_axes(layer, input_shape, kernel=("embed", heads_axis, "head_dim"),
+                            bias=(heads_axis, "head_dim"))
+            return layer
+
+        if self.fused_qkv:
+            groups = self.num_heads // self.kv_heads
+            self.qkv = layers.EinsumDense(
+                "btd,dkgh->btkgh",
+                output_shape=(None, self.kv_heads, groups + 2, self.head_dim),
+                bias_axes="kgh" if self.use_bias else None,
+                kernel_initializer=_normal(self.initializer_range),
+                dtype=self.dtype_policy,
+                name="qkv",
+            )
+            build_with_axes(self.qkv, input_shape, kernel=("embed", "kv_heads", None, "head_dim"),
+                            bias=("kv_heads", None, "head_dim"))
+        else:
+            self.query = projection("query", self.num_heads, "heads")
+            self.key = projection("key", self.kv_heads, "kv_heads")
+            self.value = projection("value", self.kv_heads, "kv_heads")
+        self.attention_output = layers.EinsumDense(
+            "btnh,nhd->btd",
+            output_shape=(None, hidden_dim),
+            bias_axes="d" if self.use_bias else None,
+            kernel_initializer=_normal(self.output_initializer_range or self.initializer_range),
+            dtype=self.dtype_policy,
+            name="attention_output",
+        )
+        build_with_axes(self.attention_output, (None, None, self.num_heads, self.head_dim),
+                        kernel=("heads", "head_dim", "embed"), bias=("norm",))
+
+    def project_qkv(self, x):
+        """``x (B, T, D)`` to queries ``(B, T, N, H)``, keys and values ``(B, T, K, H)``."""
+        if not self.fused_qkv:
+            return self.query(x), self.key(x), self.value(x)
+        qkv = self.qkv(x)  # (B, T, K, G + 2, H), G = N / K query heads per key/value head
+        groups = self.num_heads // self.kv_heads
+        batch, length = ops.shape(x)[0], ops.shape(x)[1]
+        # Query head n = k * G + g serves key/value head k, as in grouped-query attention.
+        q = ops.reshape(qkv[:, :, :, :groups], (batch, length, self.num_heads, self.head_dim))
+        return q, qkv[:, :, :, groups], qkv[:, :, :, groups + 1]
+
+    def rotate(self, x, start_index=0, positions=None):
+        """RoPE on ``(B, T, heads, H)`` at positions ``start_index + t`` or ``positions``."""
+        if self.rotary is None:
+            return x
+        return self.rotary(x, start_index=start_index, positions=positions)
+
+    def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
+        """``x (B, T, D) -> (B, T, D)``.
+
+        Args:
+            attention_mask: optional boolean mask broadcastable to ``(B, 1, T, T)``, True where
+                a query may attend a key (documents of a packed sequence; ``(B, 1, 1, T)`` for
+                padding); causality is applied on top when ``causal``.
+            positions: optional ``(B, T)`` positions for RoPE (restarting per document).
+            cache: ``(B, 2, S, K, H)`` keys and values so far; then ``x`` holds the tokens at
+                ``cache_index ...`` and the call also returns the updated cache.
+        """
+        q, k, v = self.project_qkv(x)  # (B, T, N|K, H)
+        if cache is None:
+            q, k = self.rotate(q, positions=positions), self.rotate(k, positions=positions)
+            # Keras infers output shapes with symbolic batch and length; the chunking needs
+            # concrete ones, and the shapes are the same either way.
+            if self.attention_chunk_size and all(isinstance(d, int) for d in k.shape[:2]):
+                out = chunked_attention(q, k, v, mask=attention_mask, is_causal=self.causal,
+                                        chunk_size=self.attention_chunk_size)
+            else:
+                out = ops.dot_product_attention(q, k, v, mask=attention_mask,
+                                                is_causal=self.causal)
+            return self.attention_output(out)  # (B, T, N, H) -> (B, T, D)
+        q, k = self.rotate(q, cache_index), self.rotate(k, cache_index)
+        start = [0, cache_index, 0, 0]
+        k = ops.slice_update(cache[:, 0], start, ops.cast(k, cache.dtype))  # (B, S, K, H)
+        v = ops.slice_update(cache[:, 1], start, ops.cast(v, cache.dtype))
+        # Query t (at absolute position cache_index + t) sees keys 0 .. cache_index + t.
+        query_pos = cache_index + ops.arange(ops.shape(x)[1])  # (T,)
+        key_pos = ops.arange(ops.shape(k)[1])  # (S,)
+        visible = key_pos[None, :] <= query_pos[:, None]  # (T, S)
+        out = ops.dot_product_attention(q, k, v, mask=visible[None, None])  # (B, T, N, H)
+        return self.attention_output(out), ops.stack([k, v], axis=1)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "head_dim": self.head_dim,
+            "num_key_value_heads": self.num_key_value_heads,
+            "rotary_max_wavelength": self.rotary_max_wavelength,
+            "use_bias": self.use_bias,
+            "initializer_range": self.initializer_range,
+            "output_initializer_range": self.output_initializer_range,
+            "causal": self.causal,
+            "fused_qkv": self.fused_qkv,
+            "attention_chunk_size": self.attention_chunk_size,
+        }

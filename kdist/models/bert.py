@@ -15,88 +15,26 @@ next-sentence-prediction head (RoBERTa showed it unnecessary).
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 import numpy as np  # noqa: F401 (used by the docstring examples)
 from keras import layers, ops
 
-from kdist import reduction
-from kdist.distribution import check_divisible, gathered, register_logical_axes, shard_batch
-from kdist.models.gpt import PositionEmbedding, TokenEmbedding
-from kdist.models.layers import MLP, CausalSelfAttention
-from kdist.models.presets import BERT_PRESETS, preset_config
+from kdist import flops
+from kdist.models.base import Backbone, CostModel, Task
+from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEmbedding
+from kdist.models.layers import NORM_AXES, PostNormBlock
+from kdist.models.presets import BERT_PRESETS
+from kdist.parallel.layout import check_divisible
+from kdist.parallel.rules import add_weight, build_with_axes
 
-# Weight path -> logical axes, for the sharding rules in kdist.distribution. The token and
-# position tables share GPT's names (and axes); everything else is BERT's own.
-BERT_LOGICAL_AXES = {
-    r"token_embedding/embeddings": ("vocab", "embed"),
-    r"position_embedding/embeddings": ("position", "embed"),
-    r"segment_embedding/embeddings": (None, "embed"),
-    r"embeddings_norm/(gamma|beta)": ("norm",),
-    r"encoder_block_\d+/attention/query/kernel": ("embed", "heads", "head_dim"),
-    r"encoder_block_\d+/attention/query/bias": ("heads", "head_dim"),
-    r"encoder_block_\d+/attention/(key|value)/kernel": ("embed", "kv_heads", "head_dim"),
-    r"encoder_block_\d+/attention/(key|value)/bias": ("kv_heads", "head_dim"),
-    r"encoder_block_\d+/attention/attention_output/kernel": ("heads", "head_dim", "embed"),
-    r"encoder_block_\d+/attention/attention_output/bias": ("norm",),
-    r"encoder_block_\d+/mlp/up/kernel": ("embed", "mlp"),
-    r"encoder_block_\d+/mlp/up/bias": ("mlp",),
-    r"encoder_block_\d+/mlp/down/kernel": ("mlp", "embed"),
-    r"encoder_block_\d+/mlp/down/bias": ("norm",),
-    r"encoder_block_\d+/(attention_norm|mlp_norm)/(gamma|beta)": ("norm",),
-    # D x D (pooler, MLM transform) and D x C (classifier) matrices: split over fsdp only.
-    r"pooler/kernel": ("embed", None),
-    r"pooler/bias": ("norm",),
-    r"mlm_transform/kernel": ("embed", None),
-    r"mlm_transform/bias": ("norm",),
-    r"mlm_norm/(gamma|beta)": ("norm",),
-    r"mlm_output_bias/bias": ("vocab",),
-    r"classifier_head/kernel": ("embed", None),
-    r"classifier_head/bias": (None,),
-}
-register_logical_axes(BERT_LOGICAL_AXES)
+# D x D (pooler, MLM transform) and D x C (classifier) matrices: split over fsdp only.
+SQUARE_AXES = dict(kernel=("embed", None), bias=("norm",))
 
 
 def _normal(stddev: float) -> keras.initializers.Initializer:
     return keras.initializers.RandomNormal(stddev=stddev)
-
-
-@keras.saving.register_keras_serializable(package="kdist")
-class SegmentEmbedding(layers.Layer):
-    """Segment (token type) embeddings: ids ``(B, T)`` in ``[0, num_segments)`` to ``(B, T, D)``.
-
-    The table is all-gathered over ``fsdp`` before the lookup, as for token embeddings.
-
-    Example:
-        >>> SegmentEmbedding(2, 8)(np.zeros((2, 3), "int32")).shape
-        (2, 3, 8)
-    """
-
-    def __init__(self, num_segments: int, hidden_dim: int, initializer_range: float = 0.02,
-                 **kwargs):
-        super().__init__(**kwargs)
-        self.num_segments = num_segments
-        self.hidden_dim = hidden_dim
-        self.initializer_range = initializer_range
-
-    def build(self, input_shape):
-        self.embeddings = self.add_weight(
-            name="embeddings",
-            shape=(self.num_segments, self.hidden_dim),
-            initializer=_normal(self.initializer_range),
-        )
-
-    def call(self, segment_ids):
-        table = gathered(ops.convert_to_tensor(self.embeddings),
-                         BERT_LOGICAL_AXES["segment_embedding/embeddings"])
-        return ops.cast(ops.take(table, ops.cast(segment_ids, "int32"), axis=0),
-                        self.compute_dtype)  # (B, T, D)
-
-    def compute_output_shape(self, input_shape):
-        return tuple(input_shape) + (self.hidden_dim,)
-
-    def get_config(self):
-        return {**super().get_config(), "num_segments": self.num_segments,
-                "hidden_dim": self.hidden_dim, "initializer_range": self.initializer_range}
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -112,86 +50,7 @@ class PaddingMask(layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="kdist")
-class PostNormBlock(layers.Layer):
-    """A post-norm encoder block: ``x = norm(x + attn(x))`` then ``x = norm(x + mlp(x))``.
-
-    Attention is bidirectional (kdist's ``CausalSelfAttention`` with ``causal=False``);
-    ``attention_mask`` ``(B, 1, 1, T)`` hides padded keys. Norms compute in float32 under
-    mixed precision. ``remat=True`` wraps the block in ``keras.remat``;
-    ``attention_chunk_size`` is ``CausalSelfAttention``'s (probabilities not kept).
-
-    Example:
-        >>> block = PostNormBlock(num_heads=4, head_dim=16, intermediate_dim=128)
-        >>> block(keras.ops.ones((2, 8, 64))).shape
-        (2, 8, 64)
-    """
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_dim: int,
-        intermediate_dim: int,
-        dropout: float = 0.0,
-        layer_norm_epsilon: float = 1e-12,
-        initializer_range: float = 0.02,
-        remat: bool = False,
-        attention_chunk_size: int | None = None,
-        **kwargs,
-    ):
-        super().__init__(**kwargs)
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.intermediate_dim = intermediate_dim
-        self.dropout = dropout
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.initializer_range = initializer_range
-        self.remat = remat
-        self.attention_chunk_size = attention_chunk_size
-        dtype = self.dtype_policy
-        self.attention = CausalSelfAttention(
-            num_heads, head_dim, causal=False, initializer_range=initializer_range,
-            attention_chunk_size=attention_chunk_size, dtype=dtype, name="attention",
-        )
-        self.attention_norm = layers.LayerNormalization(
-            epsilon=layer_norm_epsilon, dtype=dtype, name="attention_norm")
-        self.mlp = MLP(intermediate_dim, activation="gelu", initializer_range=initializer_range,
-                       dtype=dtype, name="mlp")
-        self.mlp_norm = layers.LayerNormalization(
-            epsilon=layer_norm_epsilon, dtype=dtype, name="mlp_norm")
-        self.attention_dropout = layers.Dropout(dropout, dtype=dtype)
-        self.mlp_dropout = layers.Dropout(dropout, dtype=dtype)
-
-    def build(self, input_shape):
-        for sublayer in (self.attention, self.attention_norm, self.mlp, self.mlp_norm):
-            sublayer.build(input_shape)
-
-    def call(self, x, attention_mask=None, training=None):
-        """``(B, T, D) -> (B, T, D)``."""
-
-        def forward(x):
-            h = self.attention(x, attention_mask=attention_mask)  # (B, T, D)
-            x = self.attention_norm(x + self.attention_dropout(h, training=training))
-            x = self.mlp_norm(x + self.mlp_dropout(self.mlp(x), training=training))
-            return shard_batch(x)  # B split over data x fsdp
-
-        return keras.remat(forward)(x) if self.remat else forward(x)
-
-    def get_config(self):
-        return {
-            **super().get_config(),
-            "num_heads": self.num_heads,
-            "head_dim": self.head_dim,
-            "intermediate_dim": self.intermediate_dim,
-            "dropout": self.dropout,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "initializer_range": self.initializer_range,
-            "remat": self.remat,
-            "attention_chunk_size": self.attention_chunk_size,
-        }
-
-
-@keras.saving.register_keras_serializable(package="kdist")
-class BertBackbone(keras.Model):
+class BertBackbone(Backbone, keras.Model):
     """The BERT encoder: ``{"token_ids", "segment_ids", "padding_mask"}`` (each ``(B, T)``) to
     ``{"sequence_output": (B, T, D), "pooled_output": (B, D)}``.
 
@@ -222,6 +81,8 @@ class BertBackbone(keras.Model):
         >>> out["sequence_output"].shape, out["pooled_output"].shape
         ((1, 8, 32), (1, 32))
     """
+
+    presets = BERT_PRESETS
 
     def __init__(
         self,
@@ -284,6 +145,8 @@ class BertBackbone(keras.Model):
         self.pooler = layers.Dense(hidden_dim, activation="tanh",
                                    kernel_initializer=_normal(initializer_range),
                                    dtype=dtype, name="pooler")
+        build_with_axes(self.embeddings_norm, (None, None, hidden_dim), **NORM_AXES)
+        build_with_axes(self.pooler, (None, hidden_dim), **SQUARE_AXES)
 
         # === Functional Model ===
         inputs = {
@@ -319,42 +182,6 @@ class BertBackbone(keras.Model):
         self.remat = remat
         self.attention_chunk_size = attention_chunk_size
 
-    def get_config(self):
-        return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.saving.serialize_keras_object(self.dtype_policy),
-            "vocabulary_size": self.vocabulary_size,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-            "hidden_dim": self.hidden_dim,
-            "intermediate_dim": self.intermediate_dim,
-            "max_sequence_length": self.max_sequence_length,
-            "num_segments": self.num_segments,
-            "dropout": self.dropout,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "initializer_range": self.initializer_range,
-            "remat": self.remat,
-            "attention_chunk_size": self.attention_chunk_size,
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.saving.deserialize_keras_object(config["dtype"])
-        return cls(**config)
-
-    @classmethod
-    def from_preset(cls, preset: str, **overrides) -> BertBackbone:
-        """A randomly initialised backbone of a preset's shape (see ``BERT_PRESETS``).
-
-        Example:
-            >>> BertBackbone.from_preset("bert-tiny", vocabulary_size=512).hidden_dim
-            128
-        """
-        return cls(**preset_config(BERT_PRESETS, preset, **overrides))
-
 
 @keras.saving.register_keras_serializable(package="kdist")
 class MaskedPositions(layers.Layer):
@@ -374,7 +201,7 @@ class OutputBias(layers.Layer):
     """Adds a learned bias of the last dimension's size (the MLM head's per-token bias)."""
 
     def build(self, input_shape):
-        self.bias = self.add_weight(name="bias", shape=(input_shape[-1],), initializer="zeros")
+        self.bias = add_weight(self, "bias", (input_shape[-1],), ("vocab",), initializer="zeros")
 
     def call(self, x):
         return x + ops.cast(self.bias, x.dtype)
@@ -387,7 +214,7 @@ def _sample_weighted_loss():
 
 
 @keras.saving.register_keras_serializable(package="kdist")
-class BertMaskedLM(keras.Model):
+class BertMaskedLM(Task, keras.Model):
     """Masked-language-model pretraining on a :class:`BertBackbone`.
 
     Inputs are the backbone's plus ``mask_positions`` ``(B, P)``; outputs are float32
@@ -397,6 +224,7 @@ class BertMaskedLM(keras.Model):
     ``mask_ids`` ``(B, P)`` and sample weights ``mask_weights`` ``(B, P)`` (0 at padded
     slots), as :func:`kdist.data.mlm_dataset` yields them; ``compile()`` defaults to the
     cross-entropy averaged over masked tokens and reports ``masked_accuracy``.
+    ``check_token_ids``: check token ids and labels in the compiled step (``GPTCausalLM``).
 
     Example:
         >>> lm = BertMaskedLM.from_preset("bert-tiny", vocabulary_size=512, num_layers=1)
@@ -408,9 +236,14 @@ class BertMaskedLM(keras.Model):
         (2, 3, 512)
     """
 
-    def __init__(self, backbone: BertBackbone, **kwargs):
+    backbone_class = BertBackbone
+    step_features = frozenset()  # XLA's reductions; no fused loss (the head is not tied-only)
+    token_id_labels = True  # mask_ids are token ids
+
+    def __init__(self, backbone: BertBackbone, check_token_ids: bool = False, **kwargs):
         # === Layers ===
         self.backbone = backbone
+        self.check_token_ids = check_token_ids  # in the step: see GPTCausalLM
         self.transform = layers.Dense(
             backbone.hidden_dim, activation="gelu",
             kernel_initializer=_normal(backbone.initializer_range),
@@ -418,6 +251,9 @@ class BertMaskedLM(keras.Model):
         self.transform_norm = layers.LayerNormalization(
             epsilon=backbone.layer_norm_epsilon, dtype=backbone.dtype_policy, name="mlm_norm")
         self.output_bias = OutputBias(dtype=backbone.dtype_policy, name="mlm_output_bias")
+        hidden_shape = (None, None, backbone.hidden_dim)
+        build_with_axes(self.transform, hidden_shape, **SQUARE_AXES)
+        build_with_axes(self.transform_norm, hidden_shape, **NORM_AXES)
 
         # === Functional Model ===
         inputs = {**backbone.input, "mask_positions": keras.Input(
@@ -431,7 +267,6 @@ class BertMaskedLM(keras.Model):
         super().__init__(inputs=inputs, outputs=logits, **kwargs)
 
     def compile(self, optimizer="adamw", loss=None, weighted_metrics=None, **kwargs):
-        reduction.refuse(self)
         super().compile(
             optimizer=optimizer,
             loss=loss or _sample_weighted_loss(),
@@ -440,38 +275,25 @@ class BertMaskedLM(keras.Model):
             **kwargs,
         )
 
-    def compile_from_config(self, config):
-        # Keras skips compiling on load when compile() is overridden; ours takes its config.
-        self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.built:
-            self.optimizer.build(self.trainable_variables)
-
-    def get_config(self):
-        return {"name": self.name, "trainable": self.trainable,
-                "backbone": keras.saving.serialize_keras_object(self.backbone)}
-
     @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
-        return cls(**config)
-
-    @classmethod
-    def from_preset(cls, preset: str, **overrides) -> BertMaskedLM:
-        """A randomly initialised MLM of a preset's shape; overrides replace fields.
+    def cost_model_for(cls, backbone_config, masked_positions: int | None = None,
+                       **task_args) -> BertCostModel:
+        """:class:`BertCostModel` with the MLM head at ``masked_positions`` per sequence
+        (None: every position).
 
         Example:
-            >>> BertMaskedLM.from_preset("bert-mini", vocabulary_size=512).backbone.num_layers
-            4
+            >>> BertMaskedLM.cost_model_for(BERT_PRESETS["bert-base"]).parameters
+            110104890
         """
-        return cls(BertBackbone.from_preset(preset, **overrides))
+        return BertCostModel(backbone_config, masked_positions=masked_positions)
 
 
 @keras.saving.register_keras_serializable(package="kdist")
-class BertClassifier(keras.Model):
+class BertClassifier(Task, keras.Model):
     """Sequence classification: the pooled ``[CLS]`` state -> dropout -> ``num_classes`` logits.
 
-    ``classifier_dropout`` is the head's dropout rate (the backbone has its own ``dropout``).
+    ``classifier_dropout`` is the head's dropout rate (the backbone has its own ``dropout``);
+    ``check_token_ids`` checks the token ids in the compiled step (see ``GPTCausalLM``).
 
     Inputs are the backbone's; outputs float32 logits ``(B, C)``. ``compile()`` defaults to
     cross-entropy and ``accuracy``, both weighted by sample weights when given (the
@@ -486,16 +308,22 @@ class BertClassifier(keras.Model):
         (2, 3)
     """
 
+    backbone_class = BertBackbone
+    step_features = frozenset()
+
     def __init__(self, backbone: BertBackbone, num_classes: int,
-                 classifier_dropout: float = 0.1, **kwargs):
+                 classifier_dropout: float = 0.1, check_token_ids: bool = False, **kwargs):
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"num_classes must be an integer >= 2; got {num_classes!r}.")
         # === Layers ===
         self.backbone = backbone
+        self.check_token_ids = check_token_ids  # in the step: see GPTCausalLM
         self.dropout_layer = layers.Dropout(classifier_dropout, dtype=backbone.dtype_policy,
                                             name="classifier_dropout")
         self.head = layers.Dense(num_classes, kernel_initializer=_normal(
             backbone.initializer_range), dtype=backbone.dtype_policy, name="classifier_head")
+        build_with_axes(self.head, (None, backbone.hidden_dim), kernel=("embed", None),
+                        bias=(None,))
 
         # === Functional Model ===
         inputs = dict(backbone.input)
@@ -509,7 +337,6 @@ class BertClassifier(keras.Model):
         self.classifier_dropout = classifier_dropout
 
     def compile(self, optimizer="adamw", loss=None, weighted_metrics=None, **kwargs):
-        reduction.refuse(self)
         super().compile(
             optimizer=optimizer,
             loss=loss or _sample_weighted_loss(),
@@ -518,29 +345,83 @@ class BertClassifier(keras.Model):
             **kwargs,
         )
 
-    def compile_from_config(self, config):
-        self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.built:
-            self.optimizer.build(self.trainable_variables)
-
-    def get_config(self):
-        return {"name": self.name, "trainable": self.trainable,
-                "backbone": keras.saving.serialize_keras_object(self.backbone),
-                "num_classes": self.num_classes, "classifier_dropout": self.classifier_dropout}
-
     @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
-        return cls(**config)
+    def cost_model_for(cls, backbone_config, num_classes: int = 2,
+                       **task_args) -> BertCostModel:
+        """:class:`BertCostModel` with the pooled classifier head of ``num_classes``."""
+        return BertCostModel(backbone_config, num_classes=num_classes)
 
-    @classmethod
-    def from_preset(cls, preset: str, num_classes: int, classifier_dropout: float = 0.1,
-                    **overrides) -> BertClassifier:
-        """A randomly initialised classifier of a preset's shape; overrides go to the backbone.
 
-        Example:
-            >>> BertClassifier.from_preset("bert-tiny", num_classes=2).num_classes
-            2
-        """
-        return cls(BertBackbone.from_preset(preset, **overrides), num_classes, classifier_dropout)
+class BertCostModel(CostModel):
+    """Parameters, FLOPs and activation bytes per token of BERT with one of its heads.
+
+    The encoder's attention is bidirectional: the full ``T x T`` scores and values, nothing
+    halved (``causal_half`` does not apply). The head is the masked-LM head (transform
+    ``2 D^2`` and tied unembedding ``2 D V`` at ``masked_positions`` P of each sequence's T
+    positions: a share ``P / T`` per token; None: every position) or, with
+    ``num_classes``, the pooler ``2 D^2`` and classifier ``2 D C`` once per sequence.
+
+    Example:
+        >>> f = BertCostModel(BERT_PRESETS["bert-base"], masked_positions=20).flops_per_token(128)
+        >>> f.causal, round(f.unembedding / (2 * 768 * 30522), 4)  # 20 of 128 positions
+        (False, 0.1562)
+    """
+
+    def __init__(self, backbone_config, masked_positions: int | None = None,
+                 num_classes: int | None = None):
+        self.config = BertBackbone.full_config(backbone_config)
+        self.masked_positions = masked_positions
+        self.num_classes = num_classes
+
+    @property
+    def parameters(self) -> int:
+        """Trainable parameters (exact), the tied token table once."""
+        c = self.config
+        d, f, v = c["hidden_dim"], c["intermediate_dim"], c["vocabulary_size"]
+        embeddings = (v + c["max_sequence_length"] + c["num_segments"]) * d + 2 * d
+        block = 4 * (d * d + d) + 2 * d * f + f + d + 2 * 2 * d
+        pooler = d * d + d
+        if self.num_classes is not None:
+            head = d * self.num_classes + self.num_classes
+        else:
+            head = d * d + d + 2 * d + v  # transform, its norm, the output bias
+        return int(embeddings + c["num_layers"] * block + pooler + head)
+
+    def _head_share(self, sequence_length: int) -> float:
+        if self.masked_positions is None:
+            return 1.0
+        share = self.masked_positions / sequence_length
+        if not 0 < share <= 1:
+            raise ValueError(f"masked_positions must be in 1..sequence_length "
+                             f"({sequence_length}); got {self.masked_positions}.")
+        return share
+
+    def flops_per_token(self, sequence_length: int, causal_half: bool = True):
+        c = self.config
+        d, t = c["hidden_dim"], sequence_length
+        if self.num_classes is not None:
+            extra, unembedding_share = (2 * d * d + 2 * d * self.num_classes) / t, 0.0
+        else:
+            unembedding_share = self._head_share(t)
+            extra = 2 * d * d * unembedding_share
+        encoder = flops.transformer_flops_per_token(
+            c["num_layers"], d, c["num_heads"], c["intermediate_dim"], c["vocabulary_size"],
+            sequence_length, causal=False, remat=bool(c["remat"]), extra_forward_flops=extra)
+        return dataclasses.replace(encoder, unembedding=encoder.unembedding * unembedding_share)
+
+    def activation_bytes_per_token(self, sequence_length: int, bytes_per_value: int = 4,
+                                   remat: bool = False) -> float:
+        """As :meth:`GPTCostModel.activation_bytes_per_token` per encoder layer (the same
+        tensors, post-norm), plus the embedding sum and its norm (2D); the MLM head's
+        float32 logits and their gradient (2V x 4 bytes) and transform (3D) only at the
+        masked share of positions; a classifier head keeps a negligible (B, D)."""
+        c = self.config
+        d, f, n, v = c["hidden_dim"], c["intermediate_dim"], c["num_heads"], c["vocabulary_size"]
+        attention = 2 * n * (1 if c["attention_chunk_size"] else sequence_length)
+        per_layer = bytes_per_value * (9 * d + attention + 2 * f)
+        head = 0.0
+        if self.num_classes is None:
+            head = self._head_share(sequence_length) * (2 * v * 4 + 3 * d * bytes_per_value)
+        layers_kept = bytes_per_value * d * c["num_layers"] + per_layer if remat else (
+            c["num_layers"] * per_layer)
+        return layers_kept + 2 * d * bytes_per_value + head

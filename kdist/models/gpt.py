@@ -2,141 +2,30 @@
 
 One model, configured: learned or rotary positions, LayerNorm or RMSNorm, GELU or SwiGLU
 MLP, multi-head or grouped-query attention, tied or untied output embedding, with or
-without biases, and optional document-aware attention over packed sequences.
+without biases, and optional document-aware attention over packed sequences. Its cost
+model is :class:`GPTCostModel`; generation is :mod:`kdist.models.generation`.
 """
 
 from __future__ import annotations
-
-import functools
-import itertools
 
 import keras
 import numpy as np
 from keras import layers, ops
 
-from kdist import reduction
-from kdist.distribution import (
-    check_divisible,
-    current_mesh_shape,
-    gathered,
-    register_logical_axes,
+from kdist import _keras_compat, flops
+from kdist.models import losses
+from kdist.models.base import Backbone, CostModel, Task
+from kdist.models.embeddings import PositionEmbedding, TokenEmbedding
+from kdist.models.generation import CachedGeneration
+from kdist.models.layers import (
+    NORM_AXES,
+    PreNormBlock,
+    document_mask_and_positions,
+    normalization,
 )
-from kdist.models.layers import PreNormBlock, document_mask_and_positions, normalization
-from kdist.models.presets import GPT_PRESETS, preset_config
-
-# Weight path -> logical axes, for the sharding rules in kdist.distribution.
-GPT_LOGICAL_AXES = {
-    r"token_embedding/embeddings": ("vocab", "embed"),
-    r"token_embedding/reverse_embeddings": ("embed", "vocab"),
-    r"position_embedding/embeddings": ("position", "embed"),
-    r"block_\d+/attention/query/kernel": ("embed", "heads", "head_dim"),
-    r"block_\d+/attention/query/bias": ("heads", "head_dim"),
-    r"block_\d+/attention/(key|value)/kernel": ("embed", "kv_heads", "head_dim"),
-    r"block_\d+/attention/(key|value)/bias": ("kv_heads", "head_dim"),
-    r"block_\d+/attention/qkv/kernel": ("embed", "kv_heads", None, "head_dim"),  # fused_qkv
-    r"block_\d+/attention/qkv/bias": ("kv_heads", None, "head_dim"),
-    r"block_\d+/attention/attention_output/kernel": ("heads", "head_dim", "embed"),
-    r"block_\d+/attention/attention_output/bias": ("norm",),
-    r"block_\d+/mlp/(up|gate)/kernel": ("embed", "mlp"),
-    r"block_\d+/mlp/(up|gate)/bias": ("mlp",),
-    r"block_\d+/mlp/down/kernel": ("mlp", "embed"),
-    r"block_\d+/mlp/down/bias": ("norm",),
-    r"(block_\d+/(attention_norm|mlp_norm)|final_norm)/(gamma|beta|scale)": ("norm",),
-}
-register_logical_axes(GPT_LOGICAL_AXES)
-
-
-@keras.saving.register_keras_serializable(package="kdist")
-class TokenEmbedding(keras.layers.ReversibleEmbedding):
-    """Keras' reversible embedding that all-gathers its table over ``fsdp`` before lookup
-    and refuses sequences longer than ``max_sequence_length``.
-
-    ``call(ids)`` embeds ``(B, T)`` ids to ``(B, T, D)``; ``call(x, reverse=True)`` gives
-    logits ``(B, T, V)`` (tied: against the same table; else ``reverse_embeddings``).
-
-    Example:
-        >>> TokenEmbedding(100, 8, max_sequence_length=4)(np.zeros((2, 3), "int32")).shape
-        (2, 3, 8)
-    """
-
-    def __init__(self, *args, max_sequence_length: int | None = None,
-                 vocabulary_size: int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.max_sequence_length = max_sequence_length
-        # Ids in use; the table may have more rows (padding for aligned matmuls and shards).
-        self.vocabulary_size = vocabulary_size or self.input_dim
-
-    def call(self, inputs, reverse=False):
-        if reverse:
-            logits = super().call(inputs, reverse=True)  # (B, T, rows)
-            if self.vocabulary_size == self.input_dim:
-                return logits
-            return logits[..., : self.vocabulary_size]  # (B, T, V): padding rows cut
-        length = inputs.shape[1]
-        if isinstance(length, int) and length > (self.max_sequence_length or length):
-            raise ValueError(
-                f"Sequence length {length} exceeds the model's max_sequence_length "
-                f"{self.max_sequence_length}. Use sequences of at most "
-                f"{self.max_sequence_length} tokens, or build the model with a larger "
-                f"max_sequence_length."
-            )
-        table = gathered(
-            ops.convert_to_tensor(self.embeddings), GPT_LOGICAL_AXES["token_embedding/embeddings"]
-        )
-        return ops.cast(ops.take(table, ops.cast(inputs, "int32"), axis=0), self.compute_dtype)
-
-    def compute_output_spec(self, inputs, reverse=False):
-        spec = super().compute_output_spec(inputs, reverse=reverse)
-        if not reverse:
-            return spec
-        return keras.KerasTensor((*spec.shape[:-1], self.vocabulary_size), spec.dtype)
-
-    def get_config(self):
-        return {**super().get_config(), "max_sequence_length": self.max_sequence_length,
-                "vocabulary_size": self.vocabulary_size}
-
-
-@keras.saving.register_keras_serializable(package="kdist")
-class PositionEmbedding(layers.Layer):
-    """Learned absolute position embeddings.
-
-    ``call(x)`` gives rows ``start_index ...`` as ``(1, T, D)``; ``call(x, positions=p)``
-    gathers rows ``p`` ``(B, T)`` (positions restarting per packed document).
-
-    Example:
-        >>> PositionEmbedding(max_sequence_length=16)(keras.ops.ones((2, 8, 32))).shape
-        (1, 8, 32)
-    """
-
-    def __init__(self, max_sequence_length: int, initializer_range: float = 0.02, **kwargs):
-        super().__init__(**kwargs)
-        self.max_sequence_length = max_sequence_length
-        self.initializer_range = initializer_range
-
-    def build(self, input_shape):
-        self.embeddings = self.add_weight(
-            name="embeddings",
-            shape=(self.max_sequence_length, input_shape[-1]),
-            initializer=keras.initializers.RandomNormal(stddev=self.initializer_range),
-        )
-
-    def call(self, x, start_index=0, positions=None):
-        table = ops.convert_to_tensor(self.embeddings)  # (max_sequence_length, D)
-        if positions is not None:
-            return ops.cast(ops.take(table, positions, axis=0), self.compute_dtype)  # (B, T, D)
-        rows = ops.slice(table, [start_index, 0], [ops.shape(x)[1], ops.shape(table)[1]])
-        return ops.cast(rows, self.compute_dtype)[None]  # (1, T, D)
-
-    def compute_output_spec(self, x, start_index=0, positions=None):
-        batch = 1 if positions is None else positions.shape[0]
-        return keras.KerasTensor((batch, x.shape[1], x.shape[2]), self.compute_dtype)
-
-    def get_config(self):
-        return {
-            **super().get_config(),
-            "max_sequence_length": self.max_sequence_length,
-            "initializer_range": self.initializer_range,
-        }
+from kdist.models.presets import GPT_PRESETS
+from kdist.parallel.layout import check_divisible, current_mesh_shape
+from kdist.parallel.rules import build_with_axes
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -153,7 +42,7 @@ class DocumentMask(layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="kdist")
-class GPTBackbone(keras.Model):
+class GPTBackbone(Backbone, keras.Model):
     """The GPT Transformer: token ids ``(B, T)`` to final hidden states ``(B, T, D)``.
 
     Args:
@@ -205,6 +94,9 @@ class GPTBackbone(keras.Model):
         >>> backbone(np.zeros((1, 8), "int32")).shape
         (1, 8, 32)
     """
+
+    presets = GPT_PRESETS
+    config_attributes = {"position_embedding": "position_embedding_type"}
 
     def __init__(
         self,
@@ -300,6 +192,7 @@ class GPTBackbone(keras.Model):
             for i in range(num_layers)
         ]
         self.final_norm = normalization(norm, layer_norm_epsilon, "final_norm", dtype)
+        build_with_axes(self.final_norm, (None, None, hidden_dim), **NORM_AXES)
 
         # === Functional Model ===
         token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
@@ -354,65 +247,34 @@ class GPTBackbone(keras.Model):
             x = x + self.position_embedding(x, start_index=start_index, positions=positions)
         return self.embedding_dropout(x)
 
-    def get_config(self):
-        return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.saving.serialize_keras_object(self.dtype_policy),
-            "vocabulary_size": self.vocabulary_size,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-            "hidden_dim": self.hidden_dim,
-            "intermediate_dim": self.intermediate_dim,
-            "max_sequence_length": self.max_sequence_length,
-            "num_key_value_heads": self.num_key_value_heads,
-            "position_embedding": self.position_embedding_type,
-            "rotary_max_wavelength": self.rotary_max_wavelength,
-            "norm": self.norm,
-            "mlp_activation": self.mlp_activation,
-            "use_bias": self.use_bias,
-            "tie_embeddings": self.tie_embeddings,
-            "document_mask": self.document_mask,
-            "dropout": self.dropout,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "initializer_range": self.initializer_range,
-            "remat": self.remat,
-            "fused_qkv": self.fused_qkv,
-            "vocabulary_divisible_by": self.vocabulary_divisible_by,
-            "attention_chunk_size": self.attention_chunk_size,
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.saving.deserialize_keras_object(config["dtype"])
-        return cls(**config)
-
-    @classmethod
-    def from_preset(cls, preset: str, **overrides) -> GPTBackbone:
-        """A randomly initialised backbone of a preset's shape (see ``GPT_PRESETS``).
-
-        Example:
-            >>> GPTBackbone.from_preset("gpt-nano", vocabulary_size=512).num_layers
-            4
-        """
-        return cls(**preset_config(GPT_PRESETS, preset, **overrides))
-
 
 @keras.saving.register_keras_serializable(package="kdist")
-class GPTCausalLM(keras.Model):
+class GPTCausalLM(CachedGeneration, Task, keras.Model):
     """Next-token prediction on top of a :class:`GPTBackbone`, with cached generation.
 
     The output head is the token embedding transposed (or its own matrix when
-    ``tie_embeddings=False``); logits are cast to
-    float32 so the loss is computed in float32 under ``mixed_bfloat16``. ``compile()``
-    defaults to sparse categorical cross-entropy on the logits.
+    ``tie_embeddings=False``); logits are cast to float32 so the loss is computed in
+    float32 under ``mixed_bfloat16``. ``compile()`` defaults to sparse categorical
+    cross-entropy on the logits.
 
-    ``loss_chunk_size``: if set, training with the default loss (and no compiled metrics)
-    uses :func:`kdist.models.losses.chunked_cross_entropy` on the final hidden states, in
-    chunks of this many positions, so the ``(B, T, V)`` float32 logits and their gradient
-    are never materialised; ``predict``/``evaluate`` still give and use full logits.
+    Args:
+        backbone: a :class:`GPTBackbone`.
+        loss_chunk_size: how training computes the default loss (``compile()`` with no
+            ``loss`` or the default one, and no metrics). ``"auto"`` (default): the fused
+            cross-entropy (:func:`kdist.models.losses.chunked_cross_entropy`, from the
+            final hidden states, never materialising the ``(B, T, V)`` float32 logits)
+            where it was measured faster, with a chunk size chosen by shape, else logits
+            and Keras' loss (:func:`kdist.models.losses.auto_chunk_size` states the rule).
+            A positive int: always the fused loss, with chunks of that many positions.
+            ``None`` or ``0``: always logits and Keras' loss. ``predict``/``evaluate``
+            always give and use full logits; a ``sample_weight`` in training computes the
+            logits from the hidden states and Keras' weighted loss.
+        check_token_ids: check in the compiled step that every token id (inputs and
+            labels) lies in ``[0, vocabulary_size)``: a bad id makes the loss and outputs
+            NaN (never a silent 0.0), and ``fit``/``evaluate``/``predict`` raise a
+            ``ValueError`` naming the range at the next batch end (``Task.token_id_alarm``).
+            For inputs that are not NumPy arrays (datasets, generators), which those
+            methods cannot check on the host. Off by default: one reduction over the ids.
 
     Example:
         >>> lm = GPTCausalLM.from_preset("gpt-nano", vocabulary_size=512, num_layers=1)
@@ -424,15 +286,23 @@ class GPTCausalLM(keras.Model):
         (2, 8)
     """
 
-    def __init__(self, backbone: GPTBackbone, loss_chunk_size: int | None = None, **kwargs):
-        if loss_chunk_size is not None and (
-                not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
-            raise ValueError(f"loss_chunk_size must be None (logits, then Keras' loss) or a "
-                             f"positive int (positions per chunk); got {loss_chunk_size!r}.")
+    backbone_class = GPTBackbone
+    step_features = frozenset({"gradient_reduction", "fused_loss"})
+    token_id_labels = True
+
+    def __init__(self, backbone: GPTBackbone, loss_chunk_size: int | str | None = "auto",
+                 check_token_ids: bool = False, **kwargs):
+        if not (loss_chunk_size in (None, 0, "auto") or (
+                isinstance(loss_chunk_size, int) and not isinstance(loss_chunk_size, bool)
+                and loss_chunk_size > 0)):
+            raise ValueError(f"loss_chunk_size must be 'auto' (chosen by shape), a positive "
+                             f"int (positions per chunk of the fused loss) or None/0 (logits, "
+                             f"then Keras' loss); got {loss_chunk_size!r}.")
         # === Layers ===
         self.backbone = backbone
         self.loss_chunk_size = loss_chunk_size
-        self._fused_loss = False  # set by compile(): training skips the logits
+        self.check_token_ids = check_token_ids
+        self._fused_loss = False  # set by compile(): the default loss, no metrics
 
         # === Functional Model ===
         token_ids = backbone.input
@@ -443,186 +313,126 @@ class GPTCausalLM(keras.Model):
         self._generators = {}  # sampler key -> (sampler, jitted decode loop)
 
     def compile(self, optimizer="adamw", loss=None, **kwargs):
-        # With loss_chunk_size, the default loss trains through the fused, chunked
-        # cross-entropy (kdist.models.losses); a loss or metrics of the user's need logits.
-        self._fused_loss = (self.loss_chunk_size is not None and _is_default_loss(loss)
+        # The fused cross-entropy computes exactly the default loss; a loss or metrics of
+        # the user's need logits.
+        self._fused_loss = (self.loss_chunk_size not in (None, 0) and _is_default_loss(loss)
                             and not kwargs.get("metrics") and not kwargs.get("weighted_metrics"))
         if loss is None:
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        dist = keras.distribution.distribution()
-        if getattr(dist, "gradient_reduction", None):
-            reduction.check(dist, self)  # before any compilation
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
 
-    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables,
-                                 metrics_variables, x, y, sample_weight, training=False,
-                                 optimizer_variables=None):
-        # With the distribution's gradient_reduction, training computes the loss per device
-        # and reduces each weight's gradient once (kdist.reduction).
-        dist = keras.distribution.distribution()
-        compute = super().compute_loss_and_updates
-        if training and getattr(dist, "gradient_reduction", None):
-            return reduction.loss_and_updates(
-                self, compute, trainable_variables, non_trainable_variables,
-                metrics_variables, x, y, sample_weight, optimizer_variables)
-        return compute(trainable_variables, non_trainable_variables, metrics_variables, x, y,
-                       sample_weight, training=training, optimizer_variables=optimizer_variables)
+    def fused_loss_chunk_size(self, batch, length) -> int | None:
+        """Positions per chunk of the fused loss for a training batch of ``(batch, length)``
+        token ids, or None when training computes logits (see ``loss_chunk_size``).
 
-    def call(self, inputs, training=None):
-        if training and self._fused_loss:
-            return self.backbone(inputs, training=training)  # (B, T, D): no logits
-        return super().call(inputs, training=training)  # (B, T, V) float32 logits
+        Example:
+            >>> lm = GPTCausalLM.from_preset("gpt-nano", vocabulary_size=512, num_layers=1)
+            >>> lm.compile(optimizer="adam")
+            >>> lm.fused_loss_chunk_size(2, 16) is None  # tiny logits: Keras' loss
+            True
+        """
+        if not self._fused_loss:
+            return None
+        if self.loss_chunk_size != "auto":
+            return self.loss_chunk_size
+        embedding = self.backbone.token_embedding
+        return losses.auto_chunk_size(batch, length, embedding.vocabulary_size,
+                                      embedding.input_dim, self.backbone.hidden_dim)
+
+    def call(self, inputs, training=None, mask=None):
+        token_ids = inputs["token_ids"] if isinstance(inputs, dict) else inputs
+        if training and self.fused_loss_chunk_size(*token_ids.shape):
+            hidden = self.backbone(inputs, training=training)  # (B, T, D): no logits
+            return self.input_alarm(inputs, hidden)
+        return super().call(inputs, training=training, mask=mask)  # (B, T, V) float32 logits
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        if not (training and self._fused_loss):
+        chunk_size = training and y is not None and self.fused_loss_chunk_size(*y.shape)
+        if chunk_size and sample_weight is not None:
+            # The fused loss takes no weights: the logits from the hidden states, as the
+            # plain path computes them, then Keras' weighted loss.
+            y_pred = ops.cast(self.backbone.token_embedding(y_pred, reverse=True), "float32")
+            chunk_size = None
+        if not chunk_size:
             return super().compute_loss(x, y, y_pred, sample_weight, training=training)
-        from kdist.models.losses import chunked_cross_entropy
-
-        if sample_weight is not None:
-            raise ValueError("The fused cross-entropy takes no sample_weight. Build the model "
-                             "with loss_chunk_size=None to train with sample weights.")
         embedding = self.backbone.token_embedding
-        table = (ops.convert_to_tensor(embedding.embeddings) if embedding.tie_weights
-                 else ops.transpose(ops.convert_to_tensor(embedding.reverse_embeddings)))
-        loss = chunked_cross_entropy(y_pred, table, y, self.loss_chunk_size,  # y_pred: hidden
-                                     vocabulary_size=embedding.vocabulary_size)
+        loss = losses.chunked_cross_entropy(
+            y_pred, embedding.output_table(), y, chunk_size,  # y_pred: hidden states
+            vocabulary_size=embedding.vocabulary_size)
         for extra in self.losses:
-            loss = loss + self._aggregate_additional_loss(extra)
-        return loss
-
-    def compile_from_config(self, config):
-        # Keras skips compiling on load when compile() is overridden; ours takes its config.
-        self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.built:
-            self.optimizer.build(self.trainable_variables)
-
-    def get_config(self):
-        return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "backbone": keras.saving.serialize_keras_object(self.backbone),
-            "loss_chunk_size": self.loss_chunk_size,
-        }
+            loss = loss + _keras_compat.aggregate_additional_loss(self, extra)
+        return self.label_alarm(y, loss)
 
     @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
-        return cls(**config)
-
-    @classmethod
-    def from_preset(cls, preset: str, loss_chunk_size: int | None = None,
-                    **overrides) -> GPTCausalLM:
-        """A randomly initialised causal LM of a preset's shape; overrides replace fields.
+    def cost_model_for(cls, backbone_config, **task_args) -> GPTCostModel:
+        """:class:`GPTCostModel` of ``backbone_config`` (e.g. ``GPT_PRESETS["gpt-nano"]``).
 
         Example:
-            >>> GPTCausalLM.from_preset("gpt-nano", vocabulary_size=512).backbone.hidden_dim
-            256
+            >>> GPTCausalLM.cost_model_for(GPT_PRESETS["gpt2-small"]).parameters
+            124475904
         """
-        return cls(GPTBackbone.from_preset(preset, **overrides), loss_chunk_size=loss_chunk_size)
+        return GPTCostModel(backbone_config)
 
-    # === Generation ===
 
-    def call_with_cache(self, token_ids, cache, cache_index):
-        """One forward pass over ``token_ids`` (B, T) at positions ``cache_index ...``.
+class GPTCostModel(CostModel):
+    """Parameters, FLOPs and activation bytes per token of a GPT (GPT-2 or Llama-style).
 
-        ``cache`` is ``(B, L, 2, S, K, H)``: keys and values of every layer. Returns
-        ``(logits (B, T, V) float32, updated cache)``.
-        """
-        b = self.backbone
-        x = b.embed(token_ids, start_index=cache_index)
-        caches = []
-        for i, block in enumerate(b.blocks):
-            x, layer_cache = block(x, cache=cache[:, i], cache_index=cache_index)
-            caches.append(layer_cache)
-        logits = b.token_embedding(b.final_norm(x), reverse=True)
-        return ops.cast(logits, "float32"), ops.stack(caches, axis=1)
+    FLOPs: :func:`kdist.flops.transformer_flops_per_token` with causal attention
+    (``causal_half``: MaxText's half of ``T x T``, or nanoGPT's full matrix), the output
+    projection over the real vocabulary (padding rows not counted), a third MLP matmul for
+    SwiGLU, fewer key/value FLOPs for grouped-query attention.
 
-    def _generate_step(self, prompt, prompt_length, sampler):
-        b = self.backbone
-        batch, max_length = ops.shape(prompt)
-        cache = ops.zeros(
-            (batch, b.num_layers, 2, max_length, b.kv_heads, b.head_dim), self.compute_dtype
-        )
-        # Fill the cache with the prompt (positions 0 .. prompt_length - 2): the sampler
-        # feeds the last prompt token itself.
-        _, cache = self.call_with_cache(prompt, cache, 0)
+    Example:
+        >>> cost = GPTCostModel(GPT_PRESETS["gpt-nano"])
+        >>> round(cost.flops_per_token(256).training / 1e6, 1)
+        33.0
+    """
 
-        def next_logits(prompt, cache, index):
-            token = ops.slice(prompt, [0, index - 1], [batch, 1])  # (B, 1)
-            logits, cache = self.call_with_cache(token, cache, index - 1)
-            return logits[:, 0], None, cache
+    def __init__(self, backbone_config):
+        self.config = GPTBackbone.full_config(backbone_config)
 
-        return sampler(next=next_logits, prompt=prompt, cache=cache, index=prompt_length)
+    @property
+    def parameters(self) -> int:
+        """Trainable parameters (exact), padding rows of the token table included."""
+        c = self.config
+        d, f, n = c["hidden_dim"], c["intermediate_dim"], c["num_heads"]
+        multiple = c["vocabulary_divisible_by"]
+        v = -(-c["vocabulary_size"] // multiple) * multiple  # token table rows
+        k = c["num_key_value_heads"] or n
+        h = d // n
+        bias = c["use_bias"]
+        gated = c["mlp_activation"] == "swiglu"
+        norm = 2 * d if c["norm"] == "layer_norm" else d
+        attention = d * (n + 2 * k) * h + n * h * d + (bias and (n + 2 * k) * h + d)
+        mlp = d * f * (3 if gated else 2) + (bias and f * (2 if gated else 1) + d)
+        blocks = c["num_layers"] * (attention + mlp + 2 * norm)
+        embeddings = v * d * (1 if c["tie_embeddings"] else 2)
+        positions = 0 if c["position_embedding"] == "rotary" else c["max_sequence_length"] * d
+        return int(blocks + embeddings + positions + norm)
 
-    def generate(
-        self,
-        prompt_ids,
-        max_length: int,
-        sampler="top_k",
-        seed: int | None = None,
-    ) -> np.ndarray:
-        """Extends ``prompt_ids`` (B, P) to ``(B, max_length)`` tokens with a key/value cache.
+    def flops_per_token(self, sequence_length: int, causal_half: bool = True):
+        c = self.config
+        return flops.transformer_flops_per_token(
+            c["num_layers"], c["hidden_dim"], c["num_heads"], c["intermediate_dim"],
+            c["vocabulary_size"], sequence_length, num_kv_heads=c["num_key_value_heads"],
+            causal=True, causal_half=causal_half, gated_mlp=c["mlp_activation"] == "swiglu",
+            remat=bool(c["remat"]))
 
-        ``sampler`` is a keras-hub sampler or one of ``"greedy"``, ``"top_k"`` (k=10),
-        ``"top_p"`` (p=0.9), ``"random"``. With a ``seed`` the result is reproducible call
-        after call; without, each call draws anew. Runs as one compiled program (a
-        ``while_loop`` over decode steps, reused across calls with the same sampler and
-        shapes) and works under any kdist distribution.
-
-        Example:
-            >>> lm = GPTCausalLM.from_preset("gpt-nano", vocabulary_size=64, num_layers=1)
-            >>> lm.generate(np.zeros((1, 3), "int32"), max_length=6, sampler="greedy").shape
-            (1, 6)
-        """
-        prompt_ids = np.asarray(prompt_ids, dtype="int32")
-        if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
-            raise ValueError(
-                f"prompt_ids must be a (batch, length >= 1) int array; got shape "
-                f"{prompt_ids.shape}."
-            )
-        prompt_length = prompt_ids.shape[1]
-        if not prompt_length < max_length <= self.backbone.max_sequence_length:
-            raise ValueError(
-                f"max_length={max_length} must exceed the prompt length {prompt_length} and "
-                f"be at most the model's max_sequence_length "
-                f"{self.backbone.max_sequence_length}."
-            )
-        key = (sampler, seed) if isinstance(sampler, str) else id(sampler)
-        if key not in self._generators:
-            self._generators[key] = self._compile_generator(_make_sampler(sampler, seed))
-        sampler, run = self._generators[key]
-        prompt = np.zeros((prompt_ids.shape[0], max_length), "int32")
-        prompt[:, :prompt_length] = prompt_ids
-        out, sampler_state = run(
-            prompt,
-            prompt_length,
-            [v.value for v in sampler.variables],
-            [w.value for w in self.weights],
-        )
-        if seed is None:  # unseeded: advance the sampler's RNG so the next call differs
-            for variable, value in zip(sampler.variables, sampler_state):
-                variable.assign(value)
-        return np.asarray(out)
-
-    def _compile_generator(self, sampler):
-        """The sampler and a jitted ``run(prompt, prompt_length, sampler_state, weights)``.
-
-        Kept per sampler, so repeated calls reuse the compiled program (jax.jit retraces
-        only for a new batch size, prompt length or max_length).
-        """
-        import jax
-
-        @functools.partial(jax.jit, static_argnums=1)
-        def run(prompt, prompt_length, sampler_state, weights):
-            mapping = itertools.chain(
-                zip(sampler.variables, sampler_state), zip(self.weights, weights)
-            )
-            with keras.StatelessScope(state_mapping=mapping) as scope:
-                out = self._generate_step(prompt, prompt_length, sampler)
-            return out, [scope.get_current_value(v) for v in sampler.variables]
-
-        return sampler, run
+    def activation_bytes_per_token(self, sequence_length: int, bytes_per_value: int = 4,
+                                   remat: bool = False) -> float:
+        """Per layer and token: block input and two norm outputs (3D), q/k/v (3D), attention
+        scores and probabilities (2NT; 2N with ``attention_chunk_size``), attention output
+        and projection (2D), MLP up and activation (2F, 3F gated), down (D). Once: float32
+        logits and their gradient (2V x 4). ``remat``: block inputs plus one block's."""
+        c = self.config
+        d, f, n, v = c["hidden_dim"], c["intermediate_dim"], c["num_heads"], c["vocabulary_size"]
+        gated = c["mlp_activation"] == "swiglu"
+        attention = 2 * n * (1 if c["attention_chunk_size"] else sequence_length)
+        per_layer = bytes_per_value * (9 * d + attention + (3 if gated else 2) * f)
+        logits = 2 * v * 4
+        if remat:
+            return c["num_layers"] * bytes_per_value * d + per_layer + logits
+        return c["num_layers"] * per_layer + logits
 
 
 def _is_default_loss(loss) -> bool:
@@ -634,22 +444,3 @@ def _is_default_loss(loss) -> bool:
             and loss.get_config().get("from_logits") is True
             and loss.get_config().get("ignore_class") is None
             and loss.reduction == "sum_over_batch_size")
-
-
-def _make_sampler(sampler, seed):
-    import keras_hub
-
-    if not isinstance(sampler, str):
-        return sampler
-    factories = {
-        "greedy": lambda: keras_hub.samplers.GreedySampler(),
-        "top_k": lambda: keras_hub.samplers.TopKSampler(k=10, seed=seed),
-        "top_p": lambda: keras_hub.samplers.TopPSampler(p=0.9, seed=seed),
-        "random": lambda: keras_hub.samplers.RandomSampler(seed=seed),
-    }
-    if sampler not in factories:
-        raise ValueError(
-            f"Unknown sampler '{sampler}'. Use one of {sorted(factories)} or pass a "
-            f"keras_hub.samplers.Sampler instance."
-        )
-    return factories[sampler]()

@@ -1,18 +1,22 @@
 """Transformer building blocks shared by kdist models.
 
 Shapes: B batch, T query length, S key length, D hidden (embed), N query heads, K key/value
-heads, H head dim, F MLP width. Weight names are stable (explicit layer names) because the
-sharding tables match on weight paths.
+heads, H head dim, F MLP width. Weight names are stable (explicit layer names: checkpoints
+match on weight paths), and each layer declares its weights' logical axes where it builds
+them (``kdist.parallel.rules.build_with_axes``).
 """
 
 from __future__ import annotations
 
 import keras
 from keras import layers, ops
-from keras_hub.layers import RotaryEmbedding
 
-from kdist.distribution import shard_batch
-from kdist.models.attention import chunked_attention
+from kdist.models.attention import CausalSelfAttention
+from kdist.parallel.constraints import shard_batch
+from kdist.parallel.rules import build_with_axes
+
+# Logical axes of a norm's scale and offset (never sharded over model; split over fsdp).
+NORM_AXES = dict(gamma=("norm",), beta=("norm",), scale=("norm",))
 
 
 def _normal(stddev: float) -> keras.initializers.Initializer:
@@ -31,193 +35,6 @@ def normalization(kind: str, epsilon: float, name: str, dtype=None) -> layers.La
     if kind == "rms_norm":
         return layers.RMSNormalization(epsilon=epsilon, dtype=dtype, name=name)
     raise ValueError(f"Unknown norm '{kind}'. Use 'layer_norm' or 'rms_norm'.")
-
-
-@keras.saving.register_keras_serializable(package="kdist")
-class CausalSelfAttention(layers.Layer):
-    """Causal self-attention: multi-head or grouped-query, learned or rotary positions.
-
-    Projections are ``EinsumDense`` with kernels shaped ``(D, N, H)`` (query), ``(D, K, H)``
-    (key, value) and ``(N, H, D)`` (output), so tensor parallelism splits the head axes and
-    XLA reduces the output projection's partial sums. Attention itself is
-    ``keras.ops.dot_product_attention`` (grouped-query natively; cuDNN flash attention on
-    GPU where available; logits and softmax in float32 under ``mixed_bfloat16``).
-
-    Args:
-        num_heads: query heads N.
-        head_dim: H.
-        num_key_value_heads: K (N must divide by K); None means N (multi-head attention).
-        rotary_max_wavelength: if set, queries and keys are rotated by position (RoPE,
-            keras-hub's ``RotaryEmbedding``) with this base wavelength.
-        use_bias: biases on the four projections.
-        causal: mask future keys (decoder). ``False`` gives bidirectional attention
-            (encoder, BERT), where only ``attention_mask`` restricts which keys are seen.
-        fused_qkv: one ``qkv`` projection with kernel ``(D, K, N/K + 2, H)`` (each key/value
-            head's query heads, then its key, then its value) instead of ``query``, ``key``
-            and ``value``: one matmul instead of three. Off by default (weight names differ).
-        attention_chunk_size: if set, training and evaluation attend through
-            :func:`kdist.models.attention.chunked_attention` over chunks of this many keys:
-            the ``(B, N, T, T)`` probabilities are never kept for the backward pass (for
-            backends without a fused attention kernel: CPU, or document masks). None:
-            ``keras.ops.dot_product_attention`` (cuDNN flash attention on a GPU).
-
-    Example:
-        >>> attn = CausalSelfAttention(num_heads=4, head_dim=16, num_key_value_heads=2,
-        ...                            rotary_max_wavelength=10000.0)
-        >>> attn(keras.ops.ones((2, 8, 64))).shape
-        (2, 8, 64)
-    """
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_dim: int,
-        num_key_value_heads: int | None = None,
-        rotary_max_wavelength: float | None = None,
-        use_bias: bool = True,
-        initializer_range: float = 0.02,
-        output_initializer_range: float | None = None,
-        causal: bool = True,
-        fused_qkv: bool = False,
-        attention_chunk_size: int | None = None,
-        **kwargs,
-    ):
-        super().__init__(**kwargs)
-        if attention_chunk_size is not None and (
-                not isinstance(attention_chunk_size, int) or attention_chunk_size < 1):
-            raise ValueError(f"attention_chunk_size must be None (Keras' attention) or a "
-                             f"positive int (keys per chunk); got {attention_chunk_size!r}.")
-        self.fused_qkv = fused_qkv
-        self.attention_chunk_size = attention_chunk_size
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.num_key_value_heads = num_key_value_heads
-        self.rotary_max_wavelength = rotary_max_wavelength
-        self.use_bias = use_bias
-        self.initializer_range = initializer_range
-        self.output_initializer_range = output_initializer_range
-        self.causal = causal
-        kv_heads = num_key_value_heads or num_heads
-        if num_heads % kv_heads:
-            raise ValueError(
-                f"num_heads={num_heads} must be a multiple of num_key_value_heads={kv_heads} "
-                f"(each key/value head serves num_heads / num_key_value_heads query heads)."
-            )
-        self.rotary = (
-            RotaryEmbedding(max_wavelength=rotary_max_wavelength, dtype=self.dtype_policy)
-            if rotary_max_wavelength
-            else None
-        )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_heads
-
-    def build(self, input_shape):
-        hidden_dim = input_shape[-1]
-
-        def projection(name, heads):
-            layer = layers.EinsumDense(
-                "btd,dnh->btnh",
-                output_shape=(None, heads, self.head_dim),
-                bias_axes="nh" if self.use_bias else None,
-                kernel_initializer=_normal(self.initializer_range),
-                dtype=self.dtype_policy,
-                name=name,
-            )
-            layer.build(input_shape)
-            return layer
-
-        if self.fused_qkv:
-            groups = self.num_heads // self.kv_heads
-            self.qkv = layers.EinsumDense(
-                "btd,dkgh->btkgh",
-                output_shape=(None, self.kv_heads, groups + 2, self.head_dim),
-                bias_axes="kgh" if self.use_bias else None,
-                kernel_initializer=_normal(self.initializer_range),
-                dtype=self.dtype_policy,
-                name="qkv",
-            )
-            self.qkv.build(input_shape)
-        else:
-            self.query = projection("query", self.num_heads)
-            self.key = projection("key", self.kv_heads)
-            self.value = projection("value", self.kv_heads)
-        self.attention_output = layers.EinsumDense(
-            "btnh,nhd->btd",
-            output_shape=(None, hidden_dim),
-            bias_axes="d" if self.use_bias else None,
-            kernel_initializer=_normal(self.output_initializer_range or self.initializer_range),
-            dtype=self.dtype_policy,
-            name="attention_output",
-        )
-        self.attention_output.build((None, None, self.num_heads, self.head_dim))
-
-    def project_qkv(self, x):
-        """``x (B, T, D)`` to queries ``(B, T, N, H)``, keys and values ``(B, T, K, H)``."""
-        if not self.fused_qkv:
-            return self.query(x), self.key(x), self.value(x)
-        qkv = self.qkv(x)  # (B, T, K, G + 2, H), G = N / K query heads per key/value head
-        groups = self.num_heads // self.kv_heads
-        batch, length = ops.shape(x)[0], ops.shape(x)[1]
-        # Query head n = k * G + g serves key/value head k, as in grouped-query attention.
-        q = ops.reshape(qkv[:, :, :, :groups], (batch, length, self.num_heads, self.head_dim))
-        return q, qkv[:, :, :, groups], qkv[:, :, :, groups + 1]
-
-    def rotate(self, x, start_index=0, positions=None):
-        """RoPE on ``(B, T, heads, H)`` at positions ``start_index + t`` or ``positions``."""
-        if self.rotary is None:
-            return x
-        return self.rotary(x, start_index=start_index, positions=positions)
-
-    def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
-        """``x (B, T, D) -> (B, T, D)``.
-
-        Args:
-            attention_mask: optional boolean mask broadcastable to ``(B, 1, T, T)``, True where
-                a query may attend a key (documents of a packed sequence; ``(B, 1, 1, T)`` for
-                padding); causality is applied on top when ``causal``.
-            positions: optional ``(B, T)`` positions for RoPE (restarting per document).
-            cache: ``(B, 2, S, K, H)`` keys and values so far; then ``x`` holds the tokens at
-                ``cache_index ...`` and the call also returns the updated cache.
-        """
-        q, k, v = self.project_qkv(x)  # (B, T, N|K, H)
-        if cache is None:
-            q, k = self.rotate(q, positions=positions), self.rotate(k, positions=positions)
-            # Keras infers output shapes with symbolic batch and length; the chunking needs
-            # concrete ones, and the shapes are the same either way.
-            if self.attention_chunk_size and all(isinstance(d, int) for d in k.shape[:2]):
-                out = chunked_attention(q, k, v, mask=attention_mask, is_causal=self.causal,
-                                        chunk_size=self.attention_chunk_size)
-            else:
-                out = ops.dot_product_attention(q, k, v, mask=attention_mask,
-                                                is_causal=self.causal)
-            return self.attention_output(out)  # (B, T, N, H) -> (B, T, D)
-        q, k = self.rotate(q, cache_index), self.rotate(k, cache_index)
-        start = [0, cache_index, 0, 0]
-        k = ops.slice_update(cache[:, 0], start, ops.cast(k, cache.dtype))  # (B, S, K, H)
-        v = ops.slice_update(cache[:, 1], start, ops.cast(v, cache.dtype))
-        # Query t (at absolute position cache_index + t) sees keys 0 .. cache_index + t.
-        query_pos = cache_index + ops.arange(ops.shape(x)[1])  # (T,)
-        key_pos = ops.arange(ops.shape(k)[1])  # (S,)
-        visible = key_pos[None, :] <= query_pos[:, None]  # (T, S)
-        out = ops.dot_product_attention(q, k, v, mask=visible[None, None])  # (B, T, N, H)
-        return self.attention_output(out), ops.stack([k, v], axis=1)
-
-    def get_config(self):
-        return {
-            **super().get_config(),
-            "num_heads": self.num_heads,
-            "head_dim": self.head_dim,
-            "num_key_value_heads": self.num_key_value_heads,
-            "rotary_max_wavelength": self.rotary_max_wavelength,
-            "use_bias": self.use_bias,
-            "initializer_range": self.initializer_range,
-            "output_initializer_range": self.output_initializer_range,
-            "causal": self.causal,
-            "fused_qkv": self.fused_qkv,
-            "attention_chunk_size": self.attention_chunk_size,
-        }
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -250,7 +67,7 @@ class MLP(layers.Layer):
         self.initializer_range = initializer_range
         self.output_initializer_range = output_initializer_range
 
-    def _dense(self, units, stddev, name, input_shape):
+    def _dense(self, units, stddev, name, input_shape, kernel_axes, bias_axes):
         layer = layers.Dense(
             units,
             use_bias=self.use_bias,
@@ -258,20 +75,21 @@ class MLP(layers.Layer):
             dtype=self.dtype_policy,
             name=name,
         )
-        layer.build(input_shape)
+        build_with_axes(layer, input_shape, kernel=kernel_axes, bias=bias_axes)
         return layer
 
     def build(self, input_shape):
-        self.up = self._dense(self.intermediate_dim, self.initializer_range, "up", input_shape)
+        up = (self.intermediate_dim, self.initializer_range)
+        self.up = self._dense(*up, "up", input_shape, ("embed", "mlp"), ("mlp",))
         if self.activation == "swiglu":
-            self.gate = self._dense(
-                self.intermediate_dim, self.initializer_range, "gate", input_shape
-            )
+            self.gate = self._dense(*up, "gate", input_shape, ("embed", "mlp"), ("mlp",))
         self.down = self._dense(
             input_shape[-1],
             self.output_initializer_range or self.initializer_range,
             "down",
             tuple(input_shape[:-1]) + (self.intermediate_dim,),
+            ("mlp", "embed"),
+            ("norm",),
         )
 
     def call(self, x):
@@ -399,8 +217,10 @@ class PreNormBlock(layers.Layer):
         self.mlp_dropout = layers.Dropout(dropout, dtype=dtype)
 
     def build(self, input_shape):
-        for sublayer in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
-            sublayer.build(input_shape)
+        build_with_axes(self.attention_norm, input_shape, **NORM_AXES)
+        self.attention.build(input_shape)
+        build_with_axes(self.mlp_norm, input_shape, **NORM_AXES)
+        self.mlp.build(input_shape)
 
     def call(
         self, x, attention_mask=None, positions=None, cache=None, cache_index=None, training=None
@@ -439,6 +259,87 @@ class PreNormBlock(layers.Layer):
             "output_initializer_range": self.output_initializer_range,
             "remat": self.remat,
             "fused_qkv": self.fused_qkv,
+            "attention_chunk_size": self.attention_chunk_size,
+        }
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class PostNormBlock(layers.Layer):
+    """A post-norm encoder block: ``x = norm(x + attn(x))`` then ``x = norm(x + mlp(x))``.
+
+    Attention is bidirectional (kdist's ``CausalSelfAttention`` with ``causal=False``);
+    ``attention_mask`` ``(B, 1, 1, T)`` hides padded keys. Norms compute in float32 under
+    mixed precision. ``remat=True`` wraps the block in ``keras.remat``;
+    ``attention_chunk_size`` is ``CausalSelfAttention``'s (probabilities not kept).
+
+    Example:
+        >>> block = PostNormBlock(num_heads=4, head_dim=16, intermediate_dim=128)
+        >>> block(keras.ops.ones((2, 8, 64))).shape
+        (2, 8, 64)
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        intermediate_dim: int,
+        dropout: float = 0.0,
+        layer_norm_epsilon: float = 1e-12,
+        initializer_range: float = 0.02,
+        remat: bool = False,
+        attention_chunk_size: int | None = None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.intermediate_dim = intermediate_dim
+        self.dropout = dropout
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.initializer_range = initializer_range
+        self.remat = remat
+        self.attention_chunk_size = attention_chunk_size
+        dtype = self.dtype_policy
+        self.attention = CausalSelfAttention(
+            num_heads, head_dim, causal=False, initializer_range=initializer_range,
+            attention_chunk_size=attention_chunk_size, dtype=dtype, name="attention",
+        )
+        self.attention_norm = layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=dtype, name="attention_norm")
+        self.mlp = MLP(intermediate_dim, activation="gelu", initializer_range=initializer_range,
+                       dtype=dtype, name="mlp")
+        self.mlp_norm = layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=dtype, name="mlp_norm")
+        self.attention_dropout = layers.Dropout(dropout, dtype=dtype)
+        self.mlp_dropout = layers.Dropout(dropout, dtype=dtype)
+
+    def build(self, input_shape):
+        self.attention.build(input_shape)
+        build_with_axes(self.attention_norm, input_shape, **NORM_AXES)
+        self.mlp.build(input_shape)
+        build_with_axes(self.mlp_norm, input_shape, **NORM_AXES)
+
+    def call(self, x, attention_mask=None, training=None):
+        """``(B, T, D) -> (B, T, D)``."""
+
+        def forward(x):
+            h = self.attention(x, attention_mask=attention_mask)  # (B, T, D)
+            x = self.attention_norm(x + self.attention_dropout(h, training=training))
+            x = self.mlp_norm(x + self.mlp_dropout(self.mlp(x), training=training))
+            return shard_batch(x)  # B split over data x fsdp
+
+        return keras.remat(forward)(x) if self.remat else forward(x)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "head_dim": self.head_dim,
+            "intermediate_dim": self.intermediate_dim,
+            "dropout": self.dropout,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "initializer_range": self.initializer_range,
+            "remat": self.remat,
             "attention_chunk_size": self.attention_chunk_size,
         }
 

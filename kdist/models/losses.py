@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kdist.reduction import to_varying, varying_axes
+from kdist.parallel.constraints import to_varying, varying_axes
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -79,7 +79,7 @@ def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model
 
     init = (jnp.zeros((), jnp.float32),
             jnp.zeros((v, d), jnp.float32) if with_grads else jnp.zeros((), jnp.float32))
-    # Inside shard_map (this one's or kdist.reduction's) the carries vary per device like
+    # Inside shard_map (this one's or kdist.parallel.reduction's) the carries vary per device like
     # the chunks they sum (vma types): the loss like the rows, the table's gradient like
     # the rows and the table.
     rows = varying_axes(hidden) | varying_axes(labels)
@@ -142,14 +142,13 @@ _fused_cross_entropy.defvjp(_fwd, _bwd)
 def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int):
     """(jax mesh, replica axes, model axis, fsdp axis) of the active kdist distribution, or
     None when there is none (one device)."""
-    import keras
+    from kdist.parallel.constraints import in_manual_region
+    from kdist.parallel.layout import active
+    from kdist.parallel.mesh import REPLICA_AXES
 
-    from kdist.distribution import REPLICA_AXES, KdistDistribution
-    from kdist.reduction import in_manual_region
-
-    dist = keras.distribution.distribution()
-    if not isinstance(dist, KdistDistribution) or in_manual_region():
-        return None  # one device, or already per device (kdist.reduction)
+    dist = active()
+    if dist is None or in_manual_region():
+        return None  # one device, or already per device (kdist.parallel.reduction)
     shape = dist.mesh_shape
     replicas = tuple(a for a in REPLICA_AXES if shape[a] > 1)
     model = "model" if shape["model"] > 1 else None
@@ -163,6 +162,54 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int):
             f"Change the batch or the mesh, or build the model with loss_chunk_size=None."
         )
     return dist.device_mesh.backend_mesh, replicas, model, fsdp
+
+
+# "auto" (GPTCausalLM's default loss_chunk_size): the fused loss where it was measured faster
+# (benchmarks/README.md, 1 device, float32, CPU): gpt-nano's shape, batch 8 x 256 x 8192
+# float32 logits = 64 MiB, chunks of 64 positions (16 MiB): 2,785 tokens/s against 2,630 with
+# logits, 1.20x keras-hub against 0.96x (peers.py); gpt2-small's 50256 vocabulary, 8 x 128
+# (196 MiB), chunks of 32 (49 MiB): 1.12x [1.03, 1.25] (optimisations.py). On an H200 it
+# changed nothing (0.98-1.005x, gpu.py): there, and below 64 MiB of logits (unmeasured),
+# "auto" keeps today's logits and Keras' loss.
+AUTO_MIN_LOGITS_BYTES = 64 * 2**20
+AUTO_MAX_CHUNK_BYTES = 64 * 2**20
+AUTO_MIN_CHUNKS = 4
+
+
+def auto_chunk_size(batch, length, vocabulary_size: int, table_rows: int | None = None,
+                    hidden_dim: int | None = None, platform: str | None = None) -> int | None:
+    """The fused loss's chunk size that ``loss_chunk_size="auto"`` picks, or None (logits).
+
+    The fused loss when the step's float32 logits ``batch x length x vocabulary_size x 4``
+    bytes are at least :data:`AUTO_MIN_LOGITS_BYTES` on a CPU; chunks of the largest
+    divisor of ``length`` giving at least :data:`AUTO_MIN_CHUNKS` chunks of at most
+    :data:`AUTO_MAX_CHUNK_BYTES` logits (both measured configurations: 4 chunks of 16 and
+    49 MiB). None on GPU/TPU (no gain measured), for smaller logits, for shapes not known
+    when tracing, and where the fused loss cannot run sharded on the active mesh (see
+    :func:`chunked_cross_entropy`). ``batch`` is the batch being traced (inside
+    :mod:`kdist.parallel.reduction`'s per-device region: one device's rows).
+
+    Example:
+        >>> auto_chunk_size(8, 256, 8192, platform="cpu"), auto_chunk_size(2, 16, 256)
+        (64, None)
+    """
+    if not all(isinstance(n, int) and n > 0 for n in (batch, length, vocabulary_size)):
+        return None
+    platform = platform or jax.default_backend()
+    from kdist.parallel.constraints import in_manual_region
+    from kdist.parallel.layout import replica_count
+
+    rows = batch * (replica_count() if in_manual_region() else 1)  # the whole step's
+    per_position = 4 * rows * vocabulary_size
+    if platform != "cpu" or per_position * length < AUTO_MIN_LOGITS_BYTES:
+        return None
+    try:
+        if hidden_dim is not None:
+            _mesh_axes(batch, table_rows or vocabulary_size, hidden_dim)
+    except ValueError:
+        return None  # the batch or the table does not fit the mesh: logits
+    limit = max(1, min(length // AUTO_MIN_CHUNKS, AUTO_MAX_CHUNK_BYTES // per_position))
+    return _largest_divisor_at_most(length, limit)
 
 
 def chunked_cross_entropy(hidden, table, labels, chunk_size: int = 128,

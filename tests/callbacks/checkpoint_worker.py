@@ -3,6 +3,10 @@
     python checkpoint_worker.py DIR hang-in-save   # saves every 2 steps; hangs inside step 4's save
     python checkpoint_worker.py DIR train          # 8 steps, resuming from DIR
     python checkpoint_worker.py DIR until-signal   # endless; DIR/../running appears at step 3
+    python checkpoint_worker.py DIR until-signal-validation  # the same, with validation data
+    python checkpoint_worker.py DIR faults         # 40 steps, a save every step, all kept;
+                                                   # prints "batch k" and "loss k <repr>"
+    python checkpoint_worker.py DIR unwritable     # the directory turns into a file at step 2
 """
 
 import sys
@@ -33,6 +37,39 @@ class SayRunning(keras.callbacks.Callback):
             print("running", flush=True)
 
 
+class Report(keras.callbacks.Callback):
+    """Prints every step's number and logged loss (before the checkpoint callback runs)."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.step = base
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        print(f"batch {self.step}\nloss {self.step} {logs['loss']!r}", flush=True)
+
+
+class SayEvaluating(keras.callbacks.Callback):
+    def on_test_batch_begin(self, batch, logs=None):
+        print("evaluating", flush=True)
+
+
+class BreakDirectory(keras.callbacks.Callback):
+    """Replaces the checkpoint directory by a file after step 1: the next save must fail."""
+
+    def __init__(self, directory):
+        super().__init__()
+        self.directory = directory
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            import shutil
+
+            shutil.rmtree(self.directory)
+            self.directory.write_text("not a directory")
+            print("broken", flush=True)
+
+
 def main(directory, mode):
     directory = Path(directory)
     model = tiny_gpt(None)
@@ -48,11 +85,29 @@ def main(directory, mode):
             write(self)
 
         Checkpoint._write_metadata = hang_at_step_4
-    endless = mode == "until-signal"
+    if mode == "faults":
+        ckpt = Checkpoint(directory, save_every_steps=1, keep=1000, data=data)
+        start = ckpt.restore(model)
+        print(f"resumed {start}", flush=True)
+        model.fit(data, epochs=1, steps_per_epoch=40, verbose=0,
+                  callbacks=[Report(start), ckpt])
+        print(f"DONE restored={ckpt.restored_step} step={ckpt.step}", flush=True)
+        return
+    if mode == "unwritable":
+        ckpt = Checkpoint(directory, save_every_steps=2, data=data)
+        model.fit(data, epochs=1, steps_per_epoch=8, verbose=0,
+                  callbacks=[BreakDirectory(directory), ckpt])
+        return
+    endless = mode.startswith("until-signal")
     ckpt = Checkpoint(directory, save_every_steps=None if endless else 2, data=data)
     callbacks = [SayRunning(3)] if endless else []
+    validation = None
+    if mode == "until-signal-validation":
+        validation = LMBatches(np.arange(4000) % 256, sequence_length=16, global_batch_size=8,
+                               seed=4)
+        callbacks.append(SayEvaluating())
     model.fit(data, epochs=1, steps_per_epoch=100_000 if endless else 8, verbose=0,
-              callbacks=callbacks + [ckpt])
+              validation_data=validation, validation_steps=2, callbacks=callbacks + [ckpt])
     print(f"DONE restored={ckpt.restored_step} step={ckpt.step}", flush=True)
 
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -15,7 +16,7 @@ import pytest
 
 import kdist
 from kdist.callbacks import Checkpoint, CheckpointError
-from kdist.callbacks.checkpoint import committed_steps, read_metadata, verify_step
+from kdist.checkpointing import committed_steps, read_metadata, verify_step
 from kdist.data.lm import LMBatches
 from tests.helpers import TINY_GPT, ProcessOutput, parity_optimizer, tiny_gpt, weights
 
@@ -141,24 +142,67 @@ def test_shape_mismatch_names_the_variable_and_both_shapes(fsdp_run):
         Checkpoint(directory, data="restart").restore(deeper)
 
 
+def damage(step_dir, how):
+    """Truncates, or flips bytes in place of (same size), the step's biggest array file."""
+    biggest = max((f for f in step_dir.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data = biggest.read_bytes()
+    if how == "truncate":
+        biggest.write_bytes(data[:len(data) // 2])
+    else:
+        middle = len(data) // 2
+        biggest.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 8])
+                            + data[middle + 8:])
+    return biggest
+
+
 def test_damaged_newest_falls_back_or_names_the_file(tmp_path):
     run(tmp_path, epochs=2, save_every_steps=4)  # steps 4 and 8
-    step8 = tmp_path / "8"
-    biggest = max((f for f in step8.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
-    with open(biggest, "r+b") as f:
-        f.truncate(biggest.stat().st_size // 2)
-    assert str(biggest) in verify_step(step8)[0]
-    model = fresh(None)
-    with pytest.warns(UserWarning, match=f"step 8 is damaged.*{biggest.name}"):
-        assert Checkpoint(tmp_path, data="restart", verbose=False).restore(model) == 4
+    biggest = damage(tmp_path / "8", "truncate")
+    assert str(biggest) in verify_step(tmp_path / "8")[0]
     with pytest.raises(CheckpointError, match=f"{biggest}.*truncated"):
         Checkpoint(tmp_path, data="restart").restore(fresh(None), step=8)
-    # A step directory without the commit marker does not count and is cleaned up.
+    # A step directory without the commit marker does not count and is cleaned up; with no
+    # intact step left, nothing is moved aside.
+    marker = (tmp_path / "4" / "kdist.json").read_bytes()
     (tmp_path / "4" / "kdist.json").unlink()
     assert committed_steps(tmp_path) == [8]
-    with pytest.warns(UserWarning):
-        with pytest.raises(CheckpointError, match="No intact checkpoint.*step 8"):
-            Checkpoint(tmp_path, data="restart").restore(fresh(None))
+    with pytest.raises(CheckpointError, match="No intact checkpoint.*step 8"):
+        Checkpoint(tmp_path, data="restart").restore(fresh(None))
+    assert committed_steps(tmp_path) == [8]
+    (tmp_path / "4" / "kdist.json").write_bytes(marker)
+    model = fresh(None)
+    with pytest.warns(UserWarning, match=f"step 8 is damaged; moved it aside to .*8.damaged-"
+                                         f".*resumed from step 4.*{biggest.name}"):
+        assert Checkpoint(tmp_path, data="restart", verbose=False).restore(model) == 4
+    aside = [p.name for p in tmp_path.iterdir() if ".damaged-" in p.name]
+    assert len(aside) == 1 and aside[0].startswith("8.damaged-")
+    assert committed_steps(tmp_path) == [4]
+
+
+def test_after_a_fallback_training_saves_the_damaged_steps_number_again(tmp_path):
+    # issue 19: the rerun fell back to step 4, trained, then failed to save step 8
+    # (StepAlreadyExistsError) in a loop.
+    _, full, _, _ = run(tmp_path / "full", epochs=2, save_every_steps=4)
+    run(tmp_path / "run", epochs=2, save_every_steps=4)
+    damage(tmp_path / "run" / "8", "truncate")
+    with pytest.warns(UserWarning, match="step 8 is damaged; moved it aside"):
+        _, second, ckpt, _ = run(tmp_path / "run", epochs=2, save_every_steps=4)
+    assert ckpt.restored_step == 4 and ckpt.committed_step == 8
+    assert committed_steps(tmp_path / "run") == [4, 8]
+    assert verify_step(tmp_path / "run" / "8") == []
+    assert second.losses == full.losses[4:]
+
+
+def test_flipped_bytes_are_caught_by_the_checksums(tmp_path):
+    run(tmp_path, epochs=2, save_every_steps=4)  # steps 4 and 8
+    assert set(read_metadata(tmp_path / "8")["checksums"]) == set(
+        read_metadata(tmp_path / "8")["files"])
+    flipped = damage(tmp_path / "8", "flip")
+    problems = verify_step(tmp_path / "8")
+    assert len(problems) == 1 and str(flipped) in problems[0] and "checksum" in problems[0]
+    assert verify_step(tmp_path / "8", checksums=False) == []  # same size: sizes alone pass
+    with pytest.warns(UserWarning, match=f"step 8 is damaged.*{flipped.name}.*checksum"):
+        assert Checkpoint(tmp_path, data="restart", verbose=False).restore(fresh(None)) == 4
 
 
 def test_disk_full_fails_loudly_and_keeps_the_previous_step(tmp_path, monkeypatch):
@@ -272,3 +316,75 @@ def test_sigterm_saves_the_current_step_and_exits(tmp_path):
     assert f"SIGTERM received; step {steps[0]} is committed" in out
     assert verify_step(directory / str(steps[0])) == []
     assert read_metadata(directory / str(steps[0]))["data_step"] == steps[0]
+
+
+def test_unwritable_directory_fails_before_the_first_step(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    directory = tmp_path / "file" / "ckpt"
+    model = fresh(None)
+    data = LMBatches(TOKENS, sequence_length=16, global_batch_size=8, seed=3)
+    record = Record()
+    with pytest.raises(CheckpointError, match=f"{directory} is not writable.*Fix its "):
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0, callbacks=[
+            record, Checkpoint(directory, data=data, save_every_steps=2, verbose=False)])
+    assert record.losses == []  # nothing trained
+    with pytest.raises(CheckpointError, match="is not writable"):
+        Checkpoint(directory, data="restart").restore(fresh(None))
+
+
+@pytest.mark.slow
+def test_a_failed_save_exits_promptly(tmp_path):
+    # issue 19: orbax waited 5 minutes for a step directory it could not create.
+    directory = tmp_path / "ckpt"
+    worker = start_worker(directory, "unwritable")
+    started = time.monotonic()
+    out = worker.communicate(timeout=240)[0]
+    assert "broken" in out and worker.returncode not in (0, None), out
+    assert f"Saving a checkpoint to {directory} failed" in out and "is not writable" in out
+    assert time.monotonic() - started < 120, out
+
+
+@pytest.mark.slow
+def test_sigterm_skips_the_epoch_end_validation(tmp_path):
+    directory = tmp_path / "ckpt"
+    worker = ProcessOutput(start_worker(directory, "until-signal-validation"))
+    worker.wait_for(said("running"), timeout=300)
+    sent = time.monotonic()
+    worker.proc.send_signal(signal.SIGTERM)
+    worker.wait_for(lambda lines: any(" committed to " in x for x in lines), timeout=120)
+    committed = time.monotonic() - sent
+    status, out = worker.finish(timeout=120)
+    exited = time.monotonic() - sent
+    assert status == 128 + signal.SIGTERM, out
+    assert "evaluating" not in out and "DONE" not in out, out
+    steps = committed_steps(directory)
+    assert len(steps) == 1 and f"SIGTERM received; step {steps[0]} is committed" in out
+    print(f"\nSIGTERM -> step committed {committed:.2f} s, -> process exited {exited:.2f} s")
+
+
+def test_a_run_saved_with_data_restart_resumes(tmp_path):
+    # data="restart" saves no data position (data_step None); restoring it used to fail.
+    model = fresh(None)
+    data = LMBatches(TOKENS, sequence_length=16, global_batch_size=8, seed=3)
+    model.fit(data, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[Checkpoint(
+        tmp_path, data="restart", save_every_steps=2, verbose=False, handle_signals=False)])
+    assert read_metadata(tmp_path / "2")["data_step"] is None
+    assert Checkpoint(tmp_path, data="restart", verbose=False).restore(fresh(None)) == 2
+
+
+def test_commit_is_announced_only_once_the_step_is_in_place(tmp_path, monkeypatch):
+    # issue 19: "step N committed" was printed before orbax renamed the step into place.
+    from kdist.checkpointing import callback
+
+    seen = []
+
+    def on_checkpoint(step, step_dir):
+        seen.append((step, step_dir.is_dir(), verify_step(step_dir) == [],
+                     not list(tmp_path.glob(f"{step}.orbax-checkpoint-tmp*"))))
+
+    synced = []
+    real_fsync = callback.fsync_tree
+    monkeypatch.setattr(callback, "fsync_tree", lambda p: (real_fsync(p), synced.append(p.name)))
+    run(tmp_path, epochs=1, save_every_steps=2, on_checkpoint=on_checkpoint)
+    assert seen == [(2, True, True, True), (4, True, True, True)]
+    assert synced == ["2", "4"]

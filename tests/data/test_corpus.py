@@ -42,3 +42,15 @@ def test_local_directory_and_single_file(tmp_path):
 def test_missing_source_is_explained():
     with pytest.raises(ValueError, match="neither 'python-stdlib' nor an existing file"):
         load_corpus("/no/such/corpus")
+
+
+def test_local_files_are_decoded_with_the_given_encoding(tmp_path):
+    single = tmp_path / "livre.txt"
+    single.write_bytes("".join(f"ligne {i}: là, où\n" for i in range(1000)).encode("latin-1"))
+    with pytest.raises(ValueError, match="livre.txt: 2,000 of .* --encoding latin-1"):
+        load_corpus(str(single))
+    corpus = load_corpus(str(single), encoding="latin-1")
+    assert "ligne 0: là, où\n" in corpus.train[0] + corpus.validation[0]
+    assert corpus.fingerprint != load_corpus(str(single), encoding="cp1252").fingerprint
+    with pytest.raises(ValueError, match="Unknown text encoding 'nope'"):
+        load_corpus(str(single), encoding="nope")

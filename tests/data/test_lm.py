@@ -88,3 +88,44 @@ def test_segment_ids_count_documents_ended_before_each_position():
     assert inputs["token_ids"].tolist() == [[1, 2, eot, 3, eot, eot, 4, 5]]
     assert inputs["segment_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 3, 3]]
     assert targets.tolist() == [[2, eot, 3, eot, eot, 4, 5, 6]]
+
+
+def test_validation_is_the_whole_split_by_default(data):
+    full = (data.validation_tokens - 1) // 64 // 8
+    assert data.validation.num_batches == full
+    assert data.validation_coverage.startswith(f"the whole validation split: {full} batches")
+
+
+def test_a_validation_sample_is_strided_over_the_whole_split(data):
+    sampled = lm_dataset(sequence_length=64, global_batch_size=8, vocabulary_size=1024,
+                         validation_steps=2)
+    n = sampled.validation.num_windows
+    windows = np.concatenate([sampled.validation.windows(s) for s in range(2)])
+    assert windows.tolist() == [i * n // 16 for i in range(16)]  # not the first 16 windows
+    assert windows[-1] > 0.9 * n
+    assert "2 of the validation split's" in sampled.validation_coverage
+    assert "evenly strided over the whole split" in sampled.validation_coverage
+    with pytest.raises(ValueError, match="validation_steps must be a positive integer or None"):
+        lm_dataset(sequence_length=64, global_batch_size=8, vocabulary_size=1024,
+                   validation_steps=0)
+
+
+def test_strided_windows_are_shared_between_processes():
+    tokens = np.arange(1001)  # 100 windows of 10
+    whole = LMBatches(tokens, 10, 4, shuffle=False, num_steps=2, spread=True)
+    assert [whole.windows(s).tolist() for s in (0, 1)] == [[0, 12, 25, 37], [50, 62, 75, 87]]
+    share = LMBatches(tokens, 10, 4, shuffle=False, num_steps=2, spread=True,
+                      process_index=1, process_count=2)
+    assert share.windows(1).tolist() == [75, 87]
+    np.testing.assert_array_equal(whole[0][0][0], tokens[:10])
+    np.testing.assert_array_equal(whole[0][0][1], tokens[120:130])
+    assert LMBatches(tokens, 10, 4, shuffle=False, num_steps=30,
+                     spread=True).windows(0).tolist() == [0, 1, 2, 3]  # covers all: in order
+
+
+def test_batches_of_given_tokens_can_be_checked_against_the_vocabulary():
+    tokens = np.arange(1000) % 300
+    LMBatches(tokens, 16, 4, vocabulary_size=300)
+    with pytest.raises(ValueError, match=r"LMBatches' tokens has token ids in \[0, 299\] \(first "
+                                         r"bad id: 256 at position 256\).*\[0, 256\)"):
+        LMBatches(tokens, 16, 4, vocabulary_size=256)

@@ -191,3 +191,14 @@ def test_vocabulary_ids_do_not_depend_on_the_trainers_numbering(tmp_path, monkey
         wordpiece_module.train_word_piece(["a b"], 1024, path)
     assert files[0].read_text() == files[1].read_text()
     assert files[0].read_text().splitlines()[:5] == [PAD, "[UNK]", CLS, SEP, MASK]
+
+
+def test_a_validation_sample_is_strided_over_all_rows():
+    packed = synthetic_packed(rows=512)
+    sample = batches(packed, shuffle=False, num_steps=2, spread=True)  # 128 of 512 rows
+    rows = np.concatenate([sample.sampler.rows(s) for s in range(2)])
+    assert rows.tolist() == list(range(0, 512, 4))
+    first = batches(packed, shuffle=False, num_steps=2)
+    assert first.sampler.rows(1).tolist() == list(range(64, 128))
+    whole = batches(packed, shuffle=False, num_steps=8, spread=True)  # all rows: in order
+    assert whole.sampler.rows(7).tolist() == list(range(448, 512))

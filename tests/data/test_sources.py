@@ -125,3 +125,47 @@ def test_local_directory_is_streamed_by_file(tmp_path):
     before = source.fingerprint
     (tmp_path / "f00.txt").write_text("changed, longer text\n")
     assert text_source(str(tmp_path)).fingerprint != before  # a new token store
+
+
+def latin1_directory(tmp_path):
+    """60 UTF-8 files and one in latin-1 (accents every few bytes: ~2% not valid UTF-8)."""
+    for i in range(60):
+        (tmp_path / f"f{i:02d}.txt").write_text(f"text of file {i}\n")
+    (tmp_path / "old.txt").write_bytes("déjà vu, café à côté\n".encode("latin-1") * 50)
+    return tmp_path
+
+
+def test_a_file_in_another_encoding_is_refused_naming_it_and_encoding(tmp_path):
+    source = text_source(str(latin1_directory(tmp_path)))
+    split = ("validation" if any(p.name == "old.txt" for p in source._split["validation"])
+             else "train")
+    with pytest.raises(ValueError, match=r"old.txt: 300 of 1,050 bytes \(28.57%\) are not valid "
+                                         r"utf-8.*--encoding latin-1"):
+        list(source.documents(split))
+    latin = text_source(str(tmp_path), encoding="latin-1")
+    assert "déjà vu, café à côté\n" * 50 in list(latin.documents(split))
+    assert latin.fingerprint != source.fingerprint  # another decoding: another token store
+
+
+def test_a_few_bad_bytes_are_counted_and_reported(tmp_path):
+    for i in range(60):
+        (tmp_path / f"f{i:02d}.txt").write_text(f"text of file {i}\n" * 100)
+    (tmp_path / "f07.txt").write_bytes(b"caf\xe9 " + b"plain text\n" * 200)
+    source = text_source(str(tmp_path))
+    with pytest.warns(UnicodeWarning, match=r"f07.txt: 1 byte of 2,205 is not valid utf-8"):
+        documents = [*source.documents("train"), *source.documents("validation")]
+    assert "caf\ufffd " + "plain text\n" * 200 in documents
+
+
+def test_lm_dataset_reads_a_latin1_file_with_its_encoding(tmp_path):
+    single = tmp_path / "book.txt"
+    single.write_bytes("".join(f"ligne {i}: déjà, café\n" for i in range(3000)).encode("latin-1"))
+    with pytest.raises(ValueError, match="book.txt: 9,000 of .* --encoding latin-1"):
+        lm_dataset(str(single), sequence_length=16, global_batch_size=8, vocabulary_size=512,
+                   cache_dir=tmp_path / "cache", verbose=False)
+    data = lm_dataset(str(single), sequence_length=16, global_batch_size=8, vocabulary_size=512,
+                      cache_dir=tmp_path / "cache", verbose=False, encoding="latin-1")
+    text = data.tokenizer.detokenize(data.validation.tokens[:200])
+    assert "déjà, café" in text and "\ufffd" not in text
+    with pytest.raises(ValueError, match="Unknown text encoding 'klingon'"):
+        text_source(str(single), encoding="klingon")

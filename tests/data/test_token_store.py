@@ -1,5 +1,6 @@
 """The on-disk token store: streamed, atomic, built once between concurrent builders."""
 
+import json
 import threading
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
 from kdist.data import LMBatches, token_store
-from kdist.data.lm import _ENCODE_CHUNK
+from kdist.data.token_store import _ENCODE_CHUNK, store_id_range
 
 
 class CharTokenizer:
@@ -59,7 +60,8 @@ def test_documents_are_streamed_chunk_by_chunk(tmp_path):
     assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
     np.testing.assert_array_equal(tokens, expected_stream(documents))
     np.testing.assert_array_equal(np.load(path), tokens)  # an ordinary .npy file
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.npy", "tokens.npy.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "tokens.npy", "tokens.npy.lock", "tokens.npy.meta.json"]
 
 
 def test_a_crash_leaves_no_store_and_the_next_build_cleans_up(tmp_path):
@@ -105,3 +107,46 @@ def test_prefetching_threads_serve_the_same_batches_in_order():
         x, y = next(served)
         np.testing.assert_array_equal(x, inline[step][0])
         np.testing.assert_array_equal(y, inline[step][1])
+
+
+class OffsetTokenizer(CharTokenizer):
+    """Emits ``ord(c)``, plus ``offset`` for x, y and z: ids outside its vocabulary."""
+
+    def __init__(self, offset, size=256):
+        super().__init__()
+        self.offset, self.size = offset, size
+
+    def vocabulary_size(self):
+        return self.size
+
+    def tokenize(self, documents):
+        return [[ord(c) + self.offset * (c in "xyz") for c in d] for d in documents]
+
+
+@pytest.mark.parametrize("offset, found, first", [
+    (200, r"\[0, 322\]", 320), (65_536, r"\[0, 65658\]", 65_656), (-200, r"\[-80, 97\]", -80)])
+def test_ids_outside_the_vocabulary_stop_the_build(tmp_path, offset, found, first):
+    # 65,536 + c would wrap to c in the uint16 store: the check runs before the cast.
+    path = tmp_path / "tokens.npy"
+    documents = ["a" * 100] * 70 + ["xyz"]  # the bad id is in the second chunk of 64
+    with pytest.raises(ValueError, match=f"The token store tokens.npy has token ids in "
+                                         f"{found}.*outside the valid range \\[0, 256\\)"
+                                         f".*produced id {first} at token 7,070 "
+                                         f"of the stream \\(documents 64-70\\)"):
+        token_store(lambda: iter(documents), OffsetTokenizer(offset), path, verbose=False)
+    assert not path.exists() and not list(tmp_path.glob("tokens.npy.tmp*"))
+
+
+def test_the_store_records_its_id_range_and_is_checked_when_opened(tmp_path):
+    path = tmp_path / "tokens.npy"
+    token_store(lambda: iter(["abc", "z"]), CharTokenizer(), path, verbose=False)
+    meta = json.loads((tmp_path / "tokens.npy.meta.json").read_text())
+    assert (meta["min_id"], meta["max_id"]) == (0, ord("z"))  # 0: end-of-text
+    # The same store opened with a smaller vocabulary (another tokenizer's cache, say).
+    with pytest.raises(ValueError, match=f"train store has token ids in \\[0, {ord('z')}\\]"
+                                         f".*\\[0, 100\\).*delete {path}"):
+        token_store(lambda: iter([]), OffsetTokenizer(0, size=100), path, what="train store")
+    # A store written before the metadata existed: one pass, then cached.
+    (tmp_path / "tokens.npy.meta.json").unlink()
+    assert store_id_range(path) == (0, ord("z"))
+    assert json.loads((tmp_path / "tokens.npy.meta.json").read_text())["max_id"] == ord("z")

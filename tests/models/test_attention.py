@@ -113,7 +113,7 @@ def test_gpt_with_chunked_attention_trains_like_the_default(config):
     chunked = _chunked_copy(plain, 8)
     assert chunked.backbone.blocks[0].attention.get_config()["attention_chunk_size"] == 8
     x, _ = token_batches(1)[0]
-    with mock.patch("kdist.models.layers.chunked_attention", wraps=chunked_attention) as spy:
+    with mock.patch("kdist.models.attention.chunked_attention", wraps=chunked_attention) as spy:
         np.testing.assert_allclose(chunked.predict_on_batch(x), plain.predict_on_batch(x),
                                    rtol=2e-6, atol=2e-6)
     assert spy.call_count == config["num_layers"]  # traced once per block, not Keras'

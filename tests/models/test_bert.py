@@ -7,9 +7,10 @@ import pytest
 
 import kdist
 from kdist.models import BERT_PRESETS, BertBackbone, BertClassifier, BertMaskedLM
+from kdist.parallel.rules import declared_axes
 from tests.bert_helpers import TINY_BERT, mlm_batches, tiny_bert_mlm, train_mlm
 from tests.helpers import weights
-from tests.test_parity import expected_spec, padded_spec
+from tests.test_parity import expected_axes, expected_spec, padded_spec
 
 MESHES = ["data=8", "fsdp=8", "data=4,model=2", "data=2,fsdp=2,model=2"]
 BATCHES = mlm_batches(steps=3)
@@ -33,6 +34,7 @@ def test_float32_parity_and_layouts(mesh, reference):
     assert reference[0] - reference[2] > 0.05  # the steps did change the loss
     sizes = keras.distribution.distribution().mesh_shape
     for w in model.weights:
+        assert declared_axes(w) == expected_axes(w.path), w.path
         assert padded_spec(w) == expected_spec(w.path, w.shape, sizes), w.path
 
 

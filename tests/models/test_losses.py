@@ -9,6 +9,7 @@ import pytest
 
 import kdist
 from kdist.models import GPTBackbone, GPTCausalLM
+from kdist.models.embeddings import TOKEN_AXES
 from kdist.models.losses import chunked_cross_entropy
 from tests.helpers import TINY_GPT, token_batches, train
 
@@ -64,7 +65,8 @@ def test_sharded_matches_one_device(mesh):
     np.testing.assert_allclose(fh, gh, rtol=2e-6, atol=2e-6 * np.abs(gh).max())
     np.testing.assert_allclose(fw, gw, rtol=2e-6, atol=2e-6 * np.abs(gw).max())
     # The table's gradient comes out in the table's layout: vocab over model, embed over fsdp.
-    spec = kdist.distribution(mesh).layout_for("token_embedding/embeddings", (V, D)).axes
+    spec = kdist.distribution(mesh).layout_for("token_embedding/embeddings", (V, D),
+                                                  TOKEN_AXES).axes
     assert tuple(fw.sharding.spec) + (None,) * (2 - len(fw.sharding.spec)) == spec
 
 
@@ -107,7 +109,7 @@ def test_metrics_fall_back_to_logits_and_bad_values_are_refused():
     logs = lm.train_on_batch(x, y, return_dict=True)
     assert 0 <= logs["accuracy"] <= 1  # accuracy needs the logits: the plain path ran
     with pytest.raises(ValueError, match="loss_chunk_size"):
-        GPTCausalLM(GPTBackbone(**TINY_GPT), loss_chunk_size=0)
+        GPTCausalLM(GPTBackbone(**TINY_GPT), loss_chunk_size=-1)
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_cross_entropy(*_inputs(), chunk_size=0)
 

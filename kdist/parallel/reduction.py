@@ -22,38 +22,24 @@ the same number of rows, which kdist's data layout guarantees.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kdist import _keras_compat
+from kdist.parallel.constraints import manual_region, varying_axes
+from kdist.parallel.layout import active
+from kdist.parallel.mesh import REPLICA_AXES
+
 REDUCTIONS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def manual_region():
-    """Marks the tracing of a per-device computation: kdist's sharding constraints
-    (``shard_batch``, ``gathered``) and the fused loss's own ``shard_map`` step aside."""
-    previous = getattr(_state, "manual", False)
-    _state.manual = True
-    try:
-        yield
-    finally:
-        _state.manual = previous
-
-
-def in_manual_region() -> bool:
-    return getattr(_state, "manual", False)
 
 
 def check(dist, model) -> None:
     """Refuses a model that explicit reduction does not cover (dropout), saying why. The
     mesh (no ``model`` axis) is checked when the distribution is built."""
-    rates = {layer.name: layer.rate for layer in model._flatten_layers()
+    rates = {layer.name: layer.rate for layer in _keras_compat.all_layers(model)
              if isinstance(getattr(layer, "rate", None), float) and layer.rate > 0}
     if rates:
         raise ValueError(
@@ -61,19 +47,6 @@ def check(dist, model) -> None:
             f"manual region where every device would draw the same dropout mask; this model "
             f"has dropout (layers {', '.join(sorted(rates)[:3])}). Train with dropout=0 or "
             f"gradient_reduction=None.")
-
-
-def refuse(model) -> None:
-    """For models without kdist's reduction (BERT): an error instead of silently leaving
-    the reductions to XLA when the distribution asks for it."""
-    import keras
-
-    reduction = getattr(keras.distribution.distribution(), "gradient_reduction", None)
-    if reduction:
-        raise ValueError(
-            f"gradient_reduction={reduction!r} is implemented for kdist's GPT models; "
-            f"{type(model).__name__} trains with XLA's reductions. Build the distribution "
-            f"with gradient_reduction=None.")
 
 
 def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sample_weight,
@@ -84,12 +57,10 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
     device's rows and the gathered weights. Returns what it returns, with the loss averaged
     over devices; the gradient of that loss arrives reduced and sharded like the weights.
     """
-    import keras
-
-    dist = keras.distribution.distribution()
+    dist = active()
     reduce_dtype = REDUCTIONS[dist.gradient_reduction]
     sizes = dist.mesh_shape
-    batch_axes = tuple(a for a in ("data", "fsdp") if sizes[a] > 1)
+    batch_axes = tuple(a for a in REPLICA_AXES if sizes[a] > 1)
     specs = [P(*dist.get_variable_layout(v).axes) for v in model.trainable_variables]
     fsdp_dims = [next((i for i, a in enumerate(s) if a == "fsdp"), None) for s in specs]
     rows = P(batch_axes or None)
@@ -123,19 +94,6 @@ def _use(weight, fsdp_dim, batch_axes, reduce_dtype):
         weight = jax.lax.all_gather(weight, "fsdp", axis=fsdp_dim, tiled=True)
     invariant = tuple(a for a in batch_axes if a not in varying_axes(weight))
     return jax.lax.pcast(weight, invariant, to="varying") if invariant else weight
-
-
-def varying_axes(x) -> frozenset:
-    """The manual axes over which ``x`` may differ between devices (JAX's type of it)."""
-    aval = jax.typeof(x)
-    return aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying  # jax >= 0.9
-
-
-def to_varying(x, axes):
-    """``x`` typed as varying over ``axes`` too (a scan's initial carry must have the type
-    of the carry it returns; outside ``shard_map`` there are no axes and nothing changes)."""
-    missing = tuple(sorted(set(axes) - varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _use_fwd(weight, fsdp_dim, batch_axes, reduce_dtype):

@@ -11,7 +11,7 @@ user's own model: :func:`infer_axes` gives each weight its mesh axes from its pa
   (keras-hub's, Hugging Face's and kdist's names).
 * **FSDP by shape**: every weight above ``replicate_below`` elements has its largest
   dimension that divides by ``fsdp`` (and is not already on ``model``) sharded over
-  ``fsdp``.
+  ``fsdp`` — for token embeddings, the embedding dimension (kdist's own ``embed -> fsdp``).
 * A large weight that ends up replicated although the mesh has an axis it could use (no
   dimension divides) is an error naming the weight, its shape and the axis, unless its
   path matches one of ``allow_replicated`` (regexes).
@@ -22,7 +22,8 @@ The convention for 3-D attention kernels: keras-hub writes query/key/value as
 smaller of the first two (hidden = heads x head_dim >= heads).
 
 Use it through the distribution: ``kdist.distribution("fsdp=4,model=2", auto_shard=True)``;
-:func:`coverage_report` lists every weight with its layout and the rule that gave it.
+:func:`kdist.parallel.report.coverage_report` lists every weight with its layout and the
+rule that gave it.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-
-import numpy as np
 
 # Layer names (the path component before the variable name), matched with re.fullmatch.
 COLUMN_PARALLEL = (
@@ -124,6 +123,11 @@ def infer_axes(
     size = math.prod(shape)
     if fsdp > 1 and size > replicate_below:
         free = [d for d in range(len(shape)) if axes[d] is None and shape[d] % fsdp == 0]
+        if rule == "vocab" and len(shape) == 2:
+            # A token table's embed dimension, as kdist's own rules (embed -> fsdp): a
+            # lookup then yields embed-sharded rows instead of a gather across devices.
+            embed = 1 - _model_dim(path, shape, rule)
+            free = [embed] if embed in free else free
         if free:
             dim = max(free, key=lambda d: (shape[d], -d))
             axes[dim] = "fsdp"
@@ -145,47 +149,6 @@ def infer_axes(
             f"Weight '{path}' (shape {shape}, {size:,} elements) is not a recognised "
             f"tensor-parallel weight, so on this mesh (model={model}, no fsdp) it would be "
             f"replicated on every device. Add an fsdp axis (e.g. 'fsdp=2,model={model}'), "
-            f"rename its layer to a recognised name (kdist.auto_sharding.COLUMN_PARALLEL / "
+            f"rename its layer to a recognised name (kdist.parallel.auto.COLUMN_PARALLEL / "
             f"ROW_PARALLEL), or pass allow_replicated=[{path!r}].")
     return tuple(axes), " + ".join(rules)
-
-
-def coverage_report(model, dist=None) -> tuple[list[dict], str]:
-    """Every weight of ``model`` with its shape, mesh axes, rule and bytes per device.
-
-    ``dist`` defaults to the active distribution. Returns ``(rows, text)``.
-
-    Example:
-        >>> rows, text = coverage_report(model)  # doctest: +SKIP
-        >>> print(text)  # doctest: +SKIP
-    """
-    import keras
-
-    from kdist.distribution import logical_axes_for
-
-    dist = dist or keras.distribution.distribution()
-    rows = []
-    for v in model.weights:
-        shape = tuple(v.shape)
-        layout = dist.get_variable_layout(v)
-        axes = tuple(layout.axes) if layout is not None else (None,) * len(shape)
-        if logical_axes_for(v.path) is not None:
-            rule = "kdist logical-axes table"
-        elif getattr(dist, "auto_shard", False):
-            rule = infer_axes(v.path, shape, dist.mesh_shape,
-                              allow_replicated=dist.allow_replicated)[1]
-        else:
-            rule = "replicated (small)"
-        shards = math.prod(dist.mesh_shape[a] for a in axes if a)
-        nbytes = math.prod(shape) * np.dtype(v.dtype).itemsize
-        rows.append({"path": v.path, "shape": shape, "axes": axes, "rule": rule,
-                     "bytes_per_device": nbytes / shards})
-    width = max((len(r["path"]) for r in rows), default=10)
-    lines = [f"{'weight':<{width}}  {'shape':<20}{'layout':<26}{'per device':>12}  rule"]
-    for r in rows:
-        layout = "(" + ", ".join(a or "-" for a in r["axes"]) + ")"
-        lines.append(f"{r['path']:<{width}}  {str(r['shape']):<20}{layout:<26}"
-                     f"{r['bytes_per_device']:>12,.0f}  {r['rule']}")
-    total = sum(r["bytes_per_device"] for r in rows)
-    lines.append(f"{len(rows)} weights, {total:,.0f} bytes per device")
-    return rows, "\n".join(lines)

@@ -1,0 +1,206 @@
+"""Every use of private Keras or JAX API in kdist, in one place.
+
+Each function names the private attribute it touches and the versions it was checked
+against (keras 3.15.1, jax 0.10.2). ``tests/test_keras_compat.py`` calls every function
+against the installed versions, so an upgrade that moves one of them fails there with the
+function's name, not deep inside a training run. Nothing outside this module may import
+``keras.src``, ``jax._src`` or touch a private attribute of a Keras object (a test greps
+for it).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+CHECKED_AGAINST = {"keras": "3.15.1", "jax": "0.10.2"}
+
+
+class CompatibilityError(RuntimeError):
+    """A private Keras/JAX API kdist relies on is missing in the installed version."""
+
+
+def _missing(what: str, error: Exception) -> CompatibilityError:
+    import jax
+    import keras
+
+    return CompatibilityError(
+        f"{what} is not available in keras {keras.__version__} / jax {jax.__version__} "
+        f"(kdist was checked against keras {CHECKED_AGAINST['keras']}, jax "
+        f"{CHECKED_AGAINST['jax']}): {error}. Install the versions pinned in pyproject.toml."
+    )
+
+
+# --- Keras: fit and the optimizer ---------------------------------------------------------
+
+
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Makes ``fit`` start at ``epoch`` (``Model._initial_epoch``, read by Keras' fit since
+    3.0; ``None`` clears it). How ``BackupAndRestore`` resumes."""
+    model._initial_epoch = epoch
+
+
+def end_fit_epoch() -> None:
+    """Tells ``fit``'s data adapter that an epoch stopped by ``stop_training`` is over.
+
+    An epoch that ends by ``stop_training`` leaves Keras' epoch iterator suspended before
+    its ``data_adapter.on_epoch_end()``, and a ``PyDataset`` adapter then refuses the next
+    epoch ("on_epoch_begin was called twice"). Keras offers callbacks no handle on the
+    iterator, so it is found in ``fit``'s frame (the local ``epoch_iterator``), which is on
+    the stack of the callback hook calling this.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        iterator = frame.f_locals.get("epoch_iterator")
+        if iterator is not None and hasattr(iterator, "data_adapter"):
+            iterator.data_adapter.on_epoch_end()
+            return
+        frame = frame.f_back
+    raise CompatibilityError(
+        "Could not find Keras' epoch iterator in fit's frame (a Keras version whose fit "
+        "differs from 3.15's?). Resume from a step at an epoch boundary (save_every_steps a "
+        "multiple of steps_per_epoch) to avoid ending an epoch early."
+    )
+
+
+def learning_rate_schedule(optimizer) -> Any:
+    """The optimizer's learning rate as given: a schedule, a float or a variable
+    (``Optimizer._learning_rate``; ``optimizer.learning_rate`` evaluates it instead)."""
+    return getattr(optimizer, "_learning_rate", None)
+
+
+def symbolic_build(model, batch) -> None:
+    """Builds a model's loss and metric state from a batch of specs without computing
+    (``Trainer._symbolic_build``, what ``fit`` does before its first step)."""
+    model._symbolic_build(data_batch=batch)
+
+
+def forget_pending_variables() -> None:
+    """Drops the variables a ``StatelessScope(initialize_variables=False)`` left to
+    initialise later (``global_state`` attribute ``uninitialized_variables``): an abstract
+    model must never be materialised."""
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError as e:
+        raise _missing("keras.src.backend.common.global_state", e) from e
+    global_state.set_global_attribute("uninitialized_variables", [])
+
+
+# --- JAX / Keras: several processes -------------------------------------------------------
+
+
+def distributed_client():
+    """JAX's coordination-service client, or None before ``jax.distributed.initialize``
+    (``jax._src.distributed.global_state.client``)."""
+    try:
+        from jax._src import distributed
+    except ImportError as e:
+        raise _missing("jax._src.distributed", e) from e
+    return distributed.global_state.client
+
+
+def coordinator_address() -> str | None:
+    """The coordinator's ``host:port`` of the running job, or None
+    (``jax._src.distributed.global_state.coordinator_address``)."""
+    try:
+        from jax._src import distributed
+    except ImportError as e:
+        raise _missing("jax._src.distributed", e) from e
+    return distributed.global_state.coordinator_address
+
+
+def sync_keras_seed() -> None:
+    """The same Keras seed in every process, as ``keras.distribution.initialize`` does
+    (``keras.src.backend.jax.distribution_lib.initialize_rng``)."""
+    try:
+        from keras.src.backend.jax.distribution_lib import initialize_rng
+    except ImportError as e:
+        raise _missing("keras.src.backend.jax.distribution_lib.initialize_rng", e) from e
+    initialize_rng()
+
+
+def jax_backends_started() -> bool:
+    """Whether JAX has created its device backends (after which ``XLA_FLAGS``,
+    ``jax.distributed.initialize`` and CPU collectives can no longer change anything;
+    ``jax._src.xla_bridge.backends_are_initialized``)."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError as e:
+        raise _missing("jax._src.xla_bridge", e) from e
+    return xla_bridge.backends_are_initialized()
+
+
+def cluster_environments() -> list:
+    """The cluster detectors JAX tries in ``jax.distributed.initialize`` (SLURM, Open MPI,
+    TPU pods, ...; ``jax._src.clusters.ClusterEnv._cluster_types``); empty if absent."""
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:
+        return []
+    return list(getattr(ClusterEnv, "_cluster_types", []))
+
+
+# --- Keras: variables, layers and model state ---------------------------------------------
+
+
+def variable_layout(variable):
+    """The layout a variable was given at creation, or None (``Variable._layout``, set by
+    Keras from the distribution when it initialises the variable)."""
+    return getattr(variable, "_layout", None)
+
+
+def set_variable_layout(variable, layout) -> None:
+    """Gives an uninitialised (abstract) variable its layout, as Keras does when it
+    initialises it under a distribution."""
+    variable._layout = layout
+
+
+def all_layers(model) -> list:
+    """Every layer inside ``model``, itself included (``Layer._flatten_layers``)."""
+    return list(model._flatten_layers())
+
+
+def jax_state(model) -> tuple:
+    """``(trainable, non_trainable, optimizer, metrics)`` variable values as the JAX
+    trainer's ``train_step`` takes them (``JAXTrainer._get_jax_state``)."""
+    return model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                optimizer_variables=True, metrics_variables=True)
+
+
+def optimizer_iterations(optimizer):
+    """The raw step counter (``Optimizer._iterations``): micro-batches under gradient
+    accumulation, where ``optimizer.iterations`` counts updates."""
+    return optimizer._iterations
+
+
+
+def schedule_at_update_count(optimizer_class):
+    """Class decorator for a Keras optimizer: its learning-rate schedule is evaluated at the
+    update count (``optimizer.iterations``), not at the raw micro-step counter Keras 3.15
+    uses under gradient accumulation (``Optimizer._get_current_learning_rate`` reading
+    ``_learning_rate`` at ``_iterations``), which runs warmup and decay N times too fast."""
+    import keras
+
+    base = optimizer_class._get_current_learning_rate
+
+    def _get_current_learning_rate(self):
+        schedule = self._learning_rate
+        if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+            return schedule(self.iterations)
+        return base(self)
+
+    optimizer_class._get_current_learning_rate = _get_current_learning_rate
+    return optimizer_class
+
+
+def callback_model(callback):
+    """The model a callback is attached to, without the state sync of the public
+    ``Callback.model`` property (on JAX it pulls the whole training state back into the
+    variables; ``Callback._model``). For hooks that only flag ``stop_training``."""
+    return callback._model
+
+
+def aggregate_additional_loss(model, loss):
+    """One of ``model.losses`` (regularisers, ``add_loss``) reduced as Keras' own
+    ``compute_loss`` does (``Trainer._aggregate_additional_loss``)."""
+    return model._aggregate_additional_loss(loss)

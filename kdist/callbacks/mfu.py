@@ -1,0 +1,82 @@
+"""Model FLOPs utilisation: the FLOPs per token a model trains (the numerator) against a
+device's peak (the denominator, :mod:`kdist.callbacks.peak`), never reported above 1.
+
+Example:
+    >>> from kdist.callbacks.peak import Peak
+    >>> flops = ModelFlops(training=1e9, hardware=1e9, remat=False, convention="given")
+    >>> utilisation(flops, Peak(1.0, "override", "cpu", "float32"), 500.0)
+    {'mfu': 0.5}
+    >>> utilisation(flops, Peak(1.0, "override", "cpu", "float32"), 2000.0)["mfu"] is None
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from kdist import flops as flops_lib
+from kdist.callbacks.peak import Peak
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFlops:
+    """Training (model) and hardware FLOPs per token, and the one line saying what was
+    counted (logged beside every MFU figure)."""
+
+    training: float
+    hardware: float
+    remat: bool
+    convention: str
+    breakdown: flops_lib.FlopsPerToken | None = None
+
+    @classmethod
+    def of(cls, model, sequence_length: int, causal_half: bool = True,
+           given: float | None = None) -> ModelFlops:
+        """The user's figure (``given``), else the model's cost model (any family, yours
+        too), else ``6 x trainable parameters``, labelled as such (attention scores are
+        then left out).
+
+        Example:
+            >>> ModelFlops.of(None, 16, given=1e6).convention
+            'given by the user (flops_per_token)'
+        """
+        if given is not None:
+            return cls(float(given), float(given), False, "given by the user (flops_per_token)")
+        try:
+            counted = flops_lib.model_flops_per_token(model, sequence_length,
+                                                      causal_half=causal_half)
+        except (TypeError, NotImplementedError):
+            parameters = sum(math.prod(w.shape) for w in model.trainable_weights)
+            return cls(6.0 * parameters, 6.0 * parameters, False,
+                       f"6 x {parameters:,} trainable parameters per token: the model has no "
+                       f"cost_model(), so attention's T x T matmuls are not counted")
+        return cls(counted.training, counted.hardware, bool(counted.remat),
+                   counted.convention, counted)
+
+
+def utilisation(flops: ModelFlops, peak: Peak, tokens_per_s_per_device: float) -> dict[str, Any]:
+    """``mfu`` (and with remat ``hardware_tflops_per_device``, ``hfu``) at a throughput.
+
+    Never above 1: a figure above 1 proves the peak too low (a peak measured on a busy
+    machine, or a wrong override), so ``mfu`` (and ``hfu``) are then None and
+    ``mfu_unreliable`` says why. A peak already marked unreliable is named there too.
+    """
+    tflops = tokens_per_s_per_device * flops.training / 1e12
+    out: dict[str, Any] = {"mfu": tflops / peak.tflops}
+    if flops.remat:
+        hardware = tokens_per_s_per_device * flops.hardware / 1e12
+        out.update(hardware_tflops_per_device=hardware, hfu=hardware / peak.tflops)
+    achieved = max(tflops, out.get("hardware_tflops_per_device", 0.0))
+    if achieved > peak.tflops:
+        out["mfu"] = None
+        if flops.remat:
+            out["hfu"] = None
+        why = peak.unreliable or f"the {peak.source} figure is wrong"
+        out["mfu_unreliable"] = (
+            f"{achieved:.4g} TFLOP/s per device exceeds the {peak.source} peak "
+            f"{peak.tflops:.4g}, which is too low ({why}); MFU not reported")
+    elif peak.unreliable:
+        out["mfu_unreliable"] = f"{peak.source} peak: {peak.unreliable}"
+    return out

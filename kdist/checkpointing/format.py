@@ -1,0 +1,182 @@
+"""The on-disk layout of a checkpoint directory: step directories, what counts as committed,
+moving a damaged step aside, durability (fsync) and the writability check.
+
+A directory ``DIR`` holds one sub-directory per step, ``DIR/<step>/``:
+
+* ``default/`` — orbax's array store (OCDBT), every process writing its own shards.
+* ``kdist.json`` — the commit marker and metadata (see :mod:`kdist.checkpointing.metadata`),
+  written by process 0 inside orbax's temporary directory after every array is written and
+  before orbax renames the directory into place.
+
+A step counts (is *committed*) only if its directory has its final name ``<step>`` and holds
+``kdist.json``. Anything else is left over from an interrupted save (``<step>.orbax-checkpoint-
+tmp*``, a final directory without ``kdist.json``) or was moved aside after it was found
+damaged (``<step>.damaged-<UTC time>``, kept for inspection, never deleted by kdist).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+METADATA_NAME = "kdist.json"
+ITEM_DIR = "default"  # orbax's directory for a single-item checkpoint
+TMP_MARK = ".orbax-checkpoint-tmp"
+DAMAGED_MARK = ".damaged-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved, or no usable checkpoint could be restored."""
+
+
+def step_dirs(directory: Path) -> tuple[dict[int, Path], list[Path]]:
+    """Final step directories by step (sorted), and partial (temporary) ones.
+
+    Example:
+        >>> step_dirs(Path("/nonexistent"))
+        ({}, [])
+    """
+    final, partial = {}, []
+    if not directory.is_dir():
+        return final, partial
+    for p in directory.iterdir():
+        if not p.is_dir():
+            continue
+        if TMP_MARK in p.name:
+            partial.append(p)
+        elif p.name.isdigit():
+            final[int(p.name)] = p
+    return dict(sorted(final.items())), sorted(partial)
+
+
+def damaged_dirs(directory: Path) -> list[Path]:
+    """Step directories moved aside as damaged (``<step>.damaged-<time>``), oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if DAMAGED_MARK in p.name)
+
+
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps with a commit marker, oldest first (integrity not checked; see verify_step).
+
+    Example:
+        >>> committed_steps("/nonexistent")
+        []
+    """
+    final, _ = step_dirs(Path(directory))
+    return [s for s, p in final.items() if (p / METADATA_NAME).is_file()]
+
+
+def read_metadata(step_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``kdist.json`` of a step directory (raises ``CheckpointError`` naming the file).
+
+    Example:
+        >>> read_metadata("runs/gpt/checkpoints/200")["step"]  # doctest: +SKIP
+        200
+    """
+    path = Path(step_dir) / METADATA_NAME
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path} is missing: step {Path(step_dir).name} was never "
+                              f"committed (interrupted save).") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is unreadable: {e}") from e
+
+
+def listing(directory: Path) -> str:
+    """The names in ``directory`` for an error message."""
+    if not directory.is_dir():
+        return "no such directory"
+    return str(sorted(p.name for p in directory.iterdir())) or "empty"
+
+
+def array_files(root: Path) -> list[Path]:
+    """The files of a step's array store, sorted. Only those: orbax rewrites its step-level
+    ``_CHECKPOINT_METADATA`` at commit, so its size and checksum are not stable."""
+    return sorted(f for f in (root / ITEM_DIR).rglob("*") if f.is_file())
+
+
+def remove_partial(directory: Path) -> list[Path]:
+    """Deletes what interrupted saves left (temporary directories, final step directories
+    without ``kdist.json``); returns them.
+
+    Example:
+        >>> remove_partial(Path("/nonexistent"))
+        []
+    """
+    final, partial = step_dirs(directory)
+    stale = partial + [p for p in final.values() if not (p / METADATA_NAME).is_file()]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def move_aside(step_dir: Path) -> Path:
+    """Renames a damaged step directory to ``<step>.damaged-<UTC time>`` (kept, not deleted):
+    it no longer counts as a step, so training can save that step number again.
+
+    Example:
+        >>> move_aside(Path("runs/gpt/ckpt/200"))  # doctest: +SKIP
+        PosixPath('runs/gpt/ckpt/200.damaged-20260101T120000Z')
+    """
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = step_dir.with_name(f"{step_dir.name}{DAMAGED_MARK}{stamp}")
+    n = 1
+    while target.exists():
+        target = step_dir.with_name(f"{step_dir.name}{DAMAGED_MARK}{stamp}-{n}")
+        n += 1
+    step_dir.rename(target)
+    fsync_dir(step_dir.parent)
+    return target
+
+
+def fsync_dir(path: Path) -> None:
+    """Makes a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsyncs every file and directory under ``root``, then ``root``'s parent (which holds the
+    rename that made ``root`` final): after this the step survives a power loss too."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+    fsync_dir(root.parent)
+
+
+def check_writable(directory: Path) -> None:
+    """Creates ``directory`` if needed and writes (then removes) a probe file in it; raises
+    ``CheckpointError`` naming the path and the fix when it cannot.
+
+    Example:
+        >>> check_writable(Path("/proc/kdist"))  # doctest: +SKIP
+        Traceback (most recent call last):
+        CheckpointError: The checkpoint directory /proc/kdist is not writable ...
+    """
+    probe = directory / f".kdist-write-test-{uuid.uuid4().hex}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"The checkpoint directory {directory} is not writable ({type(e).__name__}: "
+            f"{e.strerror or e}); it is checked before training and before every save. Fix "
+            f"its permissions (e.g. 'chmod u+w {directory}'), free space, or pass another "
+            f"directory."
+        ) from e

@@ -1,0 +1,99 @@
+"""``kdist inspect``: a report on a checkpoint directory (steps, sizes, config, integrity)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdist.checkpointing.format import (
+    METADATA_NAME,
+    CheckpointError,
+    damaged_dirs,
+    read_metadata,
+    step_dirs,
+)
+from kdist.checkpointing.state import restore_tree
+from kdist.checkpointing.verify import verify_step
+
+
+def inspect_directory(directory: str | os.PathLike, read_arrays: bool = False) -> tuple[str, bool]:
+    """A report on a checkpoint directory: steps, sizes, config, integrity. Returns
+    ``(text, ok)``; ``ok`` is False when a committed step is damaged.
+
+    Every committed step is verified from its recorded sizes and SHA-256 checksums (steps
+    saved without checksums: sizes only). With ``read_arrays``, every array of every step
+    is also read back (onto one device). Only committed steps (renamed into place, with
+    ``kdist.json``) are listed as steps; partial saves and steps moved aside as damaged
+    are listed as such.
+
+    Example:
+        >>> text, ok = inspect_directory("runs/gpt_pretrain/checkpoints")  # doctest: +SKIP
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is not a directory. Pass a checkpoint directory "
+                         f"(the recipes' --checkpoint-dir, default OUTPUT_DIR/checkpoints).")
+    final, partial = step_dirs(directory)
+    aside = damaged_dirs(directory)
+    lines, ok, newest = [f"checkpoint directory {directory}"], True, None
+    if not final and not partial and not aside:
+        lines.append("no checkpoints")
+        return "\n".join(lines), True
+    lines.append(f"{'step':>8}  {'size':>10}  {'loss':>9}  {'saved (UTC)':20}  status")
+    for s, p in final.items():
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        problems = verify_step(p)
+        meta = {}
+        if (p / METADATA_NAME).is_file():
+            try:
+                meta = read_metadata(p)
+            except CheckpointError:
+                pass
+        if not problems and read_arrays:
+            problems = _read_check(p, meta)
+        status = "ok" if not problems else "DAMAGED: " + "; ".join(problems)
+        if not problems and not meta.get("checksums"):
+            status = "ok (sizes only: saved without checksums)"
+        ok &= not problems
+        if not problems:
+            newest = meta
+        loss = meta.get("loss")
+        lines.append(f"{s:>8}  {size / 2**20:>8.1f}MB  "
+                     f"{'' if loss is None else f'{loss:.4f}':>9}  "
+                     f"{meta.get('wall_time_utc', ''):20}  {status}")
+    for p in partial:
+        lines.append(f"{'':>8}  partial save {p.name} (ignored; removed on the next run)")
+    for p in aside:
+        lines.append(f"{'':>8}  moved aside as damaged: {p.name} (ignored; kept for "
+                     f"inspection, delete it when done)")
+    if newest:
+        config = newest.get("model_config", {})
+        inner = config.get("config", {}) if isinstance(config, dict) else {}
+        backbone = inner.get("backbone", {}).get("config", inner) if isinstance(inner, dict) else {}
+        lines.append(f"newest intact: step {newest['step']}, data position "
+                     f"{newest.get('data_step')}, mesh {newest.get('mesh', {}).get('spec')} "
+                     f"{newest.get('mesh', {}).get('shape')}, {newest.get('process_count')} "
+                     f"process(es), versions {newest.get('versions')}")
+        lines.append(f"model: {config.get('class_name', '?') if isinstance(config, dict) else '?'} "
+                     + json.dumps({k: v for k, v in backbone.items()
+                                   if isinstance(v, (int, float, str, bool))}))
+        n = sum(int(np.prod(v["shape"])) for k, v in newest.get("variables", {}).items()
+                if k.startswith("params."))
+        lines.append(f"parameters: {n:,}")
+    return "\n".join(lines), ok
+
+
+def _read_check(step_dir, meta) -> list[str]:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tree = {k: jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=device)
+            for k, v in meta["variables"].items()}
+    try:
+        restore_tree(step_dir, tree)
+    except Exception as e:  # noqa: BLE001
+        return [f"reading the arrays of {step_dir} failed: {e}"]
+    return []

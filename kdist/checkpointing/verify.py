@@ -1,0 +1,66 @@
+"""Integrity of a committed step: every file listed in ``kdist.json`` present, with its size
+and (when recorded) its SHA-256 checksum.
+
+SHA-256 because it is the standard and, with the SHA extensions of current x86 and ARM CPUs,
+about 1.9 GB/s on one core here (``benchmarks/checkpoint_hashing.py`` measures what it adds
+to a save and a restore).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from kdist.checkpointing.format import METADATA_NAME, CheckpointError, read_metadata
+
+CHECKSUM = "sha256"
+_CHUNK = 8 * 2**20
+
+
+def file_checksum(path: Path) -> str:
+    """The hex SHA-256 of a file, read in 8 MiB chunks.
+
+    Example:
+        >>> file_checksum(Path("/dev/null"))
+        'e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855'
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_step(step_dir: str | os.PathLike, checksums: bool = True) -> list[str]:
+    """Integrity problems of a step directory (empty list: intact), each naming a file.
+
+    Checks that the commit marker ``kdist.json`` exists, that every file it lists is present
+    with its recorded size and, with ``checksums`` and when the step recorded them (steps
+    saved before kdist recorded checksums have sizes only), that its content hashes to the
+    recorded SHA-256 (bytes flipped in place fail).
+
+    Example:
+        >>> verify_step("runs/gpt/checkpoints/200")  # doctest: +SKIP
+        []
+    """
+    step_dir = Path(step_dir)
+    try:
+        meta = read_metadata(step_dir)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    sums = meta.get("checksums") or {}
+    for rel, size in meta.get("files", {}).items():
+        f = step_dir / rel
+        if not f.is_file():
+            problems.append(f"{f} is missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{f} has {f.stat().st_size} bytes, {size} were written "
+                            f"(truncated or overwritten)")
+        elif checksums and rel in sums and file_checksum(f) != sums[rel]:
+            problems.append(f"{f} has the recorded size but not the recorded {CHECKSUM} "
+                            f"checksum (its bytes changed after the save: corrupt)")
+    if not meta.get("files"):
+        problems.append(f"{step_dir / METADATA_NAME} lists no files")
+    return problems

@@ -1,0 +1,282 @@
+"""The Keras distribution: a checked layout for every weight and for the batch.
+
+:func:`distribution` turns a mesh spec into a :class:`KdistDistribution` (a Keras
+``ModelParallel``). Every weight's layout comes from its logical axes
+(:mod:`kdist.parallel.rules`) and is checked when the variable is created — when the
+model is built, before anything compiles: a large weight with no logical axes is an error
+(no silent replication), and a sharded dimension must divide by its mesh axis. The batch is
+split over every replica axis at once (``data`` and ``fsdp``); Keras' ``TensorLayout``
+takes one mesh axis per dimension, so :class:`BatchLayout` accepts a tuple.
+
+Everything else in kdist asks :func:`active` for the distribution in force.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+from keras.distribution import DeviceMesh, LayoutMap, ModelParallel, TensorLayout
+
+from kdist import _keras_compat
+from kdist.parallel import auto, rules
+from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, device_grid, mesh_spec, parse_mesh
+
+# Weights with at most this many elements may have no logical axes and are then
+# replicated (seed-generator states, metric accumulators, scalar counters).
+REPLICATE_BELOW = 4096
+
+GRADIENT_REDUCTIONS = (None, "float32", "bfloat16")
+
+
+class BatchLayout(TensorLayout):
+    """A ``TensorLayout`` whose dimensions may each be sharded over a tuple of mesh axes.
+
+    Keras accepts one mesh axis name per dimension; JAX's ``PartitionSpec`` accepts a tuple.
+    The batch dimension uses this to be split over ``("data", "fsdp")``.
+    """
+
+    def _validate_axes(self):
+        if self._device_mesh:
+            valid = set(self._device_mesh.axis_names)
+            used = set()
+            for axis in self._axes:
+                used.update(axis if isinstance(axis, tuple) else (axis,))
+            unknown = used - valid - {None}
+            if unknown:
+                raise ValueError(
+                    f"Layout axes {sorted(unknown)} are not mesh axes {sorted(valid)}."
+                )
+
+
+class KdistDistribution(ModelParallel):
+    """Keras ``ModelParallel`` with kdist's rules: logical axes in, checked layouts out.
+
+    Build it with :func:`distribution`. ``layout_for(path, shape)`` returns the layout a
+    weight of that path and shape gets; ``mesh_shape`` gives the axis sizes;
+    ``gradient_reduction`` is the step feature it asks of the model (None: XLA reduces).
+
+    Example:
+        >>> dist = distribution("data=2,model=4", jax.devices())
+        >>> dist.mesh_shape, dist.spec
+        ({'data': 2, 'fsdp': 1, 'model': 4}, 'data=2,model=4')
+    """
+
+    def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True,
+                 auto_shard: bool = False, allow_replicated: Sequence[str] = (),
+                 gradient_reduction: str | None = None):
+        # Before Keras' __init__, which reads num_model_replicas when there are several
+        # processes.
+        self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
+        self.gradient_reduction = gradient_reduction
+        super().__init__(layout_map=LayoutMap(device_mesh), batch_dim_name="data",
+                         auto_shard_dataset=auto_shard_dataset)
+        # Weights without logical axes: kdist.parallel.auto (structure and shape).
+        self.auto_shard = auto_shard
+        self.allow_replicated = tuple(allow_replicated)
+
+    @property
+    def num_model_replicas(self) -> int:
+        return math.prod(self.mesh_shape[a] for a in REPLICA_AXES)
+
+    @property
+    def spec(self) -> str:
+        """The mesh as a spec string, e.g. ``'data=2,fsdp=2,model=2'``."""
+        return mesh_spec(self.mesh_shape)
+
+    def mesh_axis_for(self, logical_axis: str | None) -> str | None:
+        """The mesh axis a logical axis is sharded over here, or None if replicated."""
+        mesh_axis = rules.LOGICAL_TO_MESH.get(logical_axis)
+        if mesh_axis is None or self.mesh_shape[mesh_axis] == 1:
+            return None
+        return mesh_axis
+
+    def get_data_layout(self, data_shape):
+        return BatchLayout((REPLICA_AXES,) + (None,) * (len(data_shape) - 1), self.device_mesh)
+
+    def layout_for(self, path: str, shape: Sequence[int],
+                   logical: Sequence[str | None] | None = None) -> TensorLayout:
+        """The checked layout of a weight; raises ``ValueError`` with a fix if there is none.
+        ``logical``: its logical axes (default: a registered table's, by ``path``)."""
+        shape = tuple(shape)
+        logical = rules.logical_axes_for(path) if logical is None else tuple(logical)
+        if logical is None and self.auto_shard:
+            axes, _ = auto.infer_axes(path, shape, self.mesh_shape,
+                                      replicate_below=REPLICATE_BELOW,
+                                      allow_replicated=self.allow_replicated)
+            return TensorLayout(axes, self.device_mesh)
+        if logical is None:
+            size = math.prod(shape)
+            if size > REPLICATE_BELOW:
+                raise ValueError(
+                    f"Weight '{path}' (shape {shape}, {size:,} elements) has no logical axes "
+                    f"(its layer declares none and no registered table matches), so it would "
+                    f"be silently replicated on every device. Declare them where the layer "
+                    f"creates it (kdist.parallel.rules.add_weight / build_with_axes), register "
+                    f"a table (kdist.parallel.rules.register_logical_axes), or shard it "
+                    f"automatically: kdist.distribution(spec, auto_shard=True)."
+                )
+            return TensorLayout((None,) * len(shape), self.device_mesh)
+        if len(logical) != len(shape):
+            raise ValueError(
+                f"Weight '{path}' has shape {shape} ({len(shape)} dims) but its declaration "
+                f"names {len(logical)} logical axes {logical}. Fix the model's declaration."
+            )
+        axes = []
+        for dim, (logical_axis, size) in enumerate(zip(logical, shape)):
+            mesh_axis = self.mesh_axis_for(logical_axis)
+            if mesh_axis is not None and size % self.mesh_shape[mesh_axis]:
+                n = self.mesh_shape[mesh_axis]
+                raise ValueError(
+                    f"Weight '{path}' (shape {shape}) cannot be sharded: dimension {dim} "
+                    f"('{logical_axis}', size {size}) does not divide by the '{mesh_axis}' mesh "
+                    f"axis of size {n}. Use a '{mesh_axis}' size among {divisors(size)}, or "
+                    f"change the model so that '{logical_axis}' is a multiple of {n}."
+                )
+            axes.append(mesh_axis)
+        fsdp = self.mesh_shape["fsdp"]
+        if fsdp > 1 and "fsdp" not in axes:
+            # ZeRO-3 keeps 1/fsdp of every weight per device: one the rules leave unsharded
+            # over fsdp (norm scales, biases, a bias's heads under pure fsdp) is split along
+            # its largest free dimension that divides. It is all-gathered where it is used.
+            free = [d for d, (a, n) in enumerate(zip(axes, shape)) if a is None and n % fsdp == 0]
+            if free:
+                axes[max(free, key=lambda d: shape[d])] = "fsdp"
+        return TensorLayout(tuple(axes), self.device_mesh)
+
+    def get_variable_layout(self, variable):
+        given = _keras_compat.variable_layout(variable)
+        if given is not None:
+            return given
+        return self.layout_for(variable.path, variable.shape, rules.declared_axes(variable))
+
+
+def distribution(spec: str = "auto", devices: Sequence | None = None, *,
+                 auto_shard_dataset: bool = False, auto_shard: bool = False,
+                 allow_replicated: Sequence[str] = (),
+                 gradient_reduction: str | None = None) -> KdistDistribution:
+    """Builds the Keras distribution for a mesh spec over all (or the given) devices.
+
+    Set it before building the model; ``compile`` and ``fit`` then run sharded. With several
+    processes, kdist's datasets already yield each process's own share of the global batch
+    (see :func:`process_batch_share`), so Keras' auto-sharding stays off; pass
+    ``auto_shard_dataset=True`` to feed a global ``tf.data.Dataset`` instead, which Keras
+    then splits by process. ``auto_shard=True`` shards weights without logical axes
+    (keras-hub or your own model) by structure and shape (:mod:`kdist.parallel.auto`);
+    ``allow_replicated`` lists path regexes of large weights that may stay replicated.
+    ``gradient_reduction="float32"`` or ``"bfloat16"``: models that declare the
+    ``"gradient_reduction"`` step feature reduce each weight's gradient themselves, once,
+    as a reduce-scatter over ``fsdp`` and an all-reduce over ``data``, in that type
+    (:mod:`kdist.parallel.reduction`; meshes without ``model``, no dropout); None leaves the
+    reductions to XLA.
+
+    Example:
+        >>> import keras, kdist
+        >>> keras.distribution.set_distribution(kdist.distribution("auto"))
+    """
+    if gradient_reduction not in GRADIENT_REDUCTIONS:
+        raise ValueError(f"gradient_reduction must be None (XLA places the reductions), "
+                         f"'float32' or 'bfloat16'; got {gradient_reduction!r}.")
+    devices = list(devices) if devices is not None else keras.distribution.list_devices()
+    sizes = parse_mesh(spec, len(devices))
+    if gradient_reduction and sizes["model"] > 1:
+        raise ValueError(
+            f"gradient_reduction={gradient_reduction!r} covers the data and fsdp axes; mesh "
+            f"'{spec}' has a model axis of {sizes['model']}. Use a mesh without 'model' or "
+            f"gradient_reduction=None (XLA places the reductions).")
+    grid = device_grid(devices, sizes)
+    mesh = DeviceMesh(shape=grid.shape, axis_names=MESH_AXES, devices=grid)
+    return KdistDistribution(mesh, auto_shard_dataset=auto_shard_dataset,
+                             auto_shard=auto_shard, allow_replicated=allow_replicated,
+                             gradient_reduction=gradient_reduction)
+
+
+def active() -> KdistDistribution | None:
+    """The kdist distribution in force (``keras.distribution.set_distribution``), or None
+    when there is none or it is another kind."""
+    dist = keras.distribution.distribution()
+    return dist if isinstance(dist, KdistDistribution) else None
+
+
+def current_mesh_shape() -> dict[str, int]:
+    """Axis sizes of the active kdist distribution; all 1 when none (or another kind) is set."""
+    dist = keras.distribution.distribution()
+    if isinstance(dist, KdistDistribution):
+        return dict(dist.mesh_shape)
+    sizes = {axis: 1 for axis in MESH_AXES}
+    if dist is not None:
+        sizes["data"] = getattr(dist, "num_model_replicas", 1)
+    return sizes
+
+
+def replica_count() -> int:
+    """Number of model replicas the batch is split over under the active distribution."""
+    shape = current_mesh_shape()
+    return math.prod(shape[a] for a in REPLICA_AXES)
+
+
+def divisors(n: int, at_most: int = 64) -> list[int]:
+    """Mesh-axis sizes that divide ``n`` (up to ``at_most``), for error messages.
+
+    Example:
+        >>> divisors(12)
+        [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, min(n, at_most) + 1) if n % d == 0]
+
+
+def check_divisible(what: str, value: int, axis: str = "model") -> None:
+    """Raises a ``ValueError`` with a fix if ``value`` does not divide by the mesh ``axis``.
+
+    Models call this at construction so a bad shape is refused before any weight exists.
+    """
+    n = current_mesh_shape()[axis]
+    if value % n:
+        raise ValueError(
+            f"{what}={value} is not divisible by the '{axis}' mesh axis of size {n}. "
+            f"Use a '{axis}' size among {divisors(value)}, or choose {what} as a multiple "
+            f"of {n}."
+        )
+
+
+def process_batch_share(global_batch_size: int) -> tuple[int, int]:
+    """Which share of each global batch this process feeds: ``(share_index, share_count)``.
+
+    Under a distribution, the JAX trainer assembles the global batch with
+    ``jax.make_array_from_process_local_data``: each process passes the rows that live on its
+    own devices. Those rows follow from the data layout, not from the process index: a
+    process holds rows ``share_index * n ... (share_index + 1) * n`` with
+    ``n = global_batch_size // share_count``, and processes whose devices hold the same
+    replica (a ``model`` axis spanning processes) feed the same rows. ``(0, 1)`` on one
+    process or without a distribution.
+
+    Example:
+        >>> process_batch_share(32)   # one process: the whole batch
+        (0, 1)
+    """
+    import jax
+
+    dist = keras.distribution.distribution()
+    if dist is None or jax.process_count() == 1:
+        return 0, 1
+    shape = (global_batch_size, 1)
+    sharding = dist.get_data_layout(shape).backend_layout
+    spans = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows = index[0]
+        spans.add((rows.start or 0, global_batch_size if rows.stop is None else rows.stop))
+    start, stop = min(s for s, _ in spans), max(e for _, e in spans)
+    covered = np.zeros(global_batch_size, bool)
+    for s, e in spans:
+        covered[s:e] = True
+    size = stop - start
+    if not covered[start:stop].all() or global_batch_size % size or start % size:
+        raise ValueError(
+            f"This process's devices hold batch rows {sorted(spans)} of {global_batch_size}, "
+            f"which is not one contiguous, evenly sized share of the global batch, so a "
+            f"per-process loader cannot feed it. Order the mesh devices process by process "
+            f"(kdist.distribution() does, with jax.devices())."
+        )
+    return start // size, global_batch_size // size

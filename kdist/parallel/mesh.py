@@ -1,0 +1,154 @@
+"""The mesh axes kdist knows, mesh specs, and the order devices are laid out in.
+
+Each mesh axis is one :class:`MeshAxis` entry of :data:`AXES`, listed from the slowest-
+varying to the fastest-varying: ``np.reshape`` of the device list (ordered process by
+process, then by local id, as ``jax.devices()`` gives it) puts neighbouring devices on the
+last axis. So ``model`` — whose collectives run inside every layer — stays inside a host,
+and ``data`` — one gradient reduction per step — spans hosts. Adding an axis (``stage``,
+``seq``, ``replica``) is one entry here, at the position its traffic calls for, plus its
+logical-axis rules in :mod:`kdist.parallel.rules`.
+
+A *mesh spec* names axis sizes: ``"fsdp=8"``, ``"data=2,model=4"``,
+``"data=2,fsdp=2,model=2"``, ``"fsdp=-1,model=2"`` (``-1`` takes the remaining devices),
+``"auto"`` (every device on ``fsdp``) or a strategy shorthand (``"dp"``, ``"fsdp"``,
+``"tp"``). Axes not named have size 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One axis of the device mesh.
+
+    Args:
+        name: the name in mesh specs and ``PartitionSpec``s.
+        batch: whether the global batch is split over it (a replica axis).
+        shorthand: a strategy name that means "every device on this axis", or None.
+        doc: one line for error messages and ``kdist plan``.
+    """
+
+    name: str
+    batch: bool
+    shorthand: str | None
+    doc: str
+
+
+# Slowest-varying first (across hosts) to fastest-varying last (inside a host).
+AXES: tuple[MeshAxis, ...] = (
+    MeshAxis("data", batch=True, shorthand="dp",
+             doc="replicas holding whole weights (data parallel)"),
+    MeshAxis("fsdp", batch=True, shorthand="fsdp",
+             doc="replicas holding a shard of every weight (ZeRO-3)"),
+    MeshAxis("model", batch=False, shorthand="tp",
+             doc="heads, MLP features and vocabulary split (tensor parallel)"),
+)
+MESH_AXES: tuple[str, ...] = tuple(a.name for a in AXES)
+REPLICA_AXES: tuple[str, ...] = tuple(a.name for a in AXES if a.batch)
+_SHORTHANDS = {a.shorthand: a.name for a in AXES if a.shorthand}
+
+
+def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
+    """Parses a mesh spec into ``{axis: size}`` for every axis, sizes multiplying to
+    ``num_devices``.
+
+    Example:
+        >>> parse_mesh("data=2,model=-1", 8)
+        {'data': 2, 'fsdp': 1, 'model': 4}
+        >>> parse_mesh("auto", 8)
+        {'data': 1, 'fsdp': 8, 'model': 1}
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"Mesh spec must be a non-empty string such as 'fsdp=8' or 'data=2,model=4'; "
+            f"got {spec!r}."
+        )
+    text = spec.strip().lower()
+    if text == "auto":
+        text = "fsdp=-1"
+    elif text in _SHORTHANDS:
+        text = f"{_SHORTHANDS[text]}=-1"
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not name:
+            raise ValueError(
+                f"Mesh spec {spec!r}: '{part}' is not of the form AXIS=SIZE. "
+                f"Write e.g. 'data=2,fsdp=2,model=2', or 'auto'."
+            )
+        if name not in MESH_AXES:
+            raise ValueError(
+                f"Mesh spec {spec!r}: unknown axis '{name}'. Valid axes are "
+                f"{', '.join(MESH_AXES)} (or the shorthands auto, "
+                f"{', '.join(_SHORTHANDS)})."
+            )
+        if name in sizes:
+            raise ValueError(f"Mesh spec {spec!r}: axis '{name}' is given twice.")
+        try:
+            size = int(value)
+        except ValueError:
+            raise ValueError(
+                f"Mesh spec {spec!r}: size of '{name}' must be an integer (or -1), got '{value}'."
+            ) from None
+        if size == 0 or size < -1:
+            raise ValueError(
+                f"Mesh spec {spec!r}: size of '{name}' must be a positive integer or -1, "
+                f"got {size}."
+            )
+        sizes[name] = size
+    wildcards = [n for n, s in sizes.items() if s == -1]
+    if len(wildcards) > 1:
+        raise ValueError(
+            f"Mesh spec {spec!r}: only one axis may be -1 (it takes the remaining devices); "
+            f"got {wildcards}."
+        )
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if wildcards:
+        if num_devices % fixed:
+            raise ValueError(
+                f"Mesh spec {spec!r}: the fixed axes use {fixed} devices, which does not divide "
+                f"the {num_devices} available, so '{wildcards[0]}=-1' has no integer size. "
+                f"Choose sizes whose product divides {num_devices}."
+            )
+        sizes[wildcards[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ValueError(
+            f"Mesh spec {spec!r} describes {fixed} devices, but {num_devices} are available. "
+            f"The product of the axis sizes must equal the device count: e.g. "
+            f"'fsdp={num_devices}', or put -1 on one axis ('data=-1,model=2') to take the rest."
+        )
+    return {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+
+
+def mesh_spec(sizes: dict[str, int]) -> str:
+    """The canonical spec of axis sizes: axes of size 1 left out, ``data=1`` for one device.
+
+    Example:
+        >>> mesh_spec({"data": 2, "fsdp": 1, "model": 4})
+        'data=2,model=4'
+    """
+    return ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes.get(a, 1) > 1) or "data=1"
+
+
+def device_grid(devices, sizes: dict[str, int]):
+    """The devices as an array of shape ``(data, fsdp, model)``: ``model`` fastest-varying.
+
+    ``devices`` in ``jax.devices()`` order (process by process): consecutive devices — the
+    same host — share a ``model`` group; ``data`` groups span hosts.
+
+    Example:
+        >>> device_grid(list(range(8)), {"data": 2, "fsdp": 2, "model": 2})[1, 0].tolist()
+        [4, 5]
+    """
+    import numpy as np
+
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    if math.prod(shape) != len(devices):
+        raise ValueError(f"Mesh {mesh_spec(sizes)} needs {math.prod(shape)} devices; "
+                         f"{len(devices)} were given.")
+    grid = np.empty(len(devices), dtype=object)
+    grid[:] = list(devices)
+    return grid.reshape(shape)

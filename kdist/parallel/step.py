@@ -1,0 +1,72 @@
+"""The training step's routing: which step features run, asked of the model's declaration.
+
+A kdist task declares the step features it supports in ``step_features`` (a frozenset of
+names from :data:`STEP_FEATURES`); the distribution says which it wants. The task calls
+:func:`check_compile` from ``compile`` and delegates Keras' ``compute_loss_and_updates``
+to :func:`compute_loss_and_updates`. Nothing here asks for a class by name: a new task
+(or a user's) gets a feature by declaring it, a new feature (a pipeline schedule, ring
+attention) is one more branch here and one more module of :mod:`kdist.parallel`.
+"""
+
+from __future__ import annotations
+
+from kdist.parallel import reduction
+from kdist.parallel.layout import active
+
+# Name -> what a task declaring it promises.
+STEP_FEATURES = {
+    "gradient_reduction": "its loss can run per device (kdist.parallel.reduction): no "
+                          "cross-device state in the forward pass other than the weights",
+    "fused_loss": "it can train from hidden states through the fused cross-entropy "
+                  "(kdist.models.losses) without materialising logits",
+}
+
+
+def supports(model, feature: str) -> bool:
+    """Whether ``model`` declares the step ``feature``."""
+    if feature not in STEP_FEATURES:
+        raise ValueError(f"Unknown step feature {feature!r}; known: {sorted(STEP_FEATURES)}.")
+    return feature in getattr(model, "step_features", frozenset())
+
+
+def requested_features() -> frozenset:
+    """The step features the active distribution asks for."""
+    dist = active()
+    if dist is not None and dist.gradient_reduction:
+        return frozenset({"gradient_reduction"})
+    return frozenset()
+
+
+def check_compile(model) -> None:
+    """Refuses, before any compilation, what the distribution asks for and the model does
+    not support: an error rather than silently training another way.
+
+    Example:
+        >>> check_compile(model)  # in Task.compile, before super().compile()  # doctest: +SKIP
+    """
+    dist = active()
+    for feature in requested_features():
+        if not supports(model, feature):
+            raise ValueError(
+                f"The distribution asks for {feature}={getattr(dist, feature)!r}, which "
+                f"{type(model).__name__} does not support (it does not declare the "
+                f"'{feature}' step feature), so it would silently train with XLA's "
+                f"reductions. Build the distribution with {feature}=None.")
+    if "gradient_reduction" in requested_features():
+        reduction.check(dist, model)
+
+
+def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_variables,
+                             metrics_variables, x, y, sample_weight, training=False,
+                             optimizer_variables=None):
+    """Keras' ``compute_loss_and_updates`` with the requested step features applied.
+
+    ``compute`` is Keras' own (``super().compute_loss_and_updates`` of the task).
+    """
+    if training and "gradient_reduction" in requested_features() \
+            and supports(model, "gradient_reduction"):
+        return reduction.loss_and_updates(
+            model, compute, trainable_variables, non_trainable_variables, metrics_variables,
+            x, y, sample_weight, optimizer_variables)
+    return compute(trainable_variables, non_trainable_variables, metrics_variables, x, y,
+                   sample_weight, training=training, optimizer_variables=optimizer_variables)

@@ -1,0 +1,286 @@
+"""Plan before you pay: per-device memory, FLOPs and collectives of a train step, compiled
+on abstract inputs, with a verdict and the smallest change that fits.
+
+=============  ==========================================================================
+``units``      memory sizes: parse, print, a device's memory, the usable share
+``estimate``   analytic per-device memory and minimum collective bytes, from the model's
+               cost model (``kdist.models.base.CostModel``) — any family
+``search``     candidate meshes and ``--mesh auto`` (:func:`choose_mesh`)
+``compile``    abstract build, the real train step compiled on abstract inputs, XLA's
+               memory and FLOP counts
+``report``     the :class:`Plan` record, its text, suggestions
+=============  ==========================================================================
+
+:func:`plan` builds the model with **no weights materialised**, compiles the model's own
+train step (what ``fit`` runs) for the mesh, and reads XLA's ``memory_analysis()``,
+``cost_analysis()`` and the collectives of the optimized HLO (:mod:`kdist.hlo`). A gpt2-xl
+(1.5 B parameters) plans on a CPU with a few GB of RAM. The plan is checked against real
+runs in ``tests/test_plan.py`` and ``benchmarks/plan_accuracy.py``. Mesh choice
+(``mesh="auto"``) and suggestions use the analytic model; the chosen mesh or suggested
+change is then compiled to confirm it.
+
+``kdist.plan`` (the former module's name) is this package.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+
+from kdist import hlo
+from kdist.parallel.mesh import mesh_spec, parse_mesh
+from kdist.planning import report as _report
+from kdist.planning.compile import (
+    abstract_batch,
+    build_abstract,
+    compile_plan,
+    compile_train_step,
+    memory_breakdown,
+    xla_flops,
+    xla_memory,
+    xla_train_step_flops,
+)
+from kdist.planning.estimate import (
+    compute_bytes,
+    cost_model_of,
+    dimensions,
+    estimate,
+    precision_policy,
+    preset_backbone_config,
+    theoretical_collective_bytes,
+)
+from kdist.planning.report import Plan
+from kdist.planning.search import candidate_meshes, choose_mesh, mesh_devices
+from kdist.planning.units import (
+    USABLE_FRACTION,
+    default_device_memory,
+    format_bytes,
+    parse_bytes,
+)
+
+__all__ = [
+    "USABLE_FRACTION", "Plan", "abstract_batch", "build_abstract", "candidate_meshes",
+    "choose_mesh", "compile_plan", "compile_train_step", "compute_bytes", "cost_model_of",
+    "default_device_memory", "dimensions", "estimate", "format_bytes", "memory_breakdown",
+    "mesh_devices", "mesh_spec", "parse_bytes", "plan", "precision_policy",
+    "preset_backbone_config", "theoretical_collective_bytes", "xla_flops",
+    "xla_memory", "xla_train_step_flops",
+]
+
+
+def plan(
+    model: str | Callable[[], keras.Model] = "gpt-nano",
+    mesh: str = "auto",
+    global_batch_size: int = 8,
+    sequence_length: int | None = None,
+    *,
+    precision: str = "float32",
+    remat: bool | str = False,
+    grad_accum: int = 1,
+    device_memory: int | str | None = None,
+    devices: Sequence | None = None,
+    optimizer: Callable[[], Any] | None = None,
+    batch: tuple | None = None,
+    suggest: bool = True,
+    verify: bool = True,
+    model_overrides: dict | None = None,
+    auto_shard: bool = False,
+    gradient_reduction: str | None = None,
+) -> Plan:
+    """Compiles one train step on abstract inputs and reports what it needs per device.
+
+    Args:
+        model: a kdist preset name (any family: ``"gpt2-xl"``, ``"bert-base"``), or a
+            function returning a Keras model (built under the plan's distribution, weights
+            never materialised; compiled with ``optimizer`` and sparse categorical
+            cross-entropy unless already compiled). A model with a ``cost_model()`` (every
+            kdist task, or your own) gets the formula FLOPs, the theoretical collectives
+            and ``mesh="auto"``.
+        mesh: a mesh spec (``"fsdp=8"``, ``"data=2,model=4"``) or ``"auto"``: choose the
+            mesh that fits with the least communication (:func:`choose_mesh`).
+        global_batch_size, sequence_length: sequences (and tokens each) per optimizer step.
+        precision: ``"float32"`` or ``"bf16"`` (Keras ``mixed_bfloat16``).
+        remat: ``True`` / ``"block"``: rematerialise each Transformer block.
+        grad_accum: micro-batches per step (Keras ``gradient_accumulation_steps``).
+        device_memory: bytes (or ``"80GiB"``) per device; default: the device's own.
+        batch: ``(x, y)`` arrays or shape structs of one micro-batch; default: token ids
+            for a one-input model, else read from the model's inputs
+            (:func:`~kdist.planning.compile.abstract_batch`).
+        suggest, verify: if it does not fit, look for the smallest change that does, and
+            compile that change to confirm it.
+        model_overrides: config fields replacing the preset's (e.g. ``num_layers``).
+        auto_shard: shard weights no kdist table names by structure and shape
+            (:mod:`kdist.parallel.auto`): for keras-hub or your own models.
+        gradient_reduction: the distribution's (``kdist.distribution``): None, ``"float32"``
+            or ``"bfloat16"``.
+
+    Example:
+        >>> p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=128,
+        ...          model_overrides={"vocabulary_size": 512})  # doctest: +SKIP
+        >>> p.fits, p.memory["parameters"] < p.parameters * 4 / 4  # doctest: +SKIP
+        (True, True)
+    """
+    import jax
+
+    from kdist.optim import adamw
+
+    if remat not in (False, True, "block", "none", None):
+        raise ValueError(f"remat must be False/'none' or True/'block'; got {remat!r}.")
+    remat = remat in (True, "block")
+    policy = precision_policy(precision)
+    if grad_accum < 1 or global_batch_size % grad_accum:
+        raise ValueError(f"grad_accum={grad_accum} must be a positive divisor of "
+                         f"global_batch_size={global_batch_size}.")
+    devices = list(devices) if devices is not None else jax.devices()
+    device_memory = (parse_bytes(device_memory) if device_memory is not None
+                     else default_device_memory(devices[0]))
+    model_name, model_fn, cost, sequence_length = _resolve_model(
+        model, model_overrides, batch, sequence_length)
+
+    mesh_choice = None
+    if mesh.strip().lower() == "auto":
+        if cost is None:
+            cost = _cost_of_function(model_fn)
+        if cost is None:
+            raise ValueError("mesh='auto' needs the model's cost model (a kdist preset, or a "
+                             "model with a cost_model() method); for other models pass an "
+                             "explicit mesh such as 'fsdp=8'.")
+        chosen, _, mesh_choice = choose_mesh(
+            cost, len(devices), device_memory, global_batch_size, sequence_length,
+            precision=policy, remat=remat, grad_accum=grad_accum)
+        mesh = mesh_spec(chosen)
+    sizes = _check_mesh(mesh, devices, global_batch_size, grad_accum)
+
+    def run(sizes, remat, grad_accum):
+        # A preset is rebuilt with the remat asked for; a model function as it is.
+        fn = model_fn(remat) if isinstance(model, str) else model_fn
+        return compile_plan(fn, sizes, devices, policy, global_batch_size // grad_accum,
+                            sequence_length, grad_accum, optimizer or adamw, batch,
+                            auto_shard, gradient_reduction)
+
+    start = time.perf_counter()
+    compiled, state, model_obj = run(sizes, remat, grad_accum)
+    seconds = time.perf_counter() - start
+    if cost is None:
+        cost = _task_cost_model(model_obj)
+    num = math.prod(sizes.values())
+    result = Plan(
+        config=dict(model=model_name, mesh=mesh, global_batch_size=global_batch_size,
+                    sequence_length=sequence_length, precision=policy, remat=remat,
+                    grad_accum=grad_accum),
+        mesh=sizes,
+        parameters=int(sum(math.prod(s.shape) for s in state[0])),
+        memory=memory_breakdown(compiled, state),
+        xla_memory=xla_memory(compiled),
+        device_memory=device_memory,
+        flops={"xla": xla_flops(compiled) * num * grad_accum,
+               "formula": _formula_flops(cost, global_batch_size, sequence_length, remat)},
+        collectives=_collectives(compiled, num, grad_accum),
+        theoretical_collectives=_theory(cost, sizes, global_batch_size // grad_accum,
+                                        sequence_length, policy, gradient_reduction,
+                                        grad_accum),
+        compile_seconds=seconds,
+        mesh_choice=mesh_choice,
+    )
+    if suggest and not result.fits:
+        result.suggestion = _report.suggest(
+            result, _remat_ratio(cost, sequence_length, remat), run if verify else None)
+    return result
+
+
+def _resolve_model(model, overrides, batch, sequence_length):
+    """``(name, model_fn, cost model or None, sequence_length)``; for a preset, ``model_fn``
+    takes ``remat`` and returns the builder."""
+    if isinstance(model, str):
+        from kdist.models import task_for_preset
+
+        task = task_for_preset(model)
+        config = preset_backbone_config(model, **(overrides or {}))
+        sequence_length = sequence_length or config["max_sequence_length"]
+        if sequence_length > config["max_sequence_length"]:
+            raise ValueError(f"sequence_length={sequence_length} exceeds {model}'s "
+                             f"max_sequence_length {config['max_sequence_length']}.")
+
+        def builder(remat):
+            return lambda: task.from_preset(model, remat=remat, **(overrides or {}))
+
+        return model, builder, task.cost_model_for(config), sequence_length
+    if callable(model):
+        if batch is None and sequence_length is None:
+            raise ValueError("For a model function, pass batch=(x, y) of one micro-batch or "
+                             "sequence_length (token-id inputs and targets).")
+        return getattr(model, "__name__", "model"), model, None, sequence_length
+    raise TypeError(f"model must be a preset name or a function returning a Keras model; "
+                    f"got {type(model).__name__}.")
+
+
+def _check_mesh(mesh: str, devices: list, global_batch_size: int,
+                grad_accum: int) -> dict[str, int]:
+    sizes = parse_mesh(mesh, mesh_devices(mesh, len(devices)))
+    num = math.prod(sizes.values())
+    if num > len(devices):
+        raise ValueError(
+            f"Mesh {mesh!r} needs {num} devices but this process has {len(devices)}. On CPU, "
+            f"call kdist.force_host_devices({num}) before jax starts (the `kdist plan` "
+            f"command does this itself).")
+    micro = global_batch_size // grad_accum
+    if micro % (sizes["data"] * sizes["fsdp"]):
+        raise ValueError(
+            f"The micro-batch ({global_batch_size} / {grad_accum} = {micro}) must divide by the "
+            f"data x fsdp replicas ({sizes['data'] * sizes['fsdp']}) of mesh {mesh!r}.")
+    return sizes
+
+
+def _task_cost_model(model_obj) -> Any:
+    """The built model's cost model, or None if it has none (e.g. a keras-hub model)."""
+    return model_obj.cost_model() if callable(getattr(model_obj, "cost_model", None)) else None
+
+
+def _cost_of_function(model_fn) -> Any:
+    """Builds ``model_fn()`` abstractly (nothing allocated) to ask it for its cost model."""
+    previous_policy = keras.config.dtype_policy()
+    previous_dist = keras.distribution.distribution()
+    keras.utils.clear_session()
+    try:
+        keras.distribution.set_distribution(None)
+        return _task_cost_model(build_abstract(model_fn, None))
+    finally:
+        keras.utils.clear_session()
+        keras.config.set_dtype_policy(previous_policy)
+        keras.distribution.set_distribution(previous_dist)
+
+
+def _formula_flops(cost, global_batch_size, sequence_length, remat) -> float:
+    if cost is None or not sequence_length:
+        return float("nan")
+    per_token = cost.flops_per_token(sequence_length)
+    return (per_token.hardware if remat else per_token.training) * (
+        global_batch_size * sequence_length)
+
+
+def _collectives(compiled, num, grad_accum) -> dict:
+    collectives = hlo.summarize_collectives(hlo.parse_collectives(compiled.as_text(), num))
+    for row in collectives.values():
+        row.update(bytes=row["bytes"] * grad_accum, wire_bytes=row["wire_bytes"] * grad_accum)
+    return collectives
+
+
+def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, grad_accum):
+    if cost is None or (sizes["model"] > 1 and not {"hidden_dim", "num_layers"} <= set(
+            dimensions(cost))):
+        return {}
+    theory = theoretical_collective_bytes(
+        cost, sizes, micro, sequence_length, compute_bytes(policy),
+        gradient_bytes=2 if gradient_reduction == "bfloat16" else None)
+    return {k: v * grad_accum for k, v in theory.items()}
+
+
+def _remat_ratio(cost, sequence_length, remat) -> float:
+    if cost is None or remat:
+        return 1.0
+    return (cost.activation_bytes_per_token(sequence_length, 4, True)
+            / cost.activation_bytes_per_token(sequence_length, 4, False))

@@ -1,0 +1,194 @@
+"""Analytic per-device memory and minimum collective bytes of a training step.
+
+Everything here reads a model through its **cost model** (``kdist.models.base.CostModel``:
+``parameters``, ``flops_per_token``, ``activation_bytes_per_token``), so the same code plans
+a GPT, a BERT or a user's own family. :func:`cost_model_of` turns what a caller has (a
+preset name, a task, a cost model) into one. The mesh search (:mod:`.search`) and the
+suggestions (:mod:`.report`) rank candidates with these figures; :mod:`.compile` then
+confirms the chosen one on the compiled program.
+
+Example:
+    >>> from kdist.planning import estimate
+    >>> e = estimate("gpt-nano", {"data": 1, "fsdp": 8, "model": 1}, 16, 256)
+    >>> e["optimizer_state"] == 2 * e["parameters"]
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# Transformer dimensions the tensor-parallel (``model``) axis splits; a cost model that
+# states them (through its ``config``) gets model-axis meshes in the search.
+SPLIT_BY_MODEL_AXIS = ("num_heads", "num_key_value_heads", "intermediate_dim",
+                       "vocabulary_size")
+DIMENSIONS = ("hidden_dim", "num_layers", *SPLIT_BY_MODEL_AXIS)
+
+
+def precision_policy(precision: str) -> str:
+    """The Keras dtype policy of a plan's precision name.
+
+    Example:
+        >>> precision_policy("bf16"), precision_policy("f32")
+        ('mixed_bfloat16', 'float32')
+    """
+    names = {"f32": "float32", "float32": "float32", "bf16": "mixed_bfloat16",
+             "bfloat16": "mixed_bfloat16", "mixed_bfloat16": "mixed_bfloat16"}
+    if precision not in names:
+        raise ValueError(f"Unknown precision {precision!r}. Use 'float32' (or 'f32') or "
+                         f"'bfloat16' (or 'bf16', Keras mixed_bfloat16).")
+    return names[precision]
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per activation value: 2 under bfloat16 compute, else 4.
+
+    Example:
+        >>> compute_bytes("bf16"), compute_bytes("float32")
+        (2, 4)
+    """
+    return 2 if precision in ("bf16", "bfloat16", "mixed_bfloat16") else 4
+
+
+def preset_backbone_config(preset: str, **overrides) -> dict:
+    """The backbone config of any kdist preset (its task's ``backbone_class.presets``),
+    with ``overrides`` applied.
+
+    Example:
+        >>> preset_backbone_config("gpt-nano", num_layers=2)["num_layers"]
+        2
+    """
+    from kdist.models import task_for_preset
+    from kdist.models.presets import preset_config
+
+    return preset_config(task_for_preset(preset).backbone_class.presets, preset, **overrides)
+
+
+def cost_model_of(model: Any, **overrides) -> Any:
+    """The cost model of ``model``: a preset name (its task's ``cost_model_for``), a built
+    task (``model.cost_model()``), or a cost model itself. A plain config dict is read as a
+    kdist GPT backbone config (the form of ``GPT_PRESETS``' entries, kept for existing
+    callers); ``overrides`` replace a preset's or a config's fields.
+
+    Example:
+        >>> cost_model_of("gpt-nano").parameters > 0
+        True
+    """
+    if hasattr(model, "activation_bytes_per_token") and hasattr(model, "flops_per_token"):
+        return model
+    if isinstance(model, str):
+        from kdist.models import task_for_preset
+
+        return task_for_preset(model).cost_model_for(preset_backbone_config(model, **overrides))
+    if isinstance(model, Mapping):
+        from kdist.models import GPTCausalLM
+
+        return GPTCausalLM.cost_model_for({**model, **overrides})
+    if callable(getattr(model, "cost_model", None)):
+        return model.cost_model()
+    raise TypeError(
+        f"Cannot read the costs of a {type(model).__name__}: pass a kdist preset name, a task "
+        f"with a cost_model() method or a kdist.models.base.CostModel (parameters, "
+        f"flops_per_token, activation_bytes_per_token).")
+
+
+def dimensions(model: Any) -> dict[str, int]:
+    """The Transformer dimensions a model states (``hidden_dim``, ``num_layers``,
+    ``num_heads``, ...): a preset's or a config dict's own, else its cost model's
+    ``config`` or attributes. Empty when it states none: such a model is planned without
+    a ``model`` axis (its activation all-reduces cannot be estimated).
+
+    Example:
+        >>> dimensions({"hidden_dim": 64, "num_layers": 2, "dropout": 0.1})
+        {'hidden_dim': 64, 'num_layers': 2}
+    """
+    if isinstance(model, str):
+        model = preset_backbone_config(model)
+    if not isinstance(model, Mapping):
+        cost = cost_model_of(model)
+        config = getattr(cost, "config", None)
+        model = dict(config) if isinstance(config, Mapping) else {
+            key: getattr(cost, key) for key in DIMENSIONS if hasattr(cost, key)}
+    return {key: model[key] for key in DIMENSIONS
+            if isinstance(model.get(key), int) and not isinstance(model[key], bool)
+            and model[key] > 0}
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_size: int,
+                                 sequence_length: int, compute_bytes: int = 4,
+                                 parameter_bytes: int = 4,
+                                 gradient_bytes: int | None = None) -> dict[str, float]:
+    """The minimum ring wire bytes per device per step, by collective kind, for a strategy.
+
+    ``model`` is anything :func:`cost_model_of` reads. With P the parameter bytes, d/f/m
+    the data/fsdp/model axis sizes and ``ring(n) = (n-1)/n``:
+
+    * fsdp: all-gather the weights for the forward and again for the backward pass
+      (``2 ring(f) P/m``), reduce-scatter the gradients (``ring(f) P/m``);
+    * data: all-reduce the (fsdp- and model-sharded) gradients: ``2 ring(d) P/(f m)``;
+    * model (Megatron): per layer, all-reduce the activations ``B T D`` after the attention
+      output and the MLP down projection in the forward pass, and the input gradients of
+      the query/key/value and MLP up projections in the backward pass (4 all-reduces of
+      ``2 ring(m) x B_local T D`` bytes), plus the vocabulary-parallel embedding's forward and
+      backward all-reduce (2 more), with ``B_local`` the per-replica batch.
+
+    Gradients are reduced in ``gradient_bytes`` per value (default: ``parameter_bytes``; 2
+    with ``gradient_reduction="bfloat16"``). Small all-reduces (loss, gradient norm, softmax
+    statistics) are not counted.
+
+    Example:
+        >>> c = theoretical_collective_bytes("gpt-nano", {"data": 8}, 16, 256)
+        >>> c["all-reduce"] == 2 * 7 / 8 * cost_model_of("gpt-nano").parameters * 4
+        True
+    """
+    cost = cost_model_of(model)
+    d, f, m = mesh.get("data", 1), mesh.get("fsdp", 1), mesh.get("model", 1)
+    p = cost.parameters * parameter_bytes
+    g = cost.parameters * (gradient_bytes or parameter_bytes)
+    out = {"all-gather": 2 * _ring(f) * p / m, "reduce-scatter": _ring(f) * g / m,
+           "all-reduce": 2 * _ring(d) * g / (f * m)}
+    if m > 1:
+        dims = dimensions(model)
+        if "hidden_dim" not in dims or "num_layers" not in dims:
+            raise ValueError(
+                "A model axis needs the model's hidden_dim and num_layers to estimate its "
+                "activation all-reduces; this cost model states neither (give it a config "
+                "with them), or plan a mesh without a model axis.")
+        local_batch = global_batch_size / (d * f)
+        activation = local_batch * sequence_length * dims["hidden_dim"] * compute_bytes
+        out["all-reduce"] += (4 * dims["num_layers"] + 2) * 2 * _ring(m) * activation
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
+             *, precision: str = "float32", remat: bool = False, grad_accum: int = 1) -> dict:
+    """Analytic per-device bytes (weights, optimizer, gradients, activations) of a model on
+    a mesh. ``model`` is anything :func:`cost_model_of` reads. Weights are float32 (mixed
+    precision keeps float32 variables); activations use the compute dtype (the cost
+    model's ``activation_bytes_per_token``); gradient accumulation adds a float32
+    accumulator per weight.
+
+    Example:
+        >>> e = estimate("gpt2-small", {"data": 1, "fsdp": 8, "model": 1}, 64, 1024)
+        >>> e["parameters"] == cost_model_of("gpt2-small").parameters * 4 / 8
+        True
+    """
+    cost = cost_model_of(model)
+    shards = mesh.get("fsdp", 1) * mesh.get("model", 1)
+    weights = cost.parameters * 4 / shards
+    micro_batch = global_batch_size / grad_accum / (mesh.get("data", 1) * mesh.get("fsdp", 1))
+    per_token = cost.activation_bytes_per_token(sequence_length, compute_bytes(precision),
+                                                remat)
+    out = {
+        "parameters": weights,
+        "optimizer_state": 2 * weights + (weights if grad_accum > 1 else 0),
+        "gradients": weights,
+        "activations": micro_batch * sequence_length * per_token / mesh.get("model", 1),
+    }
+    out["total"] = sum(out.values())
+    return out

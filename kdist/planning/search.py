@@ -1,0 +1,135 @@
+"""Choosing a mesh: every (data, fsdp, model) mesh a model and batch allow, ranked by the
+analytic memory and communication of :mod:`.estimate` (``--mesh auto``).
+
+Example:
+    >>> from kdist.planning import choose_mesh
+    >>> choose_mesh("gpt-nano", 8, 2**34, 16, 256)[0]
+    {'data': 8, 'fsdp': 1, 'model': 1}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from kdist.parallel.mesh import mesh_spec
+from kdist.planning.estimate import (
+    SPLIT_BY_MODEL_AXIS,
+    compute_bytes,
+    cost_model_of,
+    dimensions,
+    estimate,
+    theoretical_collective_bytes,
+)
+from kdist.planning.units import USABLE_FRACTION, format_bytes
+
+
+def mesh_devices(spec: str, available: int) -> int:
+    """Devices a mesh spec asks for: the product of its sizes, or all if one is -1 (or the
+    spec is ``auto`` or a strategy shorthand).
+
+    Example:
+        >>> mesh_devices("data=2,model=2", 8), mesh_devices("fsdp=-1", 8), mesh_devices("auto", 8)
+        (4, 8, 8)
+    """
+    sizes = [part.partition("=")[2].strip() for part in spec.split(",")]
+    if spec.strip().lower() in ("auto", "dp", "fsdp", "tp") or "-1" in sizes:
+        return available
+    try:
+        return math.prod(int(s) for s in sizes)
+    except ValueError:
+        return available  # parse_mesh explains what is wrong
+
+
+def candidate_meshes(num_devices: int, model: Any, global_batch_size: int,
+                     grad_accum: int = 1) -> list[dict[str, int]]:
+    """Every (data, fsdp, model) mesh over ``num_devices`` that the model and batch allow.
+
+    ``model`` (anything :func:`~kdist.planning.estimate.cost_model_of` reads, or None for
+    no model constraint): the ``model`` axis must divide its heads, MLP width and
+    vocabulary, the ``fsdp`` axis its hidden size; a model that states no dimensions gets
+    no ``model`` axis.
+
+    Example:
+        >>> [m["model"] for m in candidate_meshes(4, None, 8)]
+        [1, 1, 1, 2, 2, 4]
+    """
+    dims = dimensions(model) if model is not None else None
+    out = []
+    for m in range(1, num_devices + 1):
+        if num_devices % m:
+            continue
+        if dims is not None and m > 1 and (
+                "hidden_dim" not in dims or "num_layers" not in dims
+                or any(dims.get(k) and dims[k] % m for k in SPLIT_BY_MODEL_AXIS)):
+            continue
+        for f in range(1, num_devices // m + 1):
+            if (num_devices // m) % f:
+                continue
+            d = num_devices // (m * f)
+            if (global_batch_size // grad_accum) % (d * f) or global_batch_size % grad_accum:
+                continue
+            if dims and f > 1 and dims.get("hidden_dim") and dims["hidden_dim"] % f:
+                continue
+            out.append({"data": d, "fsdp": f, "model": m})
+    return out
+
+
+def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_size: int,
+                sequence_length: int, *, precision: str = "float32", remat: bool = False,
+                grad_accum: int = 1) -> tuple[dict[str, int], list[dict], str]:
+    """The mesh that fits in memory with the least communication per step (analytic).
+
+    ``model`` is a preset name, a task, a cost model (or a GPT config dict); see
+    :func:`~kdist.planning.estimate.cost_model_of`. Returns ``(mesh, table, why)``: the
+    table has one row per candidate (estimated bytes, wire bytes, ranking cost, fits).
+    Communication is ranked with tensor parallelism's activation all-reduces counted twice
+    (they sit on the critical path; the gradient all-reduce and the weight all-gathers
+    overlap with compute); ties go to fewer ``model`` shards. If nothing fits, the
+    candidate with the least memory is returned and ``why`` says so.
+
+    Example:
+        >>> mesh, _, why = choose_mesh("gpt-nano", 8, 2**34, 16, 256)
+        >>> mesh
+        {'data': 8, 'fsdp': 1, 'model': 1}
+    """
+    cost = cost_model_of(model)
+    dims_source = model if isinstance(model, (str, Mapping)) else cost
+    budget = device_memory * USABLE_FRACTION
+    value_bytes = compute_bytes(precision)
+    micro = global_batch_size // grad_accum
+
+    def wire(mesh):
+        return sum(theoretical_collective_bytes(
+            dims_source, mesh, micro, sequence_length, value_bytes).values()) * grad_accum
+
+    rows = []
+    for mesh in candidate_meshes(num_devices, dims_source, global_batch_size, grad_accum):
+        memory = estimate(cost, mesh, global_batch_size, sequence_length,
+                          precision=precision, remat=remat, grad_accum=grad_accum)["total"]
+        comm = wire(mesh)
+        # Tensor parallelism's activation all-reduces sit on the critical path (each layer
+        # waits for them); gradient all-reduces and weight all-gathers overlap with compute.
+        # So its bytes weigh double when ranking.
+        tp = comm - wire({**mesh, "model": 1}) / mesh["model"]
+        rows.append({"mesh": mesh_spec(mesh), "memory": memory, "wire_bytes": comm,
+                     "cost": comm + max(0.0, tp), "fits": memory <= budget, "_mesh": mesh})
+    if not rows:
+        raise ValueError(
+            f"No mesh over {num_devices} devices suits this model and a global batch of "
+            f"{global_batch_size}: the batch per step must divide by the data x fsdp axes. "
+            f"Use a global batch that is a multiple of {num_devices}.")
+    fitting = [r for r in rows if r["fits"]]
+    if fitting:
+        best = min(fitting, key=lambda r: (r["cost"], r["_mesh"]["model"]))
+        why = (f"{best['mesh']}: fits ({format_bytes(best['memory'])} estimated of "
+               f"{format_bytes(budget)} usable per device) with the least communication "
+               f"({format_bytes(best['wire_bytes'])} per device per step; tensor-parallel "
+               f"bytes weigh double) of the {len(fitting)} fitting meshes out of {len(rows)}")
+    else:
+        best = min(rows, key=lambda r: r["memory"])
+        why = (f"no mesh fits {format_bytes(budget)} usable per device; {best['mesh']} needs "
+               f"the least ({format_bytes(best['memory'])} estimated)")
+    table = [{k: v for k, v in r.items() if k != "_mesh"} for r in rows]
+    return best["_mesh"], table, why

@@ -1,0 +1,168 @@
+"""A run's report: read its ``throughput.jsonl``, summarise it in a few lines, plot it.
+
+``kdist report RUN_DIR`` (:mod:`kdist.cli`) calls :func:`write_report`; it works on a
+finished or a running run (a half-written last line is skipped).
+
+Example:
+    >>> print(summarize([{"kind": "config", "step": 0, "num_devices": 1}]))  # doctest: +ELLIPSIS
+    run : running, step 0, 0 tokens
+    ...
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from kdist.callbacks.throughput import JSONL_NAME
+
+REPORT_PNG = "report.png"
+
+
+def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``RUN_DIR/throughput.jsonl``; a half-written last line is skipped.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (d / "throughput.jsonl").write_text('{"kind": "config", "step": 0}\\n{"ki')
+        >>> read_rows(d)
+        [{'kind': 'config', 'step': 0}]
+    """
+    path = Path(run_dir) / JSONL_NAME
+    if not path.is_file():
+        raise ValueError(f"No {JSONL_NAME} in {run_dir}. Pass the log_dir of a run trained "
+                         f"with kdist.callbacks.Throughput (the recipes' --output-dir).")
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a running run may be mid-write
+    return rows
+
+
+def _series(rows, kind, key):
+    pairs = [(r["step"], r[key]) for r in rows if r.get("kind") == kind and r.get(key) is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
+    """A few lines about a run: where it is, throughput, MFU, goodput, losses, memory.
+
+    Figures are medians over the last (up to) five intervals. Where the intervals report no
+    MFU (its peak was too low to trust), the line says why instead.
+
+    Example:
+        >>> text = summarize([{"kind": "config", "step": 0, "num_devices": 1}])
+        >>> print(text)  # doctest: +ELLIPSIS
+        run ...: running, step 0, 0 tokens
+        ...
+    """
+    configs = [i for i, r in enumerate(rows) if r.get("kind") == "config"]
+    config = rows[configs[-1]] if configs else {}
+    current = rows[configs[-1]:] if configs else rows
+    finished = any(r.get("kind") == "end" for r in current)
+    intervals = [r for r in rows if r.get("kind") == "interval"]
+    recent = [r for r in intervals if r.get("tokens_per_s") is not None][-5:]
+    last = intervals[-1] if intervals else {}
+    step = max((r.get("step", 0) for r in rows), default=0)
+
+    def median(key):
+        values = [r[key] for r in recent if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    lines = [f"run {run_dir}: {'finished' if finished else 'running'}, step {step}, "
+             f"{last.get('tokens', 0):,} tokens"]
+    if config:
+        lines.append(f"devices: {config.get('num_devices')} x {config.get('device_kind')}, "
+                     f"peak {config.get('peak')}")
+        lines.append(f"FLOPs: {config.get('flops_per_token', 0):.4g} per token; "
+                     f"{config.get('flops_convention')}")
+    if recent:
+        mfu = median("mfu")
+        unreliable = next((r["mfu_unreliable"] for r in reversed(recent)
+                           if r.get("mfu_unreliable")), None)
+        line = (f"throughput: {median('tokens_per_s'):,.0f} tokens/s "
+                f"({median('tokens_per_s_per_device'):,.0f} per device), "
+                f"{median('examples_per_s'):,.2f} examples/s, "
+                f"step {median('step_time_median_s'):.3f} s median / "
+                f"{median('step_time_p90_s'):.3f} s p90, "
+                f"{median('tflops_per_device'):.3g} TFLOP/s per device, "
+                + (f"MFU {mfu:.1%}" if mfu is not None else "MFU not reported"))
+        if median("hfu") is not None:
+            line += f", HFU {median('hfu'):.1%} (remat)"
+        if unreliable:
+            line += f" ({unreliable})"
+        lines.append(line)
+    if last:
+        lines.append(f"time: compile {last.get('compile_s') or 0:.1f} s, evaluation "
+                     f"{last.get('eval_s') or 0:.1f} s, stalls {last.get('stall_s') or 0:.1f} s, "
+                     f"goodput {last.get('goodput') or 0:.1%} of "
+                     f"{last.get('elapsed_s') or 0:.0f} s")
+        memory = last.get("memory_peak_bytes")
+        if memory is not None:
+            lines.append(f"memory: peak {memory / 2**30:.2f} GiB "
+                         f"({last.get('memory_source')}), in use "
+                         f"{last.get('memory_in_use_bytes', 0) / 2**30:.2f} GiB")
+    _, train = _series(rows, "interval", "loss")
+    _, val = _series(rows, "validation", "val_loss")
+    if train or val:
+        parts = []
+        if train:
+            parts.append(f"train {train[-1]:.4f}")
+        if val:
+            parts.append(f"validation {val[-1]:.4f} (best {min(val):.4f})")
+        lines.append("loss: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple[Path, str]:
+    """Plots a run into a PNG (loss, tokens/s, MFU, step time against step) and summarises it.
+
+    Works on a finished or a running run. Returns the PNG's path and the summary text.
+
+    Example:
+        >>> png, text = write_report("runs/gpt_pretrain")  # doctest: +SKIP
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(run_dir)
+    output = Path(output) if output else Path(run_dir) / REPORT_PNG
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    (loss_ax, tps_ax), (mfu_ax, time_ax) = axes
+
+    loss_ax.plot(*_series(rows, "interval", "loss"), label="train (running epoch mean)")
+    loss_ax.plot(*_series(rows, "validation", "val_loss"), "o-", label="validation")
+    loss_ax.set(title="loss", xlabel="step", ylabel="loss")
+    loss_ax.legend()
+
+    tps_ax.plot(*_series(rows, "interval", "tokens_per_s"))
+    tps_ax.set(title="throughput", xlabel="step", ylabel="tokens / s (global)")
+
+    mfu_ax.plot(*_series(rows, "interval", "mfu"), label="MFU")
+    steps, hfu = _series(rows, "interval", "hfu")
+    if hfu:
+        mfu_ax.plot(steps, hfu, "--", label="HFU (with remat recompute)")
+    configs = [r for r in rows if r.get("kind") == "config"]
+    peak = configs[-1].get("peak", "") if configs else ""
+    mfu_ax.set(title=f"MFU (peak {peak})", xlabel="step", ylabel="model FLOPs utilisation")
+    mfu_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    mfu_ax.legend()
+
+    time_ax.plot(*_series(rows, "interval", "step_time_median_s"), label="median")
+    time_ax.plot(*_series(rows, "interval", "step_time_p90_s"), label="p90")
+    time_ax.set(title="step time (per optimizer step)", xlabel="step", ylabel="seconds")
+    time_ax.legend()
+
+    text = summarize(rows, run_dir)
+    fig.suptitle(text.splitlines()[0], fontsize=10)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return output, text

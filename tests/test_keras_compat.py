@@ -1,0 +1,80 @@
+"""Every private Keras/JAX API kdist uses (kdist/_keras_compat.py) still works as relied on.
+
+A failure here after an upgrade names the function to fix, instead of a training run
+breaking deep inside fit."""
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+from kdist import _keras_compat as compat
+from tests.helpers import tiny_gpt
+
+
+def test_checked_versions_are_the_installed_ones_or_the_pins_moved():
+    assert keras.__version__.startswith("3.15"), "re-check kdist/_keras_compat.py for keras"
+    assert jax.__version__.startswith("0.10"), "re-check kdist/_keras_compat.py for jax"
+
+
+def test_fit_state_helpers():
+    model = tiny_gpt()
+    model.compile(optimizer="adamw")
+    compat.set_initial_epoch(model, 3)
+    compat.set_initial_epoch(model, None)
+    x = np.zeros((8, 16), "int32")
+    compat.symbolic_build(model, (x, x))
+    assert model.optimizer.built or model.compiled
+    trainable, non_trainable, optimizer, metrics = compat.jax_state(model)
+    assert len(trainable) == len(model.trainable_variables)
+    assert compat.optimizer_iterations(model.optimizer).path.endswith("iteration")
+    assert compat.learning_rate_schedule(model.optimizer) is not None
+    assert model in compat.all_layers(model)
+
+
+def test_schedule_at_update_count_under_accumulation():
+    schedule = keras.optimizers.schedules.PolynomialDecay(1.0, 10, end_learning_rate=0.0)
+
+    @compat.schedule_at_update_count
+    class SGD(keras.optimizers.SGD):
+        pass
+
+    opt = SGD(learning_rate=schedule, gradient_accumulation_steps=4)
+    opt.build([keras.Variable(np.zeros(2))])
+    compat.optimizer_iterations(opt).assign(20)  # 20 micro-batches = 5 updates
+    assert int(opt.iterations) == 5
+    assert float(opt.learning_rate) == 0.5  # the schedule at 5, not at 20 (0.0)
+
+
+def test_end_fit_epoch_finds_fits_epoch_iterator():
+    seen = []
+
+    class End(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            compat.end_fit_epoch()  # must find fit's epoch_iterator up the stack
+            seen.append(epoch)
+
+    model = keras.Sequential([keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=1, verbose=0, callbacks=[End()])
+    assert seen == [0]
+    with pytest.raises(compat.CompatibilityError, match="epoch iterator"):
+        compat.end_fit_epoch()  # outside fit
+
+
+def test_abstract_variables_and_layouts():
+    with keras.StatelessScope(initialize_variables=False):
+        layer = keras.layers.Dense(4)
+        layer.build((None, 3))
+    compat.forget_pending_variables()
+    assert compat.variable_layout(layer.kernel) is None
+    compat.set_variable_layout(layer.kernel, "a layout")
+    assert compat.variable_layout(layer.kernel) == "a layout"
+
+
+def test_process_helpers_in_one_process():
+    assert compat.distributed_client() is None
+    assert compat.coordinator_address() is None
+    assert compat.jax_backends_started()  # conftest's session already uses the devices
+    assert all(hasattr(env, "is_env_present") for env in compat.cluster_environments())
+    compat.sync_keras_seed()
