@@ -164,13 +164,15 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int):
     return dist.device_mesh.backend_mesh, replicas, model, fsdp
 
 
-# "auto" (GPTCausalLM's default loss_chunk_size): the fused loss where it was measured faster
-# (benchmarks/README.md, 1 device, float32, CPU): gpt-nano's shape, batch 8 x 256 x 8192
-# float32 logits = 64 MiB, chunks of 64 positions (16 MiB): 2,785 tokens/s against 2,630 with
-# logits, 1.20x keras-hub against 0.96x (peers.py); gpt2-small's 50256 vocabulary, 8 x 128
-# (196 MiB), chunks of 32 (49 MiB): 1.12x [1.03, 1.25] (optimisations.py). On an H200 it
-# changed nothing (0.98-1.005x, gpu.py): there, and below 64 MiB of logits (unmeasured),
-# "auto" keeps today's logits and Keras' loss.
+# "auto" (GPTCausalLM's default loss_chunk_size): the fused loss where it was measured faster,
+# in one quiet run on 1 device, float32, CPU (benchmarks/defaults.py, benchmarks/README.md):
+# GPT-2's vocabulary (50257), 2 x 1024 (392 MiB of logits), chunks of 128: 1.045x [1.032,
+# 1.045] the logits path, 1.11x keras-hub; gpt2-small's vocabulary at 8 x 128 (196 MiB),
+# chunks of 32: 1.12x [1.03, 1.25] (optimisations.py, under load). With gpt-nano's 8192
+# entries it was slower at 16 x 256 (128 MiB) and 32 x 256 (256 MiB): 0.961x [0.957, 0.985]
+# and 0.966x [0.960, 0.971] — so the vocabulary decides, not the logits' size alone. On an
+# H200 it changed nothing (0.98-1.005x, gpu.py). Elsewhere "auto" keeps the logits.
+AUTO_MIN_VOCABULARY = 32768
 AUTO_MIN_LOGITS_BYTES = 64 * 2**20
 AUTO_MAX_CHUNK_BYTES = 64 * 2**20
 AUTO_MIN_CHUNKS = 4
@@ -180,18 +182,19 @@ def auto_chunk_size(batch, length, vocabulary_size: int, table_rows: int | None 
                     hidden_dim: int | None = None, platform: str | None = None) -> int | None:
     """The fused loss's chunk size that ``loss_chunk_size="auto"`` picks, or None (logits).
 
-    The fused loss when the step's float32 logits ``batch x length x vocabulary_size x 4``
-    bytes are at least :data:`AUTO_MIN_LOGITS_BYTES` on a CPU; chunks of the largest
+    The fused loss on a CPU when the vocabulary has at least :data:`AUTO_MIN_VOCABULARY`
+    entries and the step's float32 logits ``batch x length x vocabulary_size x 4`` bytes
+    are at least :data:`AUTO_MIN_LOGITS_BYTES`; chunks of the largest
     divisor of ``length`` giving at least :data:`AUTO_MIN_CHUNKS` chunks of at most
-    :data:`AUTO_MAX_CHUNK_BYTES` logits (both measured configurations: 4 chunks of 16 and
-    49 MiB). None on GPU/TPU (no gain measured), for smaller logits, for shapes not known
+    :data:`AUTO_MAX_CHUNK_BYTES` logits. None on GPU/TPU (no gain measured), for smaller
+    vocabularies or logits (measured slower, see above), for shapes not known
     when tracing, and where the fused loss cannot run sharded on the active mesh (see
     :func:`chunked_cross_entropy`). ``batch`` is the batch being traced (inside
     :mod:`kdist.parallel.reduction`'s per-device region: one device's rows).
 
     Example:
-        >>> auto_chunk_size(8, 256, 8192, platform="cpu"), auto_chunk_size(2, 16, 256)
-        (64, None)
+        >>> auto_chunk_size(2, 1024, 50257, platform="cpu"), auto_chunk_size(16, 256, 8192)
+        (128, None)
     """
     if not all(isinstance(n, int) and n > 0 for n in (batch, length, vocabulary_size)):
         return None
@@ -201,7 +204,8 @@ def auto_chunk_size(batch, length, vocabulary_size: int, table_rows: int | None 
 
     rows = batch * (replica_count() if in_manual_region() else 1)  # the whole step's
     per_position = 4 * rows * vocabulary_size
-    if platform != "cpu" or per_position * length < AUTO_MIN_LOGITS_BYTES:
+    if platform != "cpu" or vocabulary_size < AUTO_MIN_VOCABULARY \
+            or per_position * length < AUTO_MIN_LOGITS_BYTES:
         return None
     try:
         if hidden_dim is not None:

@@ -84,22 +84,27 @@ def test_config_round_trip_and_from_preset_arguments():
 
 
 def test_auto_fused_loss_follows_the_measured_rule():
-    # gpt-nano at batch 8: 64 MiB of float32 logits, 4 chunks of 64 positions (measured).
-    assert auto_chunk_size(8, 256, 8192, platform="cpu") == 64
+    # Measured (benchmarks/defaults.py): faster with GPT-2's vocabulary, slower with 8192.
+    assert auto_chunk_size(2, 1024, 50257, platform="cpu") == 128
+    assert auto_chunk_size(32, 256, 8192, platform="cpu") is None  # 256 MiB, V 8192: slower
     assert auto_chunk_size(8, 128, 50257, platform="cpu") == 32  # gpt2-small's measured shape
     assert auto_chunk_size(16, 1024, 50257, platform="cpu") == 16  # <= 64 MiB per chunk
-    assert auto_chunk_size(4, 256, 8192, platform="cpu") is None  # 32 MiB: logits
-    assert auto_chunk_size(8, 256, 8192, platform="gpu") is None  # no gain on the H200
-    assert auto_chunk_size(None, 256, 8192, platform="cpu") is None  # symbolic batch
-    lm = GPTCausalLM.from_preset("gpt-nano", num_layers=1)
+    assert auto_chunk_size(1, 256, 50257, platform="cpu") is None  # 49 MiB: logits
+    assert auto_chunk_size(8, 128, 50257, platform="gpu") is None  # no gain on the H200
+    assert auto_chunk_size(None, 256, 50257, platform="cpu") is None  # symbolic batch
+    lm = GPTCausalLM.from_preset("gpt-nano", num_layers=1, vocabulary_size=50257)
     lm.compile(optimizer="adam")
-    assert lm.fused_loss_chunk_size(8, 256) == 64 and lm.fused_loss_chunk_size(2, 16) is None
+    assert lm.fused_loss_chunk_size(8, 128) == 32 and lm.fused_loss_chunk_size(2, 16) is None
     lm.compile(optimizer="adam", metrics=["accuracy"])  # metrics need logits
-    assert lm.fused_loss_chunk_size(8, 256) is None
+    assert lm.fused_loss_chunk_size(8, 128) is None
     for off in (None, 0):
-        lm = GPTCausalLM.from_preset("gpt-nano", num_layers=1, loss_chunk_size=off)
+        lm = GPTCausalLM.from_preset("gpt-nano", num_layers=1, vocabulary_size=50257,
+                                     loss_chunk_size=off)
         lm.compile(optimizer="adam")
-        assert lm.fused_loss_chunk_size(8, 256) is None
+        assert lm.fused_loss_chunk_size(8, 128) is None
+    nano = GPTCausalLM.from_preset("gpt-nano", num_layers=1)  # the main job's vocabulary
+    nano.compile(optimizer="adam")
+    assert nano.fused_loss_chunk_size(16, 256) is None
 
 
 def test_fused_loss_with_sample_weight_computes_keras_weighted_loss():
@@ -160,19 +165,19 @@ def test_in_graph_check_is_never_a_silent_zero_loss():
 
 
 def test_auto_default_trains_fused_where_logits_are_large_with_the_same_loss():
-    # 8 x 256 x 8192 float32 logits = 64 MiB: "auto" takes the fused loss, chunks of 64.
-    shape = dict(vocabulary_size=8192, num_layers=1, num_heads=2, hidden_dim=32,
+    # 2 x 256 x 32768 float32 logits = 64 MiB: "auto" takes the fused loss, chunks of 64.
+    shape = dict(vocabulary_size=32768, num_layers=1, num_heads=2, hidden_dim=32,
                  intermediate_dim=64, max_sequence_length=256)
-    tokens = np.random.default_rng(0).integers(0, 8192, (8, 257)).astype("int32")
+    tokens = np.random.default_rng(0).integers(0, 32768, (2, 257)).astype("int32")
     losses = []
     for chunk in ("auto", None):
         keras.utils.set_random_seed(0)
         lm = GPTCausalLM(GPTBackbone(**shape), loss_chunk_size=chunk)
         lm.compile(optimizer="adam")
-        assert lm.fused_loss_chunk_size(8, 256) == (64 if chunk else None)
+        assert lm.fused_loss_chunk_size(2, 256) == (64 if chunk else None)
         with mock.patch("kdist.models.losses.chunked_cross_entropy",
                         wraps=chunked_cross_entropy) as fused:
-            losses.append(lm.fit(tokens[:, :-1], tokens[:, 1:], batch_size=8, epochs=2,
+            losses.append(lm.fit(tokens[:, :-1], tokens[:, 1:], batch_size=2, epochs=2,
                                  verbose=0).history["loss"])
         assert fused.called == (chunk == "auto")
     np.testing.assert_allclose(losses[0], losses[1], rtol=2e-6)
