@@ -8,19 +8,16 @@ all-gather / reduce-scatter (n-1)/n x size); the minimum per strategy is
 all-gather of the weights forward and backward + reduce-scatter of the gradients; model:
 4 activation all-reduces per layer + 2 for the vocabulary-parallel embedding).
 
-    XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false" \\
-        PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/communication.py   # ~4 min
+    PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/communication.py   # ~4 min
 """
 
 import argparse
 import json
-import os
 from pathlib import Path
 
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false")
+import kdist  # noqa: E402
 
-import kdist  # noqa: E402,F401  (before jax: Keras' JAX backend)
+kdist.force_host_devices(8)  # before anything starts JAX's devices
 
 # isort: split
 from kdist.planning import format_bytes, plan  # noqa: E402

@@ -8,19 +8,16 @@ devices (1 device for the 1-device rows). The keras-hub model is ``GPT2Backbone`
 ``kdist.parallel.auto`` (``auto_shard=True``); both use kdist's AdamW and sparse
 categorical cross-entropy on float32 logits.
 
-    XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false" \\
-        PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/memory.py   # ~10 min on 2 cores
+    PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/memory.py   # ~10 min on 2 cores
 """
 
 import argparse
 import json
-import os
 from pathlib import Path
 
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false")
+import kdist  # noqa: E402
 
-import kdist  # noqa: E402,F401  (before jax: Keras' JAX backend)
+kdist.force_host_devices(8)  # before anything starts JAX's devices
 
 # isort: split
 import jax  # noqa: E402

@@ -3,8 +3,9 @@
 On forced host devices every "device" shares the same CPU cores, so this measures the
 overhead a strategy's sharding adds (collectives, resharding), not a speed-up.
 
-    XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false" \
-        .venv/bin/python benchmarks/mesh_step_time.py --preset gpt-nano --out mesh_step_time.json
+    NPROC=32 XLA_FLAGS="--xla_force_host_platform_device_count=8 \
+    --xla_cpu_multi_thread_eigen=false" .venv/bin/python benchmarks/mesh_step_time.py \
+        --preset gpt-nano --out mesh_step_time.json
 """
 
 import argparse
