@@ -147,7 +147,7 @@ def test_launcher_blames_the_killed_rank_when_several_fail_in_one_poll():
 def test_launcher_forwards_sigterm_and_prefixes_output(tmp_path, child_env):
     child = tmp_path / "child.py"
     child.write_text(
-        "import os, signal, sys, time\n"
+        "import os, signal, sys\n"
         "rank = os.environ['KERAS_DISTRIBUTION_PROCESS_ID']\n"
         "def stop(signum, frame):\n"
         "    open(os.path.join(sys.argv[1], 'term' + rank), 'w').write(str(signum))\n"
@@ -156,7 +156,8 @@ def test_launcher_forwards_sigterm_and_prefixes_output(tmp_path, child_env):
         "print('ready', os.environ['KERAS_DISTRIBUTION_NUM_PROCESSES'],\n"
         "      [f for f in os.environ['XLA_FLAGS'].split() if 'count' in f][0],\n"
         "      'eigen=false' in os.environ['XLA_FLAGS'], flush=True)\n"
-        "time.sleep(120)\n"
+        "signal.alarm(120)  # a bound, should the launcher never forward the signal\n"
+        "signal.pause()  # until the forwarded SIGTERM\n"
     )
     run = Launched("--processes", "2", "--devices-per-process", "3", str(child), str(tmp_path))
     run.wait_for(both_ready)
