@@ -204,3 +204,11 @@ def aggregate_additional_loss(model, loss):
     """One of ``model.losses`` (regularisers, ``add_loss``) reduced as Keras' own
     ``compute_loss`` does (``Trainer._aggregate_additional_loss``)."""
     return model._aggregate_additional_loss(loss)
+
+
+def update_metrics_variables(model, metrics_variables, unscaled_loss, x, y, y_pred,
+                             sample_weight):
+    """``(logs, new metrics_variables)`` as the JAX trainer's ``train_step`` computes them
+    after the update (``JAXTrainer._update_metrics_variables``)."""
+    return model._update_metrics_variables(metrics_variables, unscaled_loss, x, y, y_pred,
+                                           sample_weight)

@@ -76,9 +76,14 @@ def parse_args(argv=None):
                    default=None,
                    help="attend over key chunks of this size, keeping no probabilities "
                         "(saves memory where no flash attention runs, e.g. CPU)")
-    p.add_argument("--gradient-reduction", default=None, choices=["float32", "bfloat16"],
+    p.add_argument("--gradient-reduction", default=None,
+                   choices=["float32", "bfloat16", "float8", "int8"],
                    help="kdist reduces each gradient once (reduce-scatter + all-reduce), in "
-                        "this type; default: XLA places the reductions (kdist.parallel.reduction)")
+                        "this type; float8/int8: 8-bit codes on the wire, summed in float32; "
+                        "default: XLA places the reductions (kdist.parallel.reduction)")
+    p.add_argument("--error-feedback", action="store_true",
+                   help="with --gradient-reduction float8/int8: carry each device's "
+                        "quantisation error to the next step (in the optimizer state)")
     p.add_argument("--grad-accum", type=positive_int("--grad-accum", 2), default=1,
                    help="micro-batches per step")
     p.add_argument("--learning-rate", type=positive_float("--learning-rate", 2e-3),
@@ -130,6 +135,9 @@ def check_args(args):
     if args.global_batch_size % args.grad_accum:
         raise ValueError(f"--grad-accum ({args.grad_accum}) must be a positive divisor of "
                          f"--global-batch-size ({args.global_batch_size}).")
+    if args.error_feedback and args.gradient_reduction not in ("float8", "int8"):
+        raise ValueError(f"--error-feedback needs --gradient-reduction float8 or int8; got "
+                         f"{args.gradient_reduction}.")
     check_warmup(args)
     preset = kdist.models.presets.preset_config(kdist.models.GPT_PRESETS, args.preset)
     check_sequence_length(args, preset["max_sequence_length"], f"--preset {args.preset}")
@@ -164,7 +172,8 @@ def main(argv=None):
         mesh = kdist.plan.mesh_spec(chosen)
         print(f"mesh auto: {why}")
     keras.distribution.set_distribution(
-        kdist.distribution(mesh, gradient_reduction=args.gradient_reduction))
+        kdist.distribution(mesh, gradient_reduction=args.gradient_reduction,
+                           error_feedback=args.error_feedback))
     keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
 
     micro_batch = args.global_batch_size // args.grad_accum

@@ -168,6 +168,10 @@ class Task:
     def compile(self, optimizer="adamw", loss=None, **kwargs):
         step.check_compile(self)  # before any compilation
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        step.prepare(self)  # state the step features keep (error-feedback residuals)
+
+    def train_step(self, state, data):
+        return step.train_step(self, super().train_step, state, data)
 
     def compute_loss_and_updates(self, trainable_variables, non_trainable_variables,
                                  metrics_variables, x, y, sample_weight, training=False,

@@ -26,6 +26,7 @@ from kdist.models.base import Backbone, CostModel, Task
 from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEmbedding
 from kdist.models.layers import NORM_AXES, PostNormBlock
 from kdist.models.presets import BERT_PRESETS
+from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import check_divisible
 from kdist.parallel.rules import add_weight, build_with_axes
 
@@ -126,7 +127,7 @@ class BertBackbone(Backbone, keras.Model):
             num_segments, hidden_dim, initializer_range, dtype=dtype, name="segment_embedding")
         self.embeddings_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="embeddings_norm")
-        self.embeddings_dropout = layers.Dropout(dropout, dtype=dtype, name="embeddings_dropout")
+        self.embeddings_dropout = Dropout(dropout, dtype=dtype, name="embeddings_dropout")
         self.blocks = [
             PostNormBlock(
                 num_heads,
@@ -237,7 +238,7 @@ class BertMaskedLM(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    step_features = frozenset()  # XLA's reductions; no fused loss (the head is not tied-only)
+    step_features = frozenset({"gradient_reduction"})  # no fused loss: the head is not tied-only
     token_id_labels = True  # mask_ids are token ids
 
     def __init__(self, backbone: BertBackbone, check_token_ids: bool = False, **kwargs):
@@ -309,7 +310,7 @@ class BertClassifier(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    step_features = frozenset()
+    step_features = frozenset({"gradient_reduction"})
 
     def __init__(self, backbone: BertBackbone, num_classes: int,
                  classifier_dropout: float = 0.1, check_token_ids: bool = False, **kwargs):
@@ -318,7 +319,7 @@ class BertClassifier(Task, keras.Model):
         # === Layers ===
         self.backbone = backbone
         self.check_token_ids = check_token_ids  # in the step: see GPTCausalLM
-        self.dropout_layer = layers.Dropout(classifier_dropout, dtype=backbone.dtype_policy,
+        self.dropout_layer = Dropout(classifier_dropout, dtype=backbone.dtype_policy,
                                             name="classifier_dropout")
         self.head = layers.Dense(num_classes, kernel_initializer=_normal(
             backbone.initializer_range), dtype=backbone.dtype_policy, name="classifier_head")

@@ -24,6 +24,7 @@ from kdist.models.layers import (
     normalization,
 )
 from kdist.models.presets import GPT_PRESETS
+from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import check_divisible, current_mesh_shape
 from kdist.parallel.rules import build_with_axes
 
@@ -168,7 +169,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.position_embedding = None if rotary else PositionEmbedding(
             max_sequence_length, initializer_range, dtype=dtype, name="position_embedding"
         )
-        self.embedding_dropout = layers.Dropout(dropout, dtype=dtype, name="embedding_dropout")
+        self.embedding_dropout = Dropout(dropout, dtype=dtype, name="embedding_dropout")
         self.blocks = [
             PreNormBlock(
                 num_heads,

@@ -25,25 +25,36 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def manual_region():
+def manual_region(batch_axes: Sequence[str] = ()):
     """Marks the tracing of a per-device computation: kdist's sharding constraints
     (``shard_batch``, ``gathered``) and the fused loss's own ``shard_map`` step aside.
 
+    ``batch_axes``: the manual axes over which the batch is split here (each device holds
+    a contiguous block of rows); regions nest, and :func:`manual_batch_axes` gives them
+    all, so per-device code (``kdist.parallel.dropout``) can find its rows' offset.
+
     Example:
-        >>> with manual_region():
-        ...     assert in_manual_region()
+        >>> with manual_region(("data",)):
+        ...     assert in_manual_region() and manual_batch_axes() == ("data",)
     """
-    previous = getattr(_state, "manual", False)
+    previous = getattr(_state, "manual", False), manual_batch_axes()
     _state.manual = True
+    _state.batch_axes = tuple(a for a in REPLICA_AXES if a in {*previous[1], *batch_axes})
     try:
         yield
     finally:
-        _state.manual = previous
+        _state.manual, _state.batch_axes = previous
 
 
 def in_manual_region() -> bool:
     """Whether a per-device computation is being traced (see :func:`manual_region`)."""
     return getattr(_state, "manual", False)
+
+
+def manual_batch_axes() -> tuple[str, ...]:
+    """The manual axes the batch is split over in the regions being traced, in the batch
+    layout's order (outermost first): a device's rows are block ``axis_index(axes)``."""
+    return getattr(_state, "batch_axes", ())
 
 
 def shard_batch(x):

@@ -28,7 +28,7 @@ from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, device_grid, mesh_spec,
 # replicated (seed-generator states, metric accumulators, scalar counters).
 REPLICATE_BELOW = 4096
 
-GRADIENT_REDUCTIONS = (None, "float32", "bfloat16")
+GRADIENT_REDUCTIONS = (None, "float32", "bfloat16", "float8", "int8")
 
 
 class BatchLayout(TensorLayout):
@@ -66,11 +66,12 @@ class KdistDistribution(ModelParallel):
 
     def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True,
                  auto_shard: bool = False, allow_replicated: Sequence[str] = (),
-                 gradient_reduction: str | None = None):
+                 gradient_reduction: str | None = None, error_feedback: bool = False):
         # Before Keras' __init__, which reads num_model_replicas when there are several
         # processes.
         self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
         self.gradient_reduction = gradient_reduction
+        self.error_feedback = error_feedback
         super().__init__(layout_map=LayoutMap(device_mesh), batch_dim_name="data",
                          auto_shard_dataset=auto_shard_dataset)
         # Weights without logical axes: kdist.parallel.auto (structure and shape).
@@ -156,7 +157,8 @@ class KdistDistribution(ModelParallel):
 def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                  auto_shard_dataset: bool = False, auto_shard: bool = False,
                  allow_replicated: Sequence[str] = (),
-                 gradient_reduction: str | None = None) -> KdistDistribution:
+                 gradient_reduction: str | None = None,
+                 error_feedback: bool = False) -> KdistDistribution:
     """Builds the Keras distribution for a mesh spec over all (or the given) devices.
 
     Set it before building the model; ``compile`` and ``fit`` then run sharded. With several
@@ -169,8 +171,10 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     ``gradient_reduction="float32"`` or ``"bfloat16"``: models that declare the
     ``"gradient_reduction"`` step feature reduce each weight's gradient themselves, once,
     as a reduce-scatter over ``fsdp`` and an all-reduce over ``data``, in that type
-    (:mod:`kdist.parallel.reduction`; meshes without ``model``, no dropout); None leaves the
-    reductions to XLA.
+    (:mod:`kdist.parallel.reduction`); ``"float8"`` or ``"int8"`` exchange 8-bit codes with
+    a scale per block and sum in float32 (:mod:`kdist.parallel.compression`), with
+    ``error_feedback=True`` carrying each device's quantisation error to the next step (in
+    the optimizer state); None leaves the reductions to XLA.
 
     Example:
         >>> import keras, kdist
@@ -178,19 +182,22 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     """
     if gradient_reduction not in GRADIENT_REDUCTIONS:
         raise ValueError(f"gradient_reduction must be None (XLA places the reductions), "
-                         f"'float32' or 'bfloat16'; got {gradient_reduction!r}.")
+                         f"'float32', 'bfloat16', 'float8' or 'int8'; got "
+                         f"{gradient_reduction!r}.")
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"error_feedback must be True or False; got {error_feedback!r}.")
+    if error_feedback and gradient_reduction not in ("float8", "int8"):
+        raise ValueError(
+            f"error_feedback=True carries the error of 8-bit gradient codes to the next step; "
+            f"it needs gradient_reduction='float8' or 'int8', got {gradient_reduction!r}.")
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
     sizes = parse_mesh(spec, len(devices))
-    if gradient_reduction and sizes["model"] > 1:
-        raise ValueError(
-            f"gradient_reduction={gradient_reduction!r} covers the data and fsdp axes; mesh "
-            f"'{spec}' has a model axis of {sizes['model']}. Use a mesh without 'model' or "
-            f"gradient_reduction=None (XLA places the reductions).")
     grid = device_grid(devices, sizes)
     mesh = DeviceMesh(shape=grid.shape, axis_names=MESH_AXES, devices=grid)
     return KdistDistribution(mesh, auto_shard_dataset=auto_shard_dataset,
                              auto_shard=auto_shard, allow_replicated=allow_replicated,
-                             gradient_reduction=gradient_reduction)
+                             gradient_reduction=gradient_reduction,
+                             error_feedback=error_feedback)
 
 
 def active() -> KdistDistribution | None:

@@ -11,6 +11,7 @@ attention) is one more branch here and one more module of :mod:`kdist.parallel`.
 from __future__ import annotations
 
 from kdist.parallel import reduction
+from kdist.parallel import train_step as stateful
 from kdist.parallel.layout import active
 
 # Name -> what a task declaring it promises.
@@ -52,8 +53,38 @@ def check_compile(model) -> None:
                 f"{type(model).__name__} does not support (it does not declare the "
                 f"'{feature}' step feature), so it would silently train with XLA's "
                 f"reductions. Build the distribution with {feature}=None.")
-    if "gradient_reduction" in requested_features():
-        reduction.check(dist, model)
+
+
+def prepare(model) -> None:
+    """After Keras' ``compile`` (before anything is compiled by XLA): refuses what the
+    requested features cannot compute for this model and loss, then adds the state they
+    keep (error-feedback residuals) to the optimizer, which is built now so that it exists
+    before ``fit`` or a checkpoint restore looks for it."""
+    dist = active()
+    if dist is None or "gradient_reduction" not in requested_features():
+        return
+    reduction.check(dist, model)
+    if not dist.error_feedback:
+        return
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    reduction.add_residuals(dist, model, model.optimizer)
+
+
+def _residual_indices(model):
+    dist = active()
+    if dist is None or not dist.error_feedback or getattr(model, "optimizer", None) is None:
+        return None
+    return reduction.residual_indices(model, model.optimizer)
+
+
+def train_step(model, keras_train_step, state, data):
+    """Keras' ``train_step``, or kdist's where a step feature keeps state of its own
+    (:mod:`kdist.parallel.train_step`)."""
+    indices = _residual_indices(model)
+    if indices is None:
+        return keras_train_step(state, data)
+    return stateful.train_step(model, state, data, indices)
 
 
 def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_variables,
@@ -65,8 +96,10 @@ def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_
     """
     if training and "gradient_reduction" in requested_features() \
             and supports(model, "gradient_reduction"):
+        indices = _residual_indices(model)
+        residuals = None if indices is None else [optimizer_variables[i] for i in indices]
         return reduction.loss_and_updates(
             model, compute, trainable_variables, non_trainable_variables, metrics_variables,
-            x, y, sample_weight, optimizer_variables)
+            x, y, sample_weight, optimizer_variables, residuals)
     return compute(trainable_variables, non_trainable_variables, metrics_variables, x, y,
                    sample_weight, training=training, optimizer_variables=optimizer_variables)

@@ -115,8 +115,9 @@ def plan(
         model_overrides: config fields replacing the preset's (e.g. ``num_layers``).
         auto_shard: shard weights no kdist table names by structure and shape
             (:mod:`kdist.parallel.auto`): for keras-hub or your own models.
-        gradient_reduction: the distribution's (``kdist.distribution``): None, ``"float32"``
-            or ``"bfloat16"``.
+        gradient_reduction: the distribution's (``kdist.distribution``): None, ``"float32"``,
+            ``"bfloat16"``, ``"float8"`` or ``"int8"`` (the theoretical minimum then counts
+            one byte per gradient value, whatever the collectives' kinds).
 
     Example:
         >>> p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=128,
@@ -275,7 +276,7 @@ def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, gra
         return {}
     theory = theoretical_collective_bytes(
         cost, sizes, micro, sequence_length, compute_bytes(policy),
-        gradient_bytes=2 if gradient_reduction == "bfloat16" else None)
+        gradient_bytes={"bfloat16": 2, "float8": 1, "int8": 1}.get(gradient_reduction))
     return {k: v * grad_accum for k, v in theory.items()}
 
 
