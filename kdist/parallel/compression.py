@@ -121,15 +121,20 @@ def reduce(grad, residual, *, axes: tuple[str, ...], sizes: dict[str, int],
     block, c = chunking(m, d)
     blocks = c // block
 
+    # Chunk (shard f, owner j) goes to the device whose index is f over fsdp and j over
+    # `owners`: its index over `axes`, in their order, is where jax.lax.all_to_all sends.
+    grid = ((fsdp,) if fsdp > 1 else ()) + tuple(sizes[a] for a in owners)
+    names = (("fsdp",) if fsdp > 1 else ()) + owners
+    order = [names.index(a) for a in axes]  # (shard, *owners) -> the axes' order
+    inverse = [order.index(i) for i in range(len(order))]
+
     def to_chunks(x):  # weight-shaped -> (N, c), chunk i for the device of linear index i
         x = jnp.moveaxis(x, fsdp_dim, 0) if fsdp_dim is not None else x[None]
-        x = jnp.pad(x.reshape(fsdp, m), ((0, 0), (0, d * c - m))).reshape(fsdp, d, c)
-        # Chunk (owner j, shard f) goes to the device whose index is j over `owners` and f
-        # over fsdp, in the order of `axes` (fsdp is always the last batch axis).
-        return x.swapaxes(0, 1).reshape(n, c) if fsdp > 1 else x.reshape(n, c)
+        x = jnp.pad(x.reshape(fsdp, m), ((0, 0), (0, d * c - m))).reshape(*grid, c)
+        return x.transpose(*order, len(order)).reshape(n, c)
 
     def from_chunks(x):  # the inverse of to_chunks
-        x = x.reshape(d, fsdp, c).swapaxes(0, 1) if fsdp > 1 else x.reshape(1, d, c)
+        x = x.reshape(*(grid[i] for i in order), c).transpose(*inverse, len(order))
         x = x.reshape(fsdp, d * c)[:, :m].reshape((fsdp * shard_shape[0], *shard_shape[1:]))
         return jnp.moveaxis(x, 0, fsdp_dim) if fsdp_dim is not None else x[0]
 

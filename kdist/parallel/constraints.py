@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Sequence
 
@@ -25,25 +26,31 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def manual_region(batch_axes: Sequence[str] = ()):
-    """Marks the tracing of a per-device computation: kdist's sharding constraints
-    (``shard_batch``, ``gathered``) and the fused loss's own ``shard_map`` step aside.
+def manual_region(batch_axes: Sequence[str] = (), axes: Sequence[str] | None = None):
+    """Marks the tracing of a per-device computation (a ``shard_map`` body).
 
     ``batch_axes``: the manual axes over which the batch is split here (each device holds
     a contiguous block of rows); regions nest, and :func:`manual_batch_axes` gives them
     all, so per-device code (``kdist.parallel.dropout``) can find its rows' offset.
+    ``axes``: every manual axis of the region, when some mesh axes stay with XLA's
+    partitioner (``shard_map(axis_names=...)``): kdist's constraints (``shard_batch``,
+    ``gathered``) and the fused loss's ``shard_map`` then still apply over the others.
+    None: every axis is manual, and they step aside.
 
     Example:
         >>> with manual_region(("data",)):
         ...     assert in_manual_region() and manual_batch_axes() == ("data",)
     """
-    previous = getattr(_state, "manual", False), manual_batch_axes()
+    previous = (getattr(_state, "manual", False), manual_batch_axes(),
+                getattr(_state, "axes", frozenset()))
+    everything = axes is None or previous[2] is None
     _state.manual = True
     _state.batch_axes = tuple(a for a in REPLICA_AXES if a in {*previous[1], *batch_axes})
+    _state.axes = None if everything else previous[2] | set(axes)
     try:
         yield
     finally:
-        _state.manual, _state.batch_axes = previous
+        _state.manual, _state.batch_axes, _state.axes = previous
 
 
 def in_manual_region() -> bool:
@@ -57,6 +64,37 @@ def manual_batch_axes() -> tuple[str, ...]:
     return getattr(_state, "batch_axes", ())
 
 
+def manual_axes() -> frozenset | None:
+    """The manual axes of the regions being traced: empty outside any, None when every
+    axis is manual (see :func:`manual_region`)."""
+    axes = getattr(_state, "axes", frozenset())
+    return None if axes is None else frozenset(axes)
+
+
+def _constrain(x, axes, dist):
+    """``x`` constrained to ``axes`` (one entry per dimension: None, an axis or a tuple),
+    the manual axes left out; inside a partly manual region, as a bare ``PartitionSpec``
+    of the region's mesh (a ``NamedSharding`` of the whole mesh is refused there)."""
+    manual = manual_axes()
+    if not in_manual_region():
+        layout = BatchLayout(axes, dist.device_mesh) if any(
+            isinstance(a, tuple) for a in axes) else TensorLayout(axes, dist.device_mesh)
+        return keras.distribution.distribute_tensor(x, layout)
+    if manual is None:
+        return x
+
+    def keep(a):
+        if isinstance(a, tuple):
+            a = tuple(b for b in a if b not in manual)
+            return a or None
+        return None if a in manual else a
+
+    axes = tuple(map(keep, axes))
+    if all(a is None for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*axes))
+
+
 def shard_batch(x):
     """Pins an activation's batch dimension to the replica axes (the rest replicated).
 
@@ -67,12 +105,13 @@ def shard_batch(x):
     """
     dist = active()
     batch = x.shape[0]
-    if dist is None or not isinstance(batch, int) or in_manual_region():
+    if dist is None or not isinstance(batch, int):
         return x
-    if batch % dist.num_model_replicas:
+    manual = manual_axes() or frozenset()
+    axes = tuple(a for a in REPLICA_AXES if dist.mesh_shape[a] > 1 and a not in manual)
+    if not axes or batch % math.prod(dist.mesh_shape[a] for a in axes):
         return x
-    layout = BatchLayout((REPLICA_AXES,) + (None,) * (len(x.shape) - 1), dist.device_mesh)
-    return keras.distribution.distribute_tensor(x, layout)
+    return _constrain(x, (axes,) + (None,) * (len(x.shape) - 1), dist)
 
 
 def gathered(x, logical_axes: Sequence[str | None]):
@@ -83,10 +122,10 @@ def gathered(x, logical_axes: Sequence[str | None]):
     by replicating it. Identity when no kdist distribution is active.
     """
     dist = active()
-    if dist is None or in_manual_region():
+    if dist is None:
         return x
     axes = tuple(m if m != "fsdp" else None for m in map(dist.mesh_axis_for, logical_axes))
-    return keras.distribution.distribute_tensor(x, TensorLayout(axes, dist.device_mesh))
+    return _constrain(x, axes, dist)
 
 
 def varying_axes(x) -> frozenset:

@@ -14,6 +14,7 @@ Everything else in kdist asks :func:`active` for the distribution in force.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import keras
@@ -34,7 +35,6 @@ GRADIENT_REDUCTIONS = (None, "float32", "bfloat16", "float8", "int8")
 # is refused (each device would silently compute what its neighbours compute). The module
 # that builds an axis removes its entry.
 _NOT_BUILT = {
-    "replica": "infrequent-sync replica groups (kdist.parallel.replicas)",
     "stage": "pipeline stages (kdist.parallel.pipeline)",
     "seq": "context parallelism (kdist.parallel.context)",
 }
@@ -75,12 +75,19 @@ class KdistDistribution(ModelParallel):
 
     def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True,
                  auto_shard: bool = False, allow_replicated: Sequence[str] = (),
-                 gradient_reduction: str | None = None, error_feedback: bool = False):
+                 gradient_reduction: str | None = None, error_feedback: bool = False,
+                 sync_every: int | None = None, outer_learning_rate: float = 0.7,
+                 outer_momentum: float = 0.9, outer_nesterov: bool = True):
         # Before Keras' __init__, which reads num_model_replicas when there are several
         # processes.
         self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
         self.gradient_reduction = gradient_reduction
         self.error_feedback = error_feedback
+        # DiLoCo over the replica axis (kdist.parallel.replicas); None: no replica groups.
+        self.sync_every = sync_every
+        self.outer_learning_rate = outer_learning_rate
+        self.outer_momentum = outer_momentum
+        self.outer_nesterov = outer_nesterov
         super().__init__(layout_map=LayoutMap(device_mesh), batch_dim_name="data",
                          auto_shard_dataset=auto_shard_dataset)
         # Weights without logical axes: kdist.parallel.auto (structure and shape).
@@ -167,7 +174,9 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                  auto_shard_dataset: bool = False, auto_shard: bool = False,
                  allow_replicated: Sequence[str] = (),
                  gradient_reduction: str | None = None,
-                 error_feedback: bool = False) -> KdistDistribution:
+                 error_feedback: bool = False, sync_every: int | None = None,
+                 outer_learning_rate: float = 0.7, outer_momentum: float = 0.9,
+                 outer_nesterov: bool = True) -> KdistDistribution:
     """Builds the Keras distribution for a mesh spec over all (or the given) devices.
 
     Set it before building the model; ``compile`` and ``fit`` then run sharded. With several
@@ -185,6 +194,13 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     ``error_feedback=True`` carrying each device's quantisation error to the next step (in
     the optimizer state); None leaves the reductions to XLA.
 
+    ``sync_every=H`` trains the ``replica`` axis' groups with DiLoCo
+    (:mod:`kdist.parallel.replicas`): each group (its own ``data``/``fsdp``/``model``
+    sub-mesh) takes H steps of the compiled optimizer on its share of every batch without
+    communicating, then the groups average their parameter change and an outer SGD
+    (``outer_learning_rate``, ``outer_momentum``, ``outer_nesterov``; the paper's 0.7, 0.9,
+    Nesterov) moves the shared weights. A ``replica`` axis needs ``sync_every``.
+
     Example:
         >>> import keras, kdist
         >>> keras.distribution.set_distribution(kdist.distribution("auto"))
@@ -201,6 +217,8 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
             f"it needs gradient_reduction='float8' or 'int8', got {gradient_reduction!r}.")
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
     sizes = parse_mesh(spec, len(devices))
+    _check_replica_settings(spec, sizes, sync_every, outer_learning_rate, outer_momentum,
+                            outer_nesterov)
     for axis, what in _NOT_BUILT.items():
         if sizes[axis] > 1:
             raise ValueError(
@@ -211,7 +229,34 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     return KdistDistribution(mesh, auto_shard_dataset=auto_shard_dataset,
                              auto_shard=auto_shard, allow_replicated=allow_replicated,
                              gradient_reduction=gradient_reduction,
-                             error_feedback=error_feedback)
+                             error_feedback=error_feedback, sync_every=sync_every,
+                             outer_learning_rate=outer_learning_rate,
+                             outer_momentum=outer_momentum, outer_nesterov=outer_nesterov)
+
+
+def _check_replica_settings(spec, sizes, sync_every, learning_rate, momentum, nesterov):
+    if sync_every is None:
+        if sizes["replica"] > 1:
+            raise ValueError(
+                f"Mesh spec {spec!r} has a replica axis of {sizes['replica']}: replica groups "
+                f"synchronise every few steps (DiLoCo) and need sync_every=H, e.g. "
+                f"kdist.distribution({spec!r}, sync_every=50). For synchronous data "
+                f"parallelism put those devices on 'data'.")
+        return
+    if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) \
+            or sync_every < 1:
+        raise ValueError(f"sync_every must be a positive integer (inner steps between "
+                         f"syncs, e.g. 50); got {sync_every!r}.")
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real) \
+            or not math.isfinite(learning_rate) or learning_rate <= 0:
+        raise ValueError(f"outer_learning_rate must be a finite number > 0 (DiLoCo: 0.7); "
+                         f"got {learning_rate!r}.")
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) \
+            or not 0 <= momentum < 1:
+        raise ValueError(f"outer_momentum must be a number in [0, 1) (DiLoCo: 0.9); got "
+                         f"{momentum!r}.")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"outer_nesterov must be True or False; got {nesterov!r}.")
 
 
 def active() -> KdistDistribution | None:

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
 from kdist.parallel import compression
-from kdist.parallel.constraints import manual_region, varying_axes
+from kdist.parallel.constraints import in_manual_region, manual_axes, manual_region, varying_axes
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import BatchLayout, active
 from kdist.parallel.mesh import REPLICA_AXES
@@ -108,23 +108,23 @@ def residual_layout(dist, variable):
     return BatchLayout((gradient_axes(dist), *axes), dist.device_mesh)
 
 
-def add_residuals(dist, model, optimizer) -> None:
+def add_residuals(dist, weights, optimizer) -> None:
     """Adds an error-feedback residual per trainable weight to ``optimizer`` (built),
     named ``<weight path>_gradient_residual``, zero, laid out by :func:`residual_layout`."""
     devices = math.prod(dist.mesh_shape[a] for a in gradient_axes(dist))
     have = {v.name for v in optimizer.variables}
-    for w in model.trainable_variables:
+    for w in weights:
         name = w.path.replace("/", "_") + RESIDUAL_SUFFIX
         if name not in have:
             optimizer.add_variable((devices, *w.shape), "zeros", "float32",
                                    layout=residual_layout(dist, w), name=name)
 
 
-def residual_indices(model, optimizer) -> list[int] | None:
-    """Positions in ``optimizer.variables`` of each trainable weight's residual, or None
-    when the optimizer has none (no error feedback)."""
+def residual_indices(weights, optimizer) -> list[int] | None:
+    """Positions in ``optimizer.variables`` of each weight's residual, or None when the
+    optimizer has none (no error feedback)."""
     position = {v.name: i for i, v in enumerate(optimizer.variables)}
-    names = [w.path.replace("/", "_") + RESIDUAL_SUFFIX for w in model.trainable_variables]
+    names = [w.path.replace("/", "_") + RESIDUAL_SUFFIX for w in weights]
     if not any(n in position for n in names):
         return None
     return [position[n] for n in names]
@@ -152,12 +152,17 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
              for s, layout in zip(specs, layouts)]
     rows = P(axes or None)
     combine = _loss_reduction(model)
+    # Manual: the batch axes, and axes of size 1 (nothing to partition; leaving them to
+    # XLA made XLA:CPU's bfloat16 all-reduce promotion crash, jaxlib 0.10.2) not already
+    # manual in an enclosing region.
+    outer = manual_axes() or frozenset()
+    manual = {a for a, n in dist.mesh_shape.items() if (a in axes or n == 1) and a not in outer}
 
     def local(trainable, residuals, non_trainable, metrics, x, y, sample_weight,
               optimizer_variables):
         residuals = [None] * len(trainable) if residuals is None else [r[0] for r in residuals]
         full = [_use(w, r, plan) for w, r, plan in zip(trainable, residuals, plans)]
-        with manual_region(axes):
+        with manual_region(axes, axes=manual):
             loss, (unscaled, y_pred, non_trainable, metrics) = compute(
                 full, non_trainable, metrics, x, y, sample_weight, training=True,
                 optimizer_variables=optimizer_variables)
@@ -165,13 +170,11 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
             loss, unscaled = _combine((loss, unscaled), combine, sample_weight, axes)
         return loss, (unscaled, y_pred, non_trainable, metrics)
 
-    mesh = dist.device_mesh.backend_mesh
     residual_specs = None if residuals is None else [P(axes or None)] * len(residuals)
     in_specs = (specs, residual_specs, P(), P(), rows, rows, rows, P())
     out_specs = (P(), (P(), rows, P(), P()))
-    # Manual: the batch axes, and axes of size 1 (nothing to partition; leaving them to
-    # XLA made XLA:CPU's bfloat16 all-reduce promotion crash, jaxlib 0.10.2).
-    manual = {a for a, n in dist.mesh_shape.items() if a in axes or n == 1}
+    # Nested in a replica group's region (kdist.parallel.replicas): its mesh from context.
+    mesh = None if in_manual_region() else dist.device_mesh.backend_mesh
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names=manual)(
         trainable, residuals, non_trainable, metrics, x, y, sample_weight, optimizer_variables)

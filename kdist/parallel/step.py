@@ -10,7 +10,7 @@ attention) is one more branch here and one more module of :mod:`kdist.parallel`.
 
 from __future__ import annotations
 
-from kdist.parallel import reduction
+from kdist.parallel import reduction, replicas
 from kdist.parallel import train_step as stateful
 from kdist.parallel.layout import active
 
@@ -55,36 +55,57 @@ def check_compile(model) -> None:
                 f"reductions. Build the distribution with {feature}=None.")
 
 
+def optimizer_for(model, optimizer):
+    """The optimizer ``compile`` gives Keras: under ``sync_every`` (DiLoCo) the given one
+    wrapped in :class:`kdist.parallel.replicas.DiLoCo`."""
+    return replicas.wrap(active(), optimizer)
+
+
 def prepare(model) -> None:
     """After Keras' ``compile`` (before anything is compiled by XLA): refuses what the
     requested features cannot compute for this model and loss, then adds the state they
-    keep (error-feedback residuals) to the optimizer, which is built now so that it exists
-    before ``fit`` or a checkpoint restore looks for it."""
+    keep (error-feedback residuals, DiLoCo's per-group state) to the optimizer, which is
+    built now so that it exists before ``fit`` or a checkpoint restore looks for it."""
     dist = active()
-    if dist is None or "gradient_reduction" not in requested_features():
+    if dist is None:
         return
-    reduction.check(dist, model)
-    if not dist.error_feedback:
-        return
-    if not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
-    reduction.add_residuals(dist, model, model.optimizer)
+    if "gradient_reduction" in requested_features():
+        reduction.check(dist, model)
+    if isinstance(model.optimizer, replicas.DiLoCo):
+        if not model.optimizer.built:  # adds the residuals to its inner optimizer
+            model.optimizer.build(model.trainable_variables)
+    elif dist.error_feedback and "gradient_reduction" in requested_features():
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        reduction.add_residuals(dist, model.trainable_variables, model.optimizer)
 
 
 def _residual_indices(model):
     dist = active()
-    if dist is None or not dist.error_feedback or getattr(model, "optimizer", None) is None:
+    optimizer = replicas.state_optimizer(model)
+    if dist is None or not dist.error_feedback or optimizer is None:
         return None
-    return reduction.residual_indices(model, model.optimizer)
+    return reduction.residual_indices(model.trainable_variables, optimizer)
 
 
 def train_step(model, keras_train_step, state, data):
     """Keras' ``train_step``, or kdist's where a step feature keeps state of its own
-    (:mod:`kdist.parallel.train_step`)."""
+    (:mod:`kdist.parallel.train_step`); under DiLoCo its sync step (``fit`` alternates
+    it with the inner step, :func:`make_train_function`)."""
+    if isinstance(getattr(model, "optimizer", None), replicas.DiLoCo):
+        return replicas.train_step(model, state, data, sync=True)
     indices = _residual_indices(model)
     if indices is None:
         return keras_train_step(state, data)
     return stateful.train_step(model, state, data, indices)
+
+
+def make_train_function(model, keras_make, force: bool = False):
+    """Keras' ``make_train_function``; under DiLoCo two programs, the sync step every
+    ``sync_every`` steps (:func:`kdist.parallel.replicas.make_train_function`)."""
+    if isinstance(getattr(model, "optimizer", None), replicas.DiLoCo):
+        return replicas.make_train_function(model, force)
+    return keras_make(force)
 
 
 def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_variables,
@@ -94,10 +115,14 @@ def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_
 
     ``compute`` is Keras' own (``super().compute_loss_and_updates`` of the task).
     """
+    indices = _residual_indices(model) if training else None
+    residuals = None if indices is None else [optimizer_variables[i] for i in indices]
+    if training and isinstance(getattr(model, "optimizer", None), replicas.DiLoCo):
+        # A group's slice of the inner optimizer's state: nothing for Keras' loss scaling
+        # (which maps it to model.optimizer's variables; DiLoCo scales nothing).
+        optimizer_variables = []
     if training and "gradient_reduction" in requested_features() \
             and supports(model, "gradient_reduction"):
-        indices = _residual_indices(model)
-        residuals = None if indices is None else [optimizer_variables[i] for i in indices]
         return reduction.loss_and_updates(
             model, compute, trainable_variables, non_trainable_variables, metrics_variables,
             x, y, sample_weight, optimizer_variables, residuals)
