@@ -160,24 +160,50 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
 
     def local(trainable, residuals, non_trainable, metrics, x, y, sample_weight,
               optimizer_variables):
-        residuals = [None] * len(trainable) if residuals is None else [r[0] for r in residuals]
-        full = [_use(w, r, plan) for w, r, plan in zip(trainable, residuals, plans)]
-        with manual_region(axes, axes=manual):
-            loss, (unscaled, y_pred, non_trainable, metrics) = compute(
-                full, non_trainable, metrics, x, y, sample_weight, training=True,
-                optimizer_variables=optimizer_variables)
-        if axes:  # this device's loss on its rows -> the loss on all rows
-            loss, unscaled = _combine((loss, unscaled), combine, sample_weight, axes)
-        return loss, (unscaled, y_pred, non_trainable, metrics)
+        def device_loss(trainable, residuals):
+            residuals = [None] * len(trainable) if residuals is None else [
+                r[0] for r in residuals]
+            full = [_use(w, r, plan) for w, r, plan in zip(trainable, residuals, plans)]
+            with manual_region(axes, axes=manual):
+                loss, (unscaled, y_pred, new_non_trainable, new_metrics) = compute(
+                    full, non_trainable, metrics, x, y, sample_weight, training=True,
+                    optimizer_variables=optimizer_variables)
+            if axes:  # this device's loss on its rows -> the loss on all rows
+                loss, unscaled = _combine((loss, unscaled), combine, sample_weight, axes)
+            return loss, (unscaled, y_pred, new_non_trainable, new_metrics)
+
+        (loss, aux), (grads, new_residuals) = jax.value_and_grad(
+            device_loss, argnums=(0, 1), has_aux=True)(trainable, residuals)
+        return loss, aux, grads, new_residuals
 
     residual_specs = None if residuals is None else [P(axes or None)] * len(residuals)
     in_specs = (specs, residual_specs, P(), P(), rows, rows, rows, P())
-    out_specs = (P(), (P(), rows, P(), P()))
+    out_specs = (P(), (P(), rows, P(), P()), specs, residual_specs)
     # Nested in a replica group's region (kdist.parallel.replicas): its mesh from context.
     mesh = None if in_manual_region() else dist.device_mesh.backend_mesh
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names=manual)(
-        trainable, residuals, non_trainable, metrics, x, y, sample_weight, optimizer_variables)
+    region = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                           axis_names=manual)
+
+    # The gradients are computed inside the region (above) and handed to the caller's
+    # differentiation by a custom_vjp: JAX 0.10 cannot differentiate through a shard_map
+    # nested in another (DiLoCo's per-group region) -- its residuals name the outer axes.
+    @jax.custom_vjp
+    def run(trainable, residuals, rest):
+        loss, aux, _, _ = region(trainable, residuals, *rest)
+        return loss, aux
+
+    def run_fwd(trainable, residuals, rest):
+        loss, aux, grads, new_residuals = region(trainable, residuals, *rest)
+        return (loss, aux), (grads, new_residuals)
+
+    def run_bwd(saved, cotangents):
+        grads, new_residuals = saved
+        scale = cotangents[0]  # d(caller's objective)/d(loss): 1 for Keras' train step
+        return [g * scale.astype(g.dtype) for g in grads], new_residuals, None
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(trainable, residuals,
+               (non_trainable, metrics, x, y, sample_weight, optimizer_variables))
 
 
 def _combine(losses, reduction, sample_weight, axes):
