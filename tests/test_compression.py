@@ -30,13 +30,13 @@ def test_quantisation_error_is_the_formats(fmt):
         assert (error <= np.maximum(np.abs(np.asarray(x)) / 16, scale / 1024) * (1 + 1e-6)).all()
 
 
-def _reduce(grads, residuals, fsdp_dim, fmt):
+def _reduce(grads, residuals, fsdp_dim, fmt, axes=("data", "fsdp")):
     """compression.reduce over a data=2, fsdp=4 mesh; grads: one per device, stacked."""
     out_spec = P(("data", "fsdp"))
 
     def local(g, r):
         shard, error = compression.reduce(g[0], None if r is None else r[0],
-                                          axes=("data", "fsdp"), sizes=SIZES,
+                                          axes=axes, sizes=SIZES,
                                           fsdp_dim=fsdp_dim, fmt=fmt)
         return shard[None], (None if error is None else error[None])
 
@@ -45,13 +45,14 @@ def _reduce(grads, residuals, fsdp_dim, fmt):
     return jax.jit(run)(grads, residuals)
 
 
-@pytest.mark.parametrize("fsdp_dim", [None, 1])
-@pytest.mark.parametrize("fmt", ["float8", "int8"])
-def test_reduced_shard_is_the_sum_within_the_codes_error(fsdp_dim, fmt):
+@pytest.mark.parametrize("fsdp_dim,fmt,axes", [
+    (None, "float8", ("data", "fsdp")), (1, "float8", ("data", "fsdp")),
+    (None, "int8", ("data", "fsdp")), (1, "int8", ("fsdp", "data"))])  # any axis order
+def test_reduced_shard_is_the_sum_within_the_codes_error(fsdp_dim, fmt, axes):
     rng = np.random.default_rng(1)
     grads = jnp.asarray(rng.standard_normal((8, 12, 40)), jnp.float32)  # 8 devices' partials
     exact = np.asarray(grads).sum(0)
-    shards, _ = _reduce(grads, None, fsdp_dim, fmt)
+    shards, _ = _reduce(grads, None, fsdp_dim, fmt, axes)
     shards = np.asarray(shards)
     for device in range(8):
         f = device % 4  # its index over fsdp
