@@ -12,6 +12,8 @@ Token arithmetic of the defaults:
 With --grad-accum N, each step is N micro-batches of 16 / N sequences: same tokens per step.
 
     python recipes/gpt_pretrain.py --mesh data=2,fsdp=2,model=2 --steps 100
+    python recipes/gpt_pretrain.py --mesh replica=2,data=4 --sync-every 50   # DiLoCo
+    python recipes/gpt_pretrain.py --gradient-reduction float8 --error-feedback
     python recipes/gpt_pretrain.py --preset llama-nano --document-mask
     python recipes/gpt_pretrain.py --preset gpt2-small --sequence-length 1024 --precision bfloat16
     python recipes/gpt_pretrain.py --steps 50 --profile-steps 20:22; kdist report runs/gpt_pretrain
@@ -84,6 +86,14 @@ def parse_args(argv=None):
     p.add_argument("--error-feedback", action="store_true",
                    help="with --gradient-reduction float8/int8: carry each device's "
                         "quantisation error to the next step (in the optimizer state)")
+    p.add_argument("--sync-every", type=positive_int("--sync-every", 50), default=None,
+                   help="DiLoCo over the mesh's replica axis (e.g. --mesh replica=2,data=4): "
+                        "each replica group takes this many steps alone, then the groups "
+                        "average their parameter change (kdist.parallel.replicas)")
+    p.add_argument("--outer-learning-rate", type=positive_float("--outer-learning-rate", 0.7),
+                   default=0.7, help="DiLoCo's outer SGD learning rate (paper: 0.7)")
+    p.add_argument("--outer-momentum", type=probability("--outer-momentum", 0.9), default=0.9,
+                   help="DiLoCo's outer Nesterov momentum, in [0, 1) (paper: 0.9)")
     p.add_argument("--grad-accum", type=positive_int("--grad-accum", 2), default=1,
                    help="micro-batches per step")
     p.add_argument("--learning-rate", type=positive_float("--learning-rate", 2e-3),
@@ -173,7 +183,9 @@ def main(argv=None):
         print(f"mesh auto: {why}")
     keras.distribution.set_distribution(
         kdist.distribution(mesh, gradient_reduction=args.gradient_reduction,
-                           error_feedback=args.error_feedback))
+                           error_feedback=args.error_feedback, sync_every=args.sync_every,
+                           outer_learning_rate=args.outer_learning_rate,
+                           outer_momentum=args.outer_momentum))
     keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
 
     micro_batch = args.global_batch_size // args.grad_accum
