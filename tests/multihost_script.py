@@ -35,10 +35,11 @@ GLOBAL_BATCH_SIZE = 8
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400))
 
 
-def setup(mesh: str) -> kdist.multihost.ProcessInfo:
-    """Joins the cluster (if launched as one), then sets the mesh and float32."""
+def setup(mesh: str, sync_every: int | None = None) -> kdist.multihost.ProcessInfo:
+    """Joins the cluster (if launched as one), then sets the mesh (DiLoCo's replica groups
+    with ``sync_every``) and float32."""
     info = kdist.initialize(timeout=60)
-    keras.distribution.set_distribution(kdist.distribution(mesh))
+    keras.distribution.set_distribution(kdist.distribution(mesh, sync_every=sync_every))
     keras.config.set_dtype_policy("float32")
     return info
 
@@ -73,7 +74,7 @@ def tiny_model(vocabulary_size: int, seed: int = 0) -> kdist.models.GPTCausalLM:
 
 def train(args) -> dict:
     """``fit`` for ``--steps`` one-step epochs; per-step losses and the rows each step used."""
-    info = setup(args.mesh)
+    info = setup(args.mesh, getattr(args, "sync_every", None))
     data = tiny_data(Path(args.out) / "corpus", Path(args.out) / "cache")
     served: dict[int, list] = {}
 
@@ -251,6 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--save-every", type=int, default=2, help="steps between saves (ckpt)")
     p.add_argument("--hang-at", type=int, default=None, help="stall in this step's commit")
     p.add_argument("--tag", default="run", help="name of the state files written (ckpt)")
+    p.add_argument("--sync-every", type=int, default=None, help="DiLoCo's H (train)")
     p.add_argument("--slow-rank", type=int, default=1, help="the slow process (stragglers)")
     p.add_argument("--slow-seconds", type=float, default=0.3, help="its extra seconds per batch")
     args = p.parse_args(argv)

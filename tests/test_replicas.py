@@ -131,3 +131,30 @@ def test_replica_settings_are_checked():
     model = _model("replica=2,fsdp=4", sync_every=5)
     with pytest.raises(ValueError, match="LossScaleOptimizer"):
         model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+
+
+@pytest.mark.slow  # two processes on 127.0.0.1
+def test_replica_groups_on_two_processes_train_like_one(tmp_path, monkeypatch):
+    # One replica group per process (replica is the slowest axis: across hosts), synced
+    # every 2 steps; the one-process run of the same script gives the same losses.
+    import argparse
+    import os
+    import sys
+    from pathlib import Path
+
+    from kdist import launch
+    from tests import multihost_script
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, str(root / "tests" / "multihost_script.py"), "train",
+               "--mesh", "replica=2,fsdp=4", "--sync-every", "2", "--steps", "3",
+               "--out", str(tmp_path)]
+    assert launch.launch(command, processes=2, devices_per_process=4) == 0
+    ranks = [multihost_script.json.loads((tmp_path / f"train-rank{r}.json").read_text())
+             for r in (0, 1)]
+    reference = multihost_script.train(argparse.Namespace(
+        mesh="replica=2,fsdp=4", sync_every=2, steps=3, out=str(tmp_path)))
+    for rank in ranks:
+        np.testing.assert_allclose(rank["losses"], reference["losses"], rtol=2e-6)
