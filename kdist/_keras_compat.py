@@ -86,6 +86,48 @@ def forget_pending_variables() -> None:
     global_state.set_global_attribute("uninitialized_variables", [])
 
 
+def initialize_pending_variables() -> int:
+    """Initialises, each with its own initializer and layout, the variables a
+    ``StatelessScope(initialize_variables=False)`` left pending that no one has assigned
+    since (``global_state`` attribute ``uninitialized_variables``; ``Variable._value`` is
+    None until then; ``Variable._deferred_initialize``), then empties the list. Returns how
+    many were initialised. How ``kdist.models.hf`` builds a model whose weights it then
+    assigns from a checkpoint: nothing is initialised twice."""
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError as e:
+        raise _missing("keras.src.backend.common.global_state", e) from e
+    pending = global_state.get_global_attribute("uninitialized_variables") or []
+    count = 0
+    for variable in pending:
+        if variable._value is None:
+            variable._deferred_initialize()
+            count += 1
+    global_state.set_global_attribute("uninitialized_variables", [])
+    return count
+
+
+# --- keras-hub: tokenizers ----------------------------------------------------------------
+
+
+def set_byte_pair_backend(tokenizer, hf_tokenizer) -> None:
+    """Makes a keras-hub ``BytePairTokenizer`` encode and decode (outside ``tf.data``) with
+    ``hf_tokenizer``, a ``tokenizers.Tokenizer`` read from a model's ``tokenizer.json``
+    (``BytePairTokenizer._tokenizer``, keras-hub 0.32: its pure-Python backend, which it
+    otherwise builds from the vocabulary and merges with Llama 3's split pattern, whatever
+    the model's own pre-tokenizer)."""
+    if not hasattr(tokenizer, "_tokenizer"):
+        raise CompatibilityError(f"{type(tokenizer).__name__} has no _tokenizer backend "
+                                 f"(keras-hub changed; kdist was checked against 0.32).")
+    tokenizer._tokenizer = hf_tokenizer
+
+
+def byte_pair_backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` a keras-hub ``BytePairTokenizer`` encodes with outside
+    ``tf.data`` (``BytePairTokenizer._tokenizer``, keras-hub 0.32), or None."""
+    return getattr(tokenizer, "_tokenizer", None)
+
+
 # --- JAX / Keras: several processes -------------------------------------------------------
 
 
