@@ -17,6 +17,7 @@ from kdist.models import BertClassifier, BertMaskedLM, GPTCausalLM
 from kdist.models.hf import (
     MODEL_TYPES,
     HFCheckpoint,
+    backbone_config,
     export,
     load_tokenizer,
     read_config,
@@ -85,5 +86,5 @@ def export_saved(source: str | os.PathLike, directory: str | os.PathLike, **kwar
     return export(model, directory, tokenizer=tokenizer, **kwargs)
 
 
-__all__ = ["HFCheckpoint", "MODEL_TYPES", "TASKS", "export", "export_saved", "from_pretrained",
-           "load_tokenizer", "read_config", "save_tokenizer", "task_for"]
+__all__ = ["HFCheckpoint", "MODEL_TYPES", "TASKS", "backbone_config", "export", "export_saved",
+           "from_pretrained", "load_tokenizer", "read_config", "save_tokenizer", "task_for"]

@@ -141,15 +141,16 @@ def save_safetensors(tensors: dict, directory: Path, shards: int = 1) -> None:
 
 
 def write_checkpoint(directory, family: str, shards: int = 1, seed: int = 0,
-                     tensors: dict | None = None, **config) -> dict:
+                     tensors: dict | None = None, scale: float = 0.2, **config) -> dict:
     """Writes a random ``family`` checkpoint into ``directory``; returns its tensors.
-    ``config`` overrides config.json fields; ``tensors`` replaces the weights written."""
+    ``config`` overrides config.json fields; ``tensors`` replaces the weights written;
+    ``scale``: the weights' standard deviation (HF initialises with 0.02)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     c = {**CONFIGS[family], **config}
     (directory / "config.json").write_text(json.dumps(c, indent=2))
     if tensors is None:
         shapes = {"gpt2": gpt2_tensors, "llama": llama_tensors, "bert": bert_tensors}[family](c)
-        tensors = random_tensors(shapes, seed)
+        tensors = random_tensors(shapes, seed, scale)
     save_safetensors(tensors, directory, shards)
     return tensors

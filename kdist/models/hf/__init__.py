@@ -20,10 +20,10 @@ Example:
 
 from kdist.models.hf.checkpoint import HFCheckpoint, read_config
 from kdist.models.hf.export import export
-from kdist.models.hf.loading import FAMILIES, load_pretrained
+from kdist.models.hf.loading import FAMILIES, backbone_config, load_pretrained
 from kdist.models.hf.tokenizers import load_tokenizer, save_tokenizer
 
 MODEL_TYPES = tuple(sorted(FAMILIES))
 
-__all__ = ["HFCheckpoint", "MODEL_TYPES", "export", "load_pretrained", "load_tokenizer",
-           "read_config", "save_tokenizer"]
+__all__ = ["HFCheckpoint", "MODEL_TYPES", "backbone_config", "export", "load_pretrained",
+           "load_tokenizer", "read_config", "save_tokenizer"]

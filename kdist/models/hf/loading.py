@@ -34,18 +34,20 @@ import numpy as np
 
 from kdist import _keras_compat
 from kdist.models.hf import bert, gpt2, llama
-from kdist.models.hf.checkpoint import HFCheckpoint
+from kdist.models.hf.checkpoint import HFCheckpoint, read_config
 from kdist.models.hf.tensors import TensorMap
 from kdist.parallel.layout import current_mesh_shape, divisors
 
 FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, bert, llama)}
 
 
-def family_for(model_type: str, cls) -> object:
+def family_for(model_type: str, cls=None) -> object:
     """The mapping module of ``model_type``, checked against the class that loads it."""
     if model_type not in FAMILIES:
         raise ValueError(f"Unknown Hugging Face model_type {model_type!r}: kdist loads "
                          f"{', '.join(sorted(FAMILIES))} checkpoints.")
+    if cls is None:
+        return FAMILIES[model_type]
     backbone_class = getattr(cls, "backbone_class", cls)
     accepted = getattr(backbone_class, "hf_model_types", ())
     if model_type not in accepted:
@@ -54,6 +56,18 @@ def family_for(model_type: str, cls) -> object:
         raise ValueError(f"{cls.__name__} cannot load a {model_type!r} checkpoint (it loads "
                          f"{list(accepted) or 'none'}); use {owners[model_type]}.")
     return FAMILIES[model_type]
+
+
+def backbone_config(directory: str | os.PathLike) -> dict:
+    """The kdist backbone config of a Hugging Face directory's ``config.json`` (what
+    ``from_pretrained`` builds, before overrides), without reading any weight.
+
+    Example:
+        >>> backbone_config("path/to/gpt2")["num_layers"]   # doctest: +SKIP
+        12
+    """
+    config = read_config(directory)
+    return family_for(config["model_type"]).backbone_config(config)
 
 
 def arguments(cls) -> set[str]:
@@ -106,8 +120,8 @@ def plan_load(model, family, config: dict, ckpt: HFCheckpoint):
         tensor_map = family.tensor_map(path, config)
         if tensor_map is None:
             problems.append(f"kdist weight '{path}' {tuple(variable.shape)} has no "
-                            f"{family.MODEL_TYPE} tensor (an option kdist cannot load, e.g. "
-                            f"fused_qkv=True?)")
+                            f"{family.MODEL_TYPE} tensor (an option kdist cannot load yet, "
+                            f"e.g. fused_qkv=True or stacked layers?)")
             continue
         if tensor_map.shape != tuple(variable.shape):
             problems.append(f"kdist weight '{path}' has shape {tuple(variable.shape)} but "
