@@ -150,31 +150,29 @@ class TensorMap:
         return self._read_split(depth, step, box, reader)
 
     def _read_split(self, depth: int, step: Split, box: Box, reader: Reader) -> np.ndarray:
+        """The box, read as runs that are contiguous in the flat (unsplit) axis: one run
+        when the box is row-contiguous (kdist's shards over heads), one per outer index
+        otherwise (a bias ``(N, H)`` split over ``fsdp`` along ``H``) — never more than it
+        holds."""
         k, axis = len(step.sizes), step.axis
         group = box[axis:axis + k]
         lengths = tuple(b - a for a, b in group)
-        if 0 in lengths:  # an empty box: nothing to read
-            inner = box[:axis] + ((0, 0),) + box[axis + k:]
-            values = self._read(depth - 1, inner, reader)
+        if 0 in lengths:  # an empty box
+            values = self._read(depth - 1, box[:axis] + ((0, 0),) + box[axis + k:], reader)
             return values.reshape(values.shape[:axis] + lengths + values.shape[axis + 1:])
-        # Contiguous in the flat axis when, after the first partial axis, all are whole and
-        # before it all are single elements: kdist's shards (heads split, head_dim whole).
-        partial = [i for i, ((a, b), n) in enumerate(zip(group, step.sizes)) if b - a != n]
-        first = partial[0] if partial else k
-        contiguous = (all(group[i][1] - group[i][0] == step.sizes[i] for i in range(first + 1, k))
-                      and all(group[i][1] - group[i][0] == 1 for i in range(first)))
-        if contiguous:
-            start = int(np.ravel_multi_index([a for a, _ in group], step.sizes))
-            stop = int(np.ravel_multi_index([b - 1 for _, b in group], step.sizes)) + 1
-            inner = box[:axis] + ((start, stop),) + box[axis + k:]
-            values = self._read(depth - 1, inner, reader)
-            return values.reshape(values.shape[:axis] + lengths + values.shape[axis + 1:])
-        # Any other box: read the whole flat axis, reshape, cut (correct, not minimal).
-        inner = box[:axis] + ((0, math.prod(step.sizes)),) + box[axis + k:]
-        values = self._read(depth - 1, inner, reader)
-        values = values.reshape(values.shape[:axis] + tuple(step.sizes) + values.shape[axis + 1:])
-        cut = (slice(None),) * axis + tuple(slice(a, b) for a, b in group)
-        return values[cut]
+        # The first axis from which every later one is whole: runs are [a_j, b_j) x the rest.
+        j = max([i for i in range(k) if lengths[i] != step.sizes[i]], default=0)
+        inner_size = math.prod(step.sizes[j + 1:])
+        runs = []
+        for prefix in np.ndindex(*lengths[:j]):
+            outer = [group[i][0] + prefix[i] for i in range(j)]
+            start = int(np.ravel_multi_index(outer + [group[j][0]] + [0] * (k - j - 1),
+                                             step.sizes)) if k else 0
+            runs.append((start, start + lengths[j] * inner_size))
+        parts = [self._read(depth - 1, box[:axis] + (run,) + box[axis + k:], reader)
+                 for run in runs]
+        values = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+        return values.reshape(values.shape[:axis] + lengths + values.shape[axis + 1:])
 
     # === Export: the HF region from the whole kdist weight ===
 
