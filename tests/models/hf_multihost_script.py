@@ -51,7 +51,7 @@ def main():
     worst = 0.0
     for weight in lm.weights:  # local shards against the stored tensors, exactly
         tensor_map = kdist.models.hf.gpt2.tensor_map(weight.path, lm.backbone.get_config())
-        full = tensor_map.read(lambda _k, box: stored[tensor_map.key][box])
+        full = tensor_map.read(lambda key, box: stored[key][box])
         for shard in weight.value.addressable_shards:
             worst = max(worst, float(np.abs(np.asarray(shard.data) - full[shard.index]).max()))
     kdist.hf.export(lm, Path(args.out) / "export")
