@@ -121,6 +121,9 @@ def test_models_without_a_hugging_face_equivalent_are_refused(tmp_path):
     mlm = BertMaskedLM.from_preset("bert-tiny", vocabulary_size=64, num_layers=1)
     with pytest.raises(ValueError, match="mlp_activation='gelu' .tanh GELU. has no Hugging Face"):
         mlm.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Sequential is not a kdist model with a Hugging "
+                                         "Face format"):
+        kdist.hf.export(keras.Sequential([keras.layers.Dense(2)]), tmp_path)
     with pytest.raises(ValueError, match="dtype must be one of"):
         mlm.backbone.save_pretrained(tmp_path, dtype="int8")
     assert not (tmp_path / "config.json").exists()  # nothing half-written

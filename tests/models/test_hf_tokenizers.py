@@ -69,6 +69,14 @@ def test_llama3_tokenizer_json(tmp_path):
     for text in TEXTS + ["<|eot_id|>x"]:
         assert ids(tokenizer, text) == reference.encode(text).ids, text
         assert tokenizer.detokenize(ids(tokenizer, text)) == text
+    # Written back (export) and read again: the same pipeline and special tokens.
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    kdist.hf.save_tokenizer(tokenizer, tmp_path / "out", max_length=128)
+    again = kdist.hf.load_tokenizer(tmp_path / "out")
+    assert isinstance(again, keras_hub.tokenizers.Llama3Tokenizer)
+    assert (again.start_token, again.end_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert all(ids(again, t) == ids(tokenizer, t) for t in TEXTS)
 
 
 def test_bert_vocab_txt(tmp_path):

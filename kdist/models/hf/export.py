@@ -39,9 +39,13 @@ DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
 
 def export_family(backbone):
     """The HF family a kdist backbone's config fits, or a ValueError saying why none."""
+    if not getattr(type(backbone), "hf_model_types", ()):
+        raise ValueError(f"{type(backbone).__name__} is not a kdist model with a Hugging Face "
+                         f"format; kdist exports GPTCausalLM, BertMaskedLM, BertClassifier and "
+                         f"their backbones.")
     config = _backbone_config(backbone)
     reasons = {}
-    for model_type in getattr(type(backbone), "hf_model_types", ()):
+    for model_type in type(backbone).hf_model_types:
         family = loading.FAMILIES[model_type]
         wrong = family.matches(config)
         if not wrong:

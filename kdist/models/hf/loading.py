@@ -197,7 +197,7 @@ def load_pretrained(cls, directory: str | os.PathLike, **kwargs):
         if hasattr(family, "task_arguments"):
             task_args.update(family.task_arguments(ckpt.config, ckpt.tensors, accepted,
                                                    task_args))
-    unknown = sorted(set(kwargs) - arguments(backbone_class))
+    unknown = sorted(set(kwargs) - arguments(backbone_class) - {"dtype", "name"})
     if unknown:
         raise TypeError(f"{cls.__name__}.from_pretrained got unknown arguments {unknown}; it "
                         f"takes the task's arguments and {backbone_class.__name__} fields.")

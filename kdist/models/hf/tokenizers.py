@@ -170,9 +170,12 @@ def save_tokenizer(tokenizer, directory: str | os.PathLike, max_length: int) -> 
             backend.save(str(directory / TOKENIZER_JSON))
         specials = sorted(set(tokenizer.unsplittable_tokens or []))
         end = GPT2_END if GPT2_END in vocabulary else (specials[0] if specials else None)
-        config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": max_length,
-                  "add_prefix_space": False, "bos_token": end, "eos_token": end,
-                  "unk_token": end}
+        llama = isinstance(tokenizer, keras_hub.tokenizers.Llama3Tokenizer)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast" if llama else "GPT2Tokenizer",
+                  "model_max_length": max_length, "add_prefix_space": False,
+                  "bos_token": getattr(tokenizer, "start_token", None) or end,
+                  "eos_token": getattr(tokenizer, "end_token", None) or end,
+                  **({} if llama else {"unk_token": end})}
         names = [VOCAB_JSON, MERGES, TOKENIZER_JSON]
     elif isinstance(tokenizer, keras_hub.tokenizers.WordPieceTokenizer):
         (directory / VOCAB_TXT).write_text("\n".join(tokenizer.get_vocabulary()) + "\n",
