@@ -75,35 +75,47 @@ def symbolic_build(model, batch) -> None:
     model._symbolic_build(data_batch=batch)
 
 
-def forget_pending_variables() -> None:
+def _pending_variables() -> list:
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError as e:
+        raise _missing("keras.src.backend.common.global_state", e) from e
+    return list(global_state.get_global_attribute("uninitialized_variables") or [])
+
+
+def _set_pending_variables(variables: list) -> None:
+    from keras.src.backend.common import global_state
+
+    global_state.set_global_attribute("uninitialized_variables", variables)
+
+
+def pending_variable_count() -> int:
+    """How many variables a ``StatelessScope(initialize_variables=False)`` has left to
+    initialise (``global_state`` attribute ``uninitialized_variables``)."""
+    return len(_pending_variables())
+
+
+def forget_pending_variables(start: int = 0) -> None:
     """Drops the variables a ``StatelessScope(initialize_variables=False)`` left to
-    initialise later (``global_state`` attribute ``uninitialized_variables``): an abstract
-    model must never be materialised."""
-    try:
-        from keras.src.backend.common import global_state
-    except ImportError as e:
-        raise _missing("keras.src.backend.common.global_state", e) from e
-    global_state.set_global_attribute("uninitialized_variables", [])
+    initialise later (``global_state`` attribute ``uninitialized_variables``), from the
+    ``start``-th on: an abstract model must never be materialised."""
+    _set_pending_variables(_pending_variables()[:start])
 
 
-def initialize_pending_variables() -> int:
+def initialize_pending_variables(start: int = 0) -> int:
     """Initialises, each with its own initializer and layout, the variables a
-    ``StatelessScope(initialize_variables=False)`` left pending that no one has assigned
-    since (``global_state`` attribute ``uninitialized_variables``; ``Variable._value`` is
-    None until then; ``Variable._deferred_initialize``), then empties the list. Returns how
-    many were initialised. How ``kdist.models.hf`` builds a model whose weights it then
-    assigns from a checkpoint: nothing is initialised twice."""
-    try:
-        from keras.src.backend.common import global_state
-    except ImportError as e:
-        raise _missing("keras.src.backend.common.global_state", e) from e
-    pending = global_state.get_global_attribute("uninitialized_variables") or []
+    ``StatelessScope(initialize_variables=False)`` left pending (from the ``start``-th on)
+    that no one has assigned since (``global_state`` attribute ``uninitialized_variables``;
+    ``Variable._value`` is None until then; ``Variable._deferred_initialize``), and drops
+    them from the list. Returns how many were initialised. How ``kdist.models.hf`` builds a
+    model whose weights it then assigns from a checkpoint: nothing is initialised twice."""
+    pending = _pending_variables()
     count = 0
-    for variable in pending:
+    for variable in pending[start:]:
         if variable._value is None:
             variable._deferred_initialize()
             count += 1
-    global_state.set_global_attribute("uninitialized_variables", [])
+    _set_pending_variables(pending[:start])
     return count
 
 

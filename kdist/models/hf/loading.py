@@ -203,10 +203,11 @@ def load_pretrained(cls, directory: str | os.PathLike, **kwargs):
                         f"takes the task's arguments and {backbone_class.__name__} fields.")
     config = {**family.backbone_config(ckpt.config), **kwargs}
     _check_mesh(config, family)
-    with keras.StatelessScope(initialize_variables=False):
-        backbone = backbone_class(**config)
-        model = cls(backbone, **task_args) if is_task else backbone
+    pending = _keras_compat.pending_variable_count()  # a caller's own stay as they are
     try:
+        with keras.StatelessScope(initialize_variables=False):  # shapes, no values
+            backbone = backbone_class(**config)
+            model = cls(backbone, **task_args) if is_task else backbone
         mapping_config = {**backbone_class.full_config(config), **task_args}
         if hasattr(family, "check_model"):
             family.check_model(mapping_config, {w.path for w in model.weights})
@@ -225,10 +226,10 @@ def load_pretrained(cls, directory: str | os.PathLike, **kwargs):
                 variable.assign(place(tensor_map, lambda _key, box, r=read: r(box),
                                       variable.shape, variable.dtype, sharding))
     except BaseException:  # refused: nothing was allocated, and nothing is left pending
-        _keras_compat.forget_pending_variables()
+        _keras_compat.forget_pending_variables(pending)
         raise
     # Weights not in the checkpoint (optional heads), dropout seeds: their initialisers.
-    _keras_compat.initialize_pending_variables()
+    _keras_compat.initialize_pending_variables(pending)
     absent = [v.path for v, _, stored in plan if stored is None]
     if absent:
         warnings.warn(f"{len(absent)} weights of {cls.__name__} are not in {ckpt.directory} "
