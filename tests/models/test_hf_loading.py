@@ -164,3 +164,20 @@ def test_loading_builds_nothing_twice_and_leaves_keras_clean(checkpoints):
     x = np.random.default_rng(0).integers(0, 300, (8, 17)).astype("int32")
     losses = [float(lm.train_on_batch(x[:, :-1], x[:, 1:])) for _ in range(3)]
     assert np.isfinite(losses).all() and losses[2] < losses[0]
+
+
+def test_fidelity_options_round_trip_in_config_and_keras_files(checkpoints, tmp_path):
+    lm = GPTCausalLM.from_pretrained(checkpoints / "llama")
+    assert lm.backbone.rope_scaling["rope_type"] == "llama3"
+    bert = BertMaskedLM.from_pretrained(checkpoints / "bert")
+    for model in (lm, bert):
+        config = model.backbone.get_config()
+        again = type(model.backbone).from_config(config)
+        assert again.get_config() == config
+        model.save(tmp_path / "m.keras")
+        loaded = keras.saving.load_model(tmp_path / "m.keras", compile=False)
+        x = IDS if model is lm else {**BERT_X, "mask_positions": np.zeros((2, 2), "int32")}
+        np.testing.assert_array_equal(loaded.predict_on_batch(x), model.predict_on_batch(x))
+    # Defaults are today's: tanh GELU, no RoPE scaling.
+    assert GPTBackbone.full_config({})["rope_scaling"] is None
+    assert BertBackbone.full_config({})["mlp_activation"] == "gelu"
