@@ -14,6 +14,7 @@ remaining variants rather than overrun (default 7 minutes).
 
     python benchmarks/gpu.py                      # on the GPU machine
     python benchmarks/gpu.py --dry-run            # CPU: a tiny shape, checks the plumbing
+    python benchmarks/gpu.py --hf-load            # loading a Hugging Face checkpoint onto GPUs
 """
 
 from __future__ import annotations
@@ -161,7 +162,17 @@ def main(argv=None):
     p.add_argument("--output", default="gpu", help="result name under benchmarks/results/")
     p.add_argument("--runs", nargs="*", type=int, default=None,
                    help="indices into RUNS (default: all)")
+    p.add_argument("--hf-load", action="store_true",
+                   help="instead: load a gpt2-medium-shaped Hugging Face checkpoint onto the "
+                        "GPUs, kdist vs keras-hub (benchmarks/hf_loading.py; ~2 min)")
     args = p.parse_args(argv)
+    if args.hf_load:  # seconds, device and host peaks of each path, in its own process
+        from benchmarks import hf_loading
+
+        result = hf_loading.on_gpu()
+        print(result)
+        write_result("gpu_hf_loading", result)
+        return result
     _keep_tensorflow_off_the_gpu()
     import jax
 
