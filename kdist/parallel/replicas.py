@@ -124,11 +124,12 @@ class DiLoCo(keras.optimizers.Optimizer):
         dist = active()
         groups = dist.mesh_shape[AXIS]
         parts = self.groups
+        pending = _keras_compat.pending_variable_count()  # a caller's (kdist plan) stay
         with keras.StatelessScope(initialize_variables=False):  # templates: no values
             parts.inner.build(var_list)
             if dist.error_feedback:
                 reduction.add_residuals(dist, var_list, parts.inner)
-        _keras_compat.forget_pending_variables()
+        _keras_compat.forget_pending_variables(pending)
         parts.templates = list(parts.inner.variables)
         mesh = dist.device_mesh
 
