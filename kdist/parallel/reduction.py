@@ -258,6 +258,8 @@ def _reduce(grad, residual, plan):
     XLA:CPU's promotion of bfloat16 all-reduces (to float32) crashed on all-reduces left
     partly to the partitioner (jaxlib 0.10.2).
     """
+    if not plan.axes:  # one replica (e.g. model=8): nothing to sum
+        return grad, residual
     if plan.reduction in COMPRESSED:
         return compression.reduce(grad.astype(jnp.float32), residual, axes=plan.axes,
                                   sizes=dict(plan.sizes), fsdp_dim=plan.fsdp_dim,
