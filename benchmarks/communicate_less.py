@@ -180,6 +180,9 @@ def train_part(steps: int, results: dict, out: Path) -> None:
     configs += [(name, "data=8", ["--gradient-reduction", fmt]
                  + (["--error-feedback"] if feedback else []))
                 for name, fmt, feedback in REDUCTIONS[1:]]
+    # The outer momentum's part: the groups' plain average every 10 steps.
+    configs += [("DiLoCo H=10, plain average (outer lr 1, momentum 0)", "replica=2,data=4",
+                 ["--sync-every", "10", "--outer-learning-rate", "1", "--outer-momentum", "0"])]
     done = {r["config"] for r in results.setdefault("train", [])}
     for name, mesh, extra in configs:
         if name in done:

@@ -28,6 +28,7 @@ run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/communication.py
 run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/memory.py
 run "$PYTHON" benchmarks/gradient_reduction.py
 run "$PYTHON" benchmarks/hf_loading.py
+run "$PYTHON" benchmarks/communicate_less.py --parts bytes error  # its train part: ~1.5 h idle
 if "$PYTHON" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
   run "$PYTHON" benchmarks/gpu.py
 else
