@@ -166,8 +166,8 @@ class Throughput(keras.callbacks.Callback):
         dtype = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
         self._peak = device_peak(self._local_devices, dtype, self.peak_tflops)
         self._reset_counters()
-        if not hasattr(model.train_function, "unwrapped"):  # fit made it just before
-            model.train_function = self._inputs.wrap(model.train_function)
+        function = model.train_function  # fit made it just before; a failed fit's wrapped
+        model.train_function = self._inputs.wrap(getattr(function, "unwrapped", function))
         self.stragglers.begin(*self._process)
         if self._is_writer:
             self._log.open(self.log_dir, self.tensorboard)
