@@ -128,6 +128,10 @@ def test_replica_settings_are_checked():
         kdist.distribution("replica=2,fsdp=4", sync_every=5, outer_momentum=1.0)
     with pytest.raises(ValueError, match="outer_learning_rate must be a finite number"):
         kdist.distribution("replica=2,fsdp=4", sync_every=5, outer_learning_rate=float("nan"))
+    with pytest.raises(ValueError, match="sync_every=5 .DiLoCo. is not built for a 'stage'"):
+        kdist.distribution("replica=2,stage=2,fsdp=2", sync_every=5)
+    with pytest.raises(ValueError, match="gradient_reduction='int8' is not built for a 'seq'"):
+        kdist.distribution("seq=2,fsdp=4", gradient_reduction="int8")
     model = _model("replica=2,fsdp=4", sync_every=5)
     with pytest.raises(ValueError, match="LossScaleOptimizer"):
         model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))

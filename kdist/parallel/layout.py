@@ -219,6 +219,7 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     sizes = parse_mesh(spec, len(devices))
     _check_replica_settings(spec, sizes, sync_every, outer_learning_rate, outer_momentum,
                             outer_nesterov)
+    _check_untested_combinations(spec, sizes, gradient_reduction, sync_every)
     for axis, what in _NOT_BUILT.items():
         if sizes[axis] > 1:
             raise ValueError(
@@ -232,6 +233,18 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                              error_feedback=error_feedback, sync_every=sync_every,
                              outer_learning_rate=outer_learning_rate,
                              outer_momentum=outer_momentum, outer_nesterov=outer_nesterov)
+
+
+def _check_untested_combinations(spec, sizes, gradient_reduction, sync_every):
+    """DiLoCo and 8-bit gradients were built and tested without pipeline stages and
+    context parallelism: refused with them rather than trained untested."""
+    for axis, what in (("stage", "pipeline stages"), ("seq", "context parallelism")):
+        if sizes[axis] > 1 and (sync_every or gradient_reduction in ("float8", "int8")):
+            feature = (f"sync_every={sync_every} (DiLoCo)" if sync_every else
+                       f"gradient_reduction={gradient_reduction!r}")
+            raise ValueError(
+                f"Mesh spec {spec!r}: {feature} is not built for a '{axis}' axis ({what}) "
+                f"yet. Use a mesh without '{axis}', or leave {feature.split('=')[0]} unset.")
 
 
 def _check_replica_settings(spec, sizes, sync_every, learning_rate, momentum, nesterov):
