@@ -1,0 +1,1 @@
+"""Context parallelism (placeholder docstring)."""
