@@ -36,6 +36,7 @@ from kdist.online_softmax import (
     softmax_delta,
     varying_union,
 )
+from kdist.parallel import context
 from kdist.parallel.constraints import to_varying
 from kdist.parallel.rules import build_with_axes
 
@@ -311,20 +312,34 @@ class CausalSelfAttention(layers.Layer):
             return x
         return self.rotary(x, start_index=start_index, positions=positions)
 
-    def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
+    def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None,
+             segment_ids=None):
         """``x (B, T, D) -> (B, T, D)``.
 
         Args:
             attention_mask: optional boolean mask broadcastable to ``(B, 1, T, T)``, True where
-                a query may attend a key (documents of a packed sequence; ``(B, 1, 1, T)`` for
-                padding); causality is applied on top when ``causal``.
+                a query may attend a key (``(B, 1, 1, T)`` for padding); causality is applied
+                on top when ``causal``.
             positions: optional ``(B, T)`` positions for RoPE (restarting per document).
+            segment_ids: optional ``(B, T)`` document ids of a packed sequence: a query
+                attends only its own document's keys.
             cache: ``(B, 2, S, K, H)`` keys and values so far; then ``x`` holds the tokens at
                 ``cache_index ...`` and the call also returns the updated cache.
         """
         q, k, v = self.project_qkv(x)  # (B, T, N|K, H)
         if cache is None:
+            length = k.shape[1]
+            if positions is None:  # true positions of a split sequence's tokens, if needed
+                positions = context.token_positions(length)
             q, k = self.rotate(q, positions=positions), self.rotate(k, positions=positions)
+            if context.current_layout(length) is not None:  # T split over the seq axis
+                out = context.attention(q, k, v, mask=attention_mask, segment_ids=segment_ids,
+                                        causal=self.causal,
+                                        chunk_size=self.attention_chunk_size)
+                return self.attention_output(out)
+            if segment_ids is not None:  # (B, 1, T, T): the same document
+                same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+                attention_mask = same if attention_mask is None else attention_mask & same
             # Keras infers output shapes with symbolic batch and length; the chunking needs
             # concrete ones, and the shapes are the same either way.
             if self.attention_chunk_size and all(isinstance(d, int) for d in k.shape[:2]):

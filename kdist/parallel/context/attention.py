@@ -16,11 +16,12 @@ statistics is kept for the backward pass.
   blocks around again, with their gradient accumulators travelling beside them and
   arriving, complete, back at their owner. Memory ``O(T / n)``. Per layer and step each
   device sends ``2(n-1)`` blocks forward, ``2(n-1)`` blocks and ``2n`` float32 gradient
-  blocks backward (:func:`ring_bytes`).
+  blocks backward (:func:`kdist.parallel.context.cost.ring_bytes`).
 
 Grouped-query attention sends only the key/value heads. Causal attention skips, by a
 ``lax.cond``, every (query run, key chunk) tile wholly in the future: with the balanced
-layout every device then computes the same number of tiles (:func:`tile_counts`).
+layout every device then computes the same number of tiles
+(:func:`kdist.parallel.context.cost.tile_counts`).
 Visibility follows Keras: True where a query may attend a key, a fully masked row attends
 uniformly, masked logits get no gradient. The masks built here are those kdist's models
 use: causal (by true positions), same document (segment ids), padded keys.
@@ -34,7 +35,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kdist.online_softmax import (
     chunk_gradients,
@@ -46,8 +46,8 @@ from kdist.online_softmax import (
 )
 from kdist.parallel.constraints import to_varying
 from kdist.parallel.context.layout import AXIS, SequenceLayout
+from kdist.parallel.layout import CONTEXT_PARALLEL
 
-VARIANTS = ("all_gather", "ring")
 # Keys per chunk when the model sets no attention_chunk_size: (B, N, T/2n, 512) float32
 # logits per tile, never kept.
 DEFAULT_CHUNK = 512
@@ -154,8 +154,10 @@ def _grad_keys(queries, d_outs, deltas, stats, keys, config, scale):
         q_pos, q_seg = queries.positions[r], queries.segments[r]
         d_out, delta, (peak, total) = d_outs[r], deltas[r], stats[r]
 
+        axes = varying_union(q_r, d_out, peak, *jax.tree.leaves(keys))
+
         def step(dq, xs, q_r=q_r, q_pos=q_pos, q_seg=q_seg, d_out=d_out, delta=delta,
-                 peak=peak, total=total):
+                 peak=peak, total=total, axes=axes):
             k_j, v_j, pos_j, seg_j, val_j = xs
 
             def compute(_):
@@ -169,7 +171,6 @@ def _grad_keys(queries, d_outs, deltas, stats, keys, config, scale):
             dq_j, dk_j, dv_j = jax.lax.cond(_needed(q_pos, pos_j, config), compute, skip, None)
             return dq + dq_j, (dk_j, dv_j)
 
-        axes = varying_union(q_r, d_out, peak, *jax.tree.leaves(keys))
         dq0 = to_varying(jnp.zeros(q_r.shape, _F32), axes)
         dq, (dk_r, dv_r) = jax.lax.scan(step, dq0, keys)
         dqs.append(dq)
@@ -351,9 +352,9 @@ def local_attention(q, k, v, *, layout: SequenceLayout, variant: str = "all_gath
         >>> f(*(jnp.ones((1, 32, 2, 8)),) * 3).shape
         (1, 32, 2, 8)
     """
-    if variant not in VARIANTS:
+    if variant not in CONTEXT_PARALLEL:
         raise ValueError(f"Unknown context-parallel attention {variant!r}; use one of "
-                         f"{VARIANTS}.")
+                         f"{CONTEXT_PARALLEL}.")
     batch, length, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     q5 = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
@@ -377,42 +378,3 @@ def local_tile_count(q, k, v, *, layout, variant="all_gather", causal=True, segm
         return _ring_forward(q5, k, v, segments, key_valid, config)[2]
     k_all, v_all = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k, v))
     return _gathered_forward(q5, k_all, v_all, segments, key_valid, config)[2]
-
-
-def tile_counts(layout: SequenceLayout, chunk_size: int | None = None,
-                causal: bool = True) -> np.ndarray:
-    """Tiles each device computes, counted on the host from the layout: ``(n,)``.
-
-    Example:
-        >>> tile_counts(SequenceLayout(64, 8, balanced=False)).tolist()
-        [1, 2, 3, 4, 5, 6, 7, 8]
-        >>> tile_counts(SequenceLayout(64, 8, balanced=True)).tolist()
-        [17, 17, 17, 17, 17, 17, 17, 17]
-    """
-    chunk = chunk_for(layout, chunk_size)
-    keys = layout.order().reshape(-1, chunk)[:, 0]  # each chunk's first position
-    counts = []
-    for positions in layout.table():
-        runs = positions.reshape(layout.runs, -1)[:, -1]  # each run's last position
-        counts.append(int(sum((keys <= last).sum() if causal else len(keys)
-                              for last in runs)))
-    return np.array(counts)
-
-
-def ring_bytes(layout: SequenceLayout, batch: int, kv_heads: int, head_dim: int,
-               itemsize: int) -> dict[str, float]:
-    """Bytes one device sends per layer and training step with ring attention.
-
-    Forward ``2(n-1)`` key/value blocks of ``batch x T/n x kv_heads x head_dim``;
-    backward ``2(n-1)`` blocks again and ``2n`` float32 gradient blocks.
-
-    Example:
-        >>> ring_bytes(SequenceLayout(64, 8, True), 1, 2, 8, 4)["total"]
-        16384.0
-    """
-    n = layout.devices
-    block = batch * layout.local_length * kv_heads * head_dim
-    forward = 2 * (n - 1) * block * itemsize
-    backward = 2 * (n - 1) * block * itemsize + 2 * n * block * 4
-    return {"forward": float(forward), "backward": float(backward),
-            "total": float(forward + backward)}

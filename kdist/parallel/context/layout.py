@@ -74,10 +74,10 @@ class SequenceLayout:
                    if self.balanced else f"each of the {self.devices} 'seq' devices holds "
                    f"an equal share")
             fix = " or load_balance=False" if self.balanced else ""
+            near = " or ".join(map(str, valid_lengths(self.devices, self.balanced, self.length)))
             raise ValueError(
                 f"Sequence length {self.length} does not divide by {unit}: {why}. Use a "
-                f"multiple of {unit} (e.g. {' or '.join(map(str, valid_lengths(self.devices, self.balanced, self.length)))}), "
-                f"another 'seq' size{fix}.")
+                f"multiple of {unit} (e.g. {near}), another 'seq' size{fix}.")
 
     @property
     def local_length(self) -> int:
