@@ -42,7 +42,7 @@ def ring_bytes(layout: SequenceLayout, batch: int, kv_heads: int, head_dim: int,
 
     Example:
         >>> ring_bytes(SequenceLayout(64, 8, True), 1, 2, 8, 4)["total"]
-        16384.0
+        22528.0
     """
     n = layout.devices
     block = batch * layout.local_length * kv_heads * head_dim
@@ -50,3 +50,30 @@ def ring_bytes(layout: SequenceLayout, batch: int, kv_heads: int, head_dim: int,
     backward = 2 * (n - 1) * block * itemsize + 2 * n * block * 4
     return {"forward": float(forward), "backward": float(backward),
             "total": float(forward + backward)}
+
+
+def attention_flops(layout: SequenceLayout, batch: int, heads: int, head_dim: int,
+                    chunk_size: int | None = None, causal: bool = True) -> np.ndarray:
+    """Forward attention FLOPs each device computes, ``(n,)``: its tiles
+    (:func:`tile_counts`) of ``run x chunk`` query-key pairs, ``4 H`` FLOPs per pair and
+    head (``Q K^T`` and ``P V``). The backward pass does 2.5x as much on the same tiles.
+
+    Example:
+        >>> attention_flops(SequenceLayout(64, 8, True), 1, 1, 1).tolist()
+        [1088, 1088, 1088, 1088, 1088, 1088, 1088, 1088]
+    """
+    chunk = chunk_for(layout, chunk_size)
+    pairs = layout.local_length // layout.runs * chunk
+    return tile_counts(layout, chunk_size, causal) * pairs * 4 * batch * heads * head_dim
+
+
+def causal_pairs(layout: SequenceLayout) -> np.ndarray:
+    """Query-key pairs each device's causal mask leaves visible, ``(n,)``: the work an
+    exact kernel (no tiles) would do.
+
+    Example:
+        >>> causal_pairs(SequenceLayout(8, 2, False)).tolist()
+        [10, 26]
+    """
+    return np.array([int((positions[:, None] >= np.arange(layout.length)[None]).sum())
+                     for positions in layout.table()])
