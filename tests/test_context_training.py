@@ -4,7 +4,6 @@ combines with, both attention variants, GPT-2 and Llama-style, documents and BER
 the ring's compiled step sends exactly the key/value blocks it should; bad inputs fail
 before anything compiles."""
 
-import collections
 from unittest import mock
 
 import keras
@@ -146,9 +145,12 @@ def test_ring_step_sends_exactly_the_key_value_blocks():
     kv_heads, head_dim = TINY_LLAMA["num_key_value_heads"], 8
     block = batch * layout.local_length * kv_heads * head_dim * 4
     permutes = [c for c in found if c.kind == "collective-permute"]
-    assert collections.Counter(c.bytes for c in permutes) == {block: 44 * 2}  # 2 layers
+    assert {c.bytes for c in permutes} == {block}
+    # Per layer: 2 x 7 forward, 4 x 7 + 2 backward (ring steps are a loop: its transfers
+    # run once per iteration).
+    assert sum(c.executions for c in permutes) == 44 * 2  # 2 layers
     want = ring_bytes(layout, batch, kv_heads, head_dim, 4)["total"] * 2
-    assert sum(c.wire_bytes for c in permutes) == want
+    assert sum(c.wire_bytes * c.executions for c in permutes) == want
     gathered = batch * length * kv_heads * head_dim * 4  # a layer's whole keys or values
     assert not [c for c in found if c.kind == "all-gather" and c.bytes >= gathered]
 

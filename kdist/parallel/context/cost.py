@@ -15,21 +15,24 @@ from kdist.parallel.context.layout import SequenceLayout
 
 def tile_counts(layout: SequenceLayout, chunk_size: int | None = None,
                 causal: bool = True) -> np.ndarray:
-    """Tiles each device computes, counted on the host from the layout: ``(n,)``.
+    """(Query tile, key chunk) pairs each device computes, counted on the host from the
+    layout: ``(n,)``. Causal attention skips the pairs wholly in the future.
 
     Example:
-        >>> tile_counts(SequenceLayout(64, 8, balanced=False)).tolist()
+        >>> tile_counts(SequenceLayout(64, 8, balanced=False), 8).tolist()
         [1, 2, 3, 4, 5, 6, 7, 8]
-        >>> tile_counts(SequenceLayout(64, 8, balanced=True)).tolist()
+        >>> tile_counts(SequenceLayout(64, 8, balanced=False), 4).tolist()
+        [3, 7, 11, 15, 19, 23, 27, 31]
+        >>> tile_counts(SequenceLayout(64, 8, balanced=True), 4).tolist()
         [17, 17, 17, 17, 17, 17, 17, 17]
     """
     chunk = chunk_for(layout, chunk_size)
     keys = layout.order().reshape(-1, chunk)[:, 0]  # each chunk's first position
     counts = []
     for positions in layout.table():
-        runs = positions.reshape(layout.runs, -1)[:, -1]  # each run's last position
+        tiles = positions.reshape(-1, chunk)[:, -1]  # each tile's last position
         counts.append(int(sum((keys <= last).sum() if causal else len(keys)
-                              for last in runs)))
+                              for last in tiles)))
     return np.array(counts)
 
 
@@ -55,7 +58,7 @@ def ring_bytes(layout: SequenceLayout, batch: int, kv_heads: int, head_dim: int,
 def attention_flops(layout: SequenceLayout, batch: int, heads: int, head_dim: int,
                     chunk_size: int | None = None, causal: bool = True) -> np.ndarray:
     """Forward attention FLOPs each device computes, ``(n,)``: its tiles
-    (:func:`tile_counts`) of ``run x chunk`` query-key pairs, ``4 H`` FLOPs per pair and
+    (:func:`tile_counts`) of ``chunk x chunk`` query-key pairs, ``4 H`` FLOPs per pair and
     head (``Q K^T`` and ``P V``). The backward pass does 2.5x as much on the same tiles.
 
     Example:
@@ -63,7 +66,7 @@ def attention_flops(layout: SequenceLayout, batch: int, heads: int, head_dim: in
         [1088, 1088, 1088, 1088, 1088, 1088, 1088, 1088]
     """
     chunk = chunk_for(layout, chunk_size)
-    pairs = layout.local_length // layout.runs * chunk
+    pairs = chunk * chunk
     return tile_counts(layout, chunk_size, causal) * pairs * 4 * batch * heads * head_dim
 
 
