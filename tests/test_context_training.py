@@ -88,6 +88,25 @@ def test_float32_parity(mesh, config, variant, reduction, references):
     _assert_same_training(model, _batches(config), references[config])
 
 
+def test_bfloat16_parity():
+    """mixed_bfloat16 on seq=4,data=2 (ring) against mixed_bfloat16 on 1 device.
+
+    Tolerance as tests/test_parity.py's bfloat16 test, for the same reason: matmuls round
+    to bfloat16 (2^-9 relative), and the split attention rounds other partial results
+    (each key chunk's probabilities to bfloat16 before P V, as chunked attention does,
+    where Keras' attention rounds once over all keys), so logits differ by a few bf16 ulps;
+    the loss averages 128 token losses whose errors have independent signs. Allowed 2e-4
+    relative, 100x below what the loss moves in 3 steps.
+    """
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    reference = train(_gpt(None, "llama"), _batches("llama"))
+    keras.utils.clear_session()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    split = train(_gpt("seq=4,data=2", "llama", "ring"), _batches("llama"))
+    np.testing.assert_allclose(split, reference, rtol=2e-4)
+    assert reference[0] - reference[2] > 0.05  # the steps did change the loss
+
+
 def _bert(mesh, variant="all_gather"):
     keras.distribution.set_distribution(
         kdist.distribution(mesh, context_parallel=variant) if mesh else None)
