@@ -19,7 +19,8 @@ Step time: the median of the steps after the first.
     PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/context_length.py   # ~1 h, 2 cores
     PYTHONPATH=. python benchmarks/context_length.py --preset gpt2-small --device-memory 16GiB \
         --plan-only --granularity 8192
-    PYTHONPATH=. python benchmarks/context_length.py --step-time 4096 --rounds 3  # ~15 min
+    PYTHONPATH=. python benchmarks/context_length.py --step-time 4096 --rounds 5  # ~20 min
+    PYTHONPATH=. python benchmarks/context_length.py --per-op-memory                # ~1 min
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ def _step_time_child(args) -> None:
     x, y = tokens[:, :-1], tokens[:, 1:]
     times = {v: [] for v in models}
     for round_ in range(config["rounds"] + 1):  # round 0: compile and warm up
-        for variant, model in models.items():
+        order = list(models) if round_ % 2 else list(models)[::-1]  # alternate who goes first
+        for variant in order:
+            model = models[variant]
             keras.distribution.set_distribution(dists[variant])
             start = time.perf_counter()
             for _ in range(config["steps"]):
@@ -112,6 +115,38 @@ def _step_time_child(args) -> None:
             if round_:
                 times[variant].append((time.perf_counter() - start) / config["steps"])
     print(json.dumps(times))
+
+
+def per_op_memory() -> list[dict]:
+    """XLA's temporary bytes of one attention layer's forward and backward per device, as
+    the seq axis grows with a fixed block per device (1 sequence of 1,024 tokens per device,
+    4 key/value heads of 64, float32): the all-gather's grow with the sequence, the ring's
+    do not."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from kdist.parallel.context import SequenceLayout, local_attention
+
+    rows = []
+    for n in (2, 4, 8):
+        length = 1024 * n
+        mesh = jax.make_mesh((n,), ("seq",), axis_types=(AxisType.Auto,),
+                             devices=jax.devices()[:n])
+        q = jax.ShapeDtypeStruct((1, length, 4, 64), jnp.float32)
+        row = {"seq": n, "length": length, "block_mib": 1024 * 4 * 64 * 4 / 2**20}
+        for variant in ("all_gather", "ring"):
+            layout = SequenceLayout(length, n, balanced=True)
+            attend = jax.shard_map(
+                lambda q, k, v, layout=layout, variant=variant: local_attention(
+                    q, k, v, layout=layout, variant=variant),
+                mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
+            grad = jax.jit(jax.grad(lambda q, k, v, f=attend: (f(q, k, v) ** 2).sum(), (0, 1, 2)))
+            temp = grad.lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+            row[f"{variant}_mib"] = temp / 2**20
+        rows.append(row)
+    return rows
 
 
 def measure(script, preset, mesh, batch, variant, overrides, length, steps) -> dict:
@@ -174,6 +209,8 @@ def main():
     p.add_argument("--step-time", type=int, default=None, metavar="T",
                    help="only ring against all-gather step time at T tokens, interleaved")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--per-op-memory", action="store_true",
+                   help="only one attention layer's temporaries against the seq size")
     args = p.parse_args()
     if args.child:
         return _step_time_child(args) if json.loads(args.config).get("rounds") else \
@@ -197,6 +234,16 @@ def main():
 
     kdist.force_host_devices(8)
     from kdist.planning import format_bytes, parse_bytes
+
+    if args.per_op_memory:
+        rows = per_op_memory()
+        print_table("one attention layer, forward + backward, temporaries per device (XLA)",
+                    rows, [("seq", "seq", "d"), ("T", "length", ","),
+                           ("block MiB", "block_mib", ".1f"),
+                           ("all-gather MiB", "all_gather_mib", ".1f"),
+                           ("ring MiB", "ring_mib", ".1f")])
+        write_result("context_per_op_memory", {"rows": rows})
+        return None
 
     rows = []
     for name, mesh, batch, variant, overrides in CONFIGS:

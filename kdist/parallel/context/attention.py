@@ -333,7 +333,10 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 # === entry points ===
 
-def _config(q, layout, causal, chunk_size, valid):
+def _config(layout, causal, chunk_size, valid):
+    # Skipping the future is exact when every query sees itself: not so with padded keys
+    # (a query whose visible keys are all padding attends uniformly over every key, as
+    # Keras' attention does).
     return _Config(layout, causal, chunk_for(layout, chunk_size),
                    skip=causal and valid is None)
 
@@ -373,7 +376,7 @@ def local_attention(q, k, v, *, layout: SequenceLayout, variant: str = "all_gath
     batch, length, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     q5 = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-    config = _config(q, layout, causal, chunk_size, key_valid)
+    config = _config(layout, causal, chunk_size, key_valid)
     if variant == "ring":
         out = _ring(q5, k, v, segments, key_valid, config)
     else:
@@ -388,7 +391,7 @@ def local_tile_count(q, k, v, *, layout, variant="all_gather", causal=True, segm
     this device (the others are skipped): the measure of its attention work."""
     batch, length, heads, head_dim = q.shape
     q5 = q.reshape(batch, length, k.shape[2], heads // k.shape[2], head_dim)
-    config = _config(q, layout, causal, chunk_size, key_valid)
+    config = _config(layout, causal, chunk_size, key_valid)
     if variant == "ring":
         return _ring_forward(q5, k, v, segments, key_valid, config)[2]
     k_all, v_all = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k, v))
