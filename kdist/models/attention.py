@@ -330,7 +330,8 @@ class CausalSelfAttention(layers.Layer):
         if cache is None:
             length = k.shape[1]
             if positions is None:  # true positions of a split sequence's tokens, if needed
-                positions = context.token_positions(length)
+                split = context.token_positions(length)
+                positions = None if split is None else split[None]  # (1, T)
             q, k = self.rotate(q, positions=positions), self.rotate(k, positions=positions)
             if context.current_layout(length) is not None:  # T split over the seq axis
                 out = context.attention(q, k, v, mask=attention_mask, segment_ids=segment_ids,
