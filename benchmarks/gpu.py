@@ -15,6 +15,7 @@ remaining variants rather than overrun (default 7 minutes).
     python benchmarks/gpu.py                      # on the GPU machine
     python benchmarks/gpu.py --dry-run            # CPU: a tiny shape, checks the plumbing
     python benchmarks/gpu.py --context            # 2+ GPUs: seq=N, ring vs all-gather
+    python benchmarks/gpu.py --hf-load            # loading a Hugging Face checkpoint onto GPUs
 """
 
 from __future__ import annotations
@@ -149,7 +150,17 @@ def main(argv=None):
     p.add_argument("--context", action="store_true",
                    help="CONTEXT_RUNS instead: one sequence of --length tokens (default "
                         "32768) split over every GPU (seq=N), ring and all-gather")
+    p.add_argument("--hf-load", action="store_true",
+                   help="instead: load a gpt2-medium-shaped Hugging Face checkpoint onto the "
+                        "GPUs, kdist vs keras-hub (benchmarks/hf_loading.py; ~2 min)")
     args = p.parse_args(argv)
+    if args.hf_load:  # seconds, device and host peaks of each path, in its own process
+        from benchmarks import hf_loading
+
+        result = hf_loading.on_gpu()
+        print(result)
+        write_result("gpu_hf_loading", result)
+        return result
     if args.context and args.dry_run:
         import kdist
 

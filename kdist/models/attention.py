@@ -28,6 +28,7 @@ import keras
 from keras import layers, ops
 from keras_hub.layers import RotaryEmbedding
 
+from kdist.models.rope import ScaledRotaryEmbedding, check_rope_scaling
 from kdist.online_softmax import (
     chunk_gradients,
     online_finish,
@@ -188,6 +189,9 @@ class CausalSelfAttention(layers.Layer):
         num_key_value_heads: K (N must divide by K); None means N (multi-head attention).
         rotary_max_wavelength: if set, queries and keys are rotated by position (RoPE,
             keras-hub's ``RotaryEmbedding``) with this base wavelength.
+        rope_scaling: Llama 3.1/3.2's RoPE frequency scaling (a Hugging Face
+            ``rope_scaling`` dict with ``rope_type="llama3"``; :mod:`kdist.models.rope`), or
+            None (plain RoPE).
         use_bias: biases on the four projections.
         causal: mask future keys (decoder). ``False`` gives bidirectional attention
             (encoder, BERT), where only ``attention_mask`` restricts which keys are seen.
@@ -219,6 +223,7 @@ class CausalSelfAttention(layers.Layer):
         causal: bool = True,
         fused_qkv: bool = False,
         attention_chunk_size: int | None = None,
+        rope_scaling: dict | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -242,11 +247,14 @@ class CausalSelfAttention(layers.Layer):
                 f"num_heads={num_heads} must be a multiple of num_key_value_heads={kv_heads} "
                 f"(each key/value head serves num_heads / num_key_value_heads query heads)."
             )
-        self.rotary = (
-            RotaryEmbedding(max_wavelength=rotary_max_wavelength, dtype=self.dtype_policy)
-            if rotary_max_wavelength
-            else None
-        )
+        self.rope_scaling = check_rope_scaling(rope_scaling)
+        self.rotary = None
+        if rotary_max_wavelength and self.rope_scaling is None:
+            self.rotary = RotaryEmbedding(max_wavelength=rotary_max_wavelength,
+                                          dtype=self.dtype_policy)
+        elif rotary_max_wavelength:  # Llama 3.1/3.2: scaled frequencies
+            self.rotary = ScaledRotaryEmbedding(rotary_max_wavelength, self.rope_scaling,
+                                                dtype=self.dtype_policy)
 
     @property
     def kv_heads(self) -> int:
@@ -374,4 +382,5 @@ class CausalSelfAttention(layers.Layer):
             "causal": self.causal,
             "fused_qkv": self.fused_qkv,
             "attention_chunk_size": self.attention_chunk_size,
+            "rope_scaling": self.rope_scaling,
         }

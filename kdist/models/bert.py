@@ -9,7 +9,8 @@ D hidden, V vocabulary, C classes.
 
 Differences from the original BERT, by design: no attention-probability dropout
 (``keras.ops.dot_product_attention`` has none; residual and embedding dropout remain), the
-encoder MLP's GELU is the tanh approximation (kdist's shared ``MLP``), and there is no
+encoder MLP's GELU is the tanh approximation by default (``mlp_activation="gelu_exact"`` is
+the original's erf form, what Hugging Face checkpoints get), and there is no
 next-sentence-prediction head (RoBERTa showed it unnecessary).
 """
 
@@ -69,6 +70,8 @@ class BertBackbone(Backbone, keras.Model):
         remat: rematerialise each block in the backward pass.
         attention_chunk_size: attend over chunks of this many keys without keeping the
             attention probabilities for the backward pass (``CausalSelfAttention``).
+        mlp_activation: the encoder MLP's GELU: ``"gelu"`` (tanh approximation, kdist's
+            default) or ``"gelu_exact"`` (erf: the original BERT and Hugging Face's).
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -83,6 +86,7 @@ class BertBackbone(Backbone, keras.Model):
     """
 
     presets = BERT_PRESETS
+    hf_model_types = ("bert",)  # Hugging Face checkpoints (kdist.models.hf)
 
     def __init__(
         self,
@@ -98,8 +102,12 @@ class BertBackbone(Backbone, keras.Model):
         initializer_range: float = 0.02,
         remat: bool = False,
         attention_chunk_size: int | None = None,
+        mlp_activation: str = "gelu",
         **kwargs,
     ):
+        if mlp_activation not in ("gelu", "gelu_exact"):
+            raise ValueError(f"BERT's mlp_activation must be 'gelu' (tanh approximation) or "
+                             f"'gelu_exact' (erf); got {mlp_activation!r}.")
         if hidden_dim % num_heads:
             raise ValueError(
                 f"hidden_dim={hidden_dim} must be divisible by num_heads={num_heads} "
@@ -137,6 +145,7 @@ class BertBackbone(Backbone, keras.Model):
                 initializer_range=initializer_range,
                 remat=remat,
                 attention_chunk_size=attention_chunk_size,
+                mlp_activation=mlp_activation,
                 dtype=dtype,
                 name=f"encoder_block_{i}",
             )
@@ -181,6 +190,7 @@ class BertBackbone(Backbone, keras.Model):
         self.initializer_range = initializer_range
         self.remat = remat
         self.attention_chunk_size = attention_chunk_size
+        self.mlp_activation = mlp_activation
 
 
 @keras.saving.register_keras_serializable(package="kdist")

@@ -57,8 +57,12 @@ class GPTBackbone(Backbone, keras.Model):
             kdist refuses rather than silently replicating key/value heads.
         position_embedding: ``"learned"`` (GPT-2) or ``"rotary"`` (RoPE, Llama).
         rotary_max_wavelength: RoPE base (Llama 3: 500000).
+        rope_scaling: Llama 3.1/3.2's RoPE frequency scaling, a Hugging Face
+            ``rope_scaling`` dict (``rope_type="llama3"``, ``factor``, ``low_freq_factor``,
+            ``high_freq_factor``, ``original_max_position_embeddings``); None: plain RoPE.
         norm: ``"layer_norm"`` (GPT-2) or ``"rms_norm"`` (Llama).
-        mlp_activation: ``"gelu"`` (GPT-2) or ``"swiglu"`` (Llama).
+        mlp_activation: ``"gelu"`` (GPT-2's tanh approximation), ``"gelu_exact"`` (erf) or
+            ``"swiglu"`` (Llama).
         use_bias: biases on the attention and MLP projections (GPT-2: yes; Llama: no).
         tie_embeddings: output projection = token embedding transposed.
         document_mask: inputs become ``{"token_ids", "segment_ids"}``; attention does not
@@ -96,6 +100,7 @@ class GPTBackbone(Backbone, keras.Model):
 
     presets = GPT_PRESETS
     config_attributes = {"position_embedding": "position_embedding_type"}
+    hf_model_types = ("gpt2", "llama")  # Hugging Face checkpoints (kdist.models.hf)
 
     def __init__(
         self,
@@ -120,6 +125,7 @@ class GPTBackbone(Backbone, keras.Model):
         fused_qkv: bool = False,
         vocabulary_divisible_by: int = 1,
         attention_chunk_size: int | None = None,
+        rope_scaling: dict | None = None,
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -131,6 +137,9 @@ class GPTBackbone(Backbone, keras.Model):
             raise ValueError(
                 f"Unknown position_embedding '{position_embedding}'. Use 'learned' or 'rotary'."
             )
+        if rope_scaling is not None and position_embedding != "rotary":
+            raise ValueError("rope_scaling scales rotary position embeddings; pass "
+                             "position_embedding='rotary' with it, or rope_scaling=None.")
         check_divisible("num_heads", num_heads)
         check_divisible("num_key_value_heads", num_key_value_heads or num_heads)
         check_divisible("intermediate_dim", intermediate_dim)
@@ -185,6 +194,7 @@ class GPTBackbone(Backbone, keras.Model):
                 remat=remat,
                 fused_qkv=fused_qkv,
                 attention_chunk_size=attention_chunk_size,
+                rope_scaling=rope_scaling if rotary else None,
                 dtype=dtype,
                 name=f"block_{i}",
             )
@@ -230,6 +240,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.fused_qkv = fused_qkv
         self.vocabulary_divisible_by = vocabulary_divisible_by
         self.attention_chunk_size = attention_chunk_size
+        self.rope_scaling = rope_scaling
 
     @property
     def head_dim(self) -> int:
