@@ -20,11 +20,14 @@ from kdist.planning.compile import compile_train_step
 from tests.bert_helpers import TINY_BERT, mlm_batches, train_mlm
 from tests.helpers import TINY_GPT, TINY_LLAMA, token_batches, train, weights
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
 CONFIGS = {
     "gpt": TINY_GPT,
     "gpt-documents": {**TINY_GPT, "document_mask": True},
     "llama": TINY_LLAMA,  # RoPE, grouped-query attention, RMSNorm, SwiGLU, untied
     "llama-documents": {**TINY_LLAMA, "document_mask": True},
+    "llama3-rope": {**TINY_LLAMA, "rope_scaling": LLAMA3_ROPE},  # scaled frequencies
 }
 # Each mesh trains every model once; across the three meshes each model meets both
 # variants, and each mesh runs both variants with and without documents (tests/
@@ -63,7 +66,7 @@ def _gpt(mesh, config, variant="all_gather", seed=0, **options):
 @pytest.fixture(scope="module")
 def references():
     out = {}
-    for config in CONFIGS:
+    for config in ("gpt", "gpt-documents", "llama", "llama-documents"):
         model = _gpt(None, config)
         out[config] = train(model, _batches(config)), weights(model)
         keras.utils.clear_session()
@@ -134,12 +137,12 @@ def test_bert_with_padding(variant, bert_reference):
 
 def test_predictions_metrics_and_generation_are_those_of_one_device():
     x, y = token_batches(1)[0]
-    one = _gpt(None, "llama")
+    one = _gpt(None, "llama3-rope")
     one.compile(optimizer="adamw", metrics=["accuracy"])
     want_logits, want_eval = one.predict_on_batch(x), one.evaluate(x, y, verbose=0)
     want_tokens = one.generate(x[:2, :4], 12, sampler="greedy")
     keras.utils.clear_session()
-    split = _gpt("seq=8", "llama", "ring")
+    split = _gpt("seq=8", "llama3-rope", "ring")
     split.set_weights(one.get_weights())
     split.compile(optimizer="adamw", metrics=["accuracy"])
     # predict: contiguous split (no step); evaluate: the balanced layout, undone for the
