@@ -149,8 +149,9 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
         best = min(fitting, key=lambda r: (r["cost"], r["_mesh"]["model"], r["_mesh"]["seq"]))
         why = (f"{best['mesh']}: fits ({format_bytes(best['memory'])} estimated of "
                f"{format_bytes(budget)} usable per device) with the least communication "
-               f"({format_bytes(best['wire_bytes'])} per device per step; tensor-parallel "
-               f"bytes weigh double) of the {len(fitting)} fitting meshes out of {len(rows)}")
+               f"({format_bytes(best['wire_bytes'])} per device per step; tensor- and "
+               f"context-parallel bytes weigh double) of the {len(fitting)} fitting meshes "
+               f"out of {len(rows)}")
     else:
         best = min(rows, key=lambda r: r["memory"])
         why = (f"no mesh fits {format_bytes(budget)} usable per device; {best['mesh']} needs "
