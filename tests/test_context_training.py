@@ -13,6 +13,7 @@ import pytest
 import kdist
 from kdist import hlo
 from kdist.models import BertBackbone, BertMaskedLM, GPTBackbone, GPTCausalLM
+from kdist.parallel import layout as layout_module
 from kdist.parallel.context import SequenceLayout
 from kdist.parallel.context import layer as context_layer
 from kdist.parallel.context.cost import ring_bytes
@@ -207,6 +208,12 @@ def test_unsupported_combinations_are_refused():
         kdist.distribution("seq=8", context_parallel="ulysses")
     with pytest.raises(ValueError, match="load_balance must be True or False"):
         kdist.distribution("seq=8", load_balance="yes")
+    # Once stage and replica have transforms (out of _NOT_BUILT), seq with them is refused
+    # until the combination is built and tested.
+    with mock.patch.dict(layout_module._NOT_BUILT, clear=True):
+        for spec in ("seq=2,stage=2,fsdp=2", "seq=2,replica=2,fsdp=2"):
+            with pytest.raises(ValueError, match="'seq' axis has not been built or tested"):
+                kdist.distribution(spec)
 
     class Unsplit(GPTCausalLM):  # a task whose attention knows nothing of the split
         step_features = frozenset({"fused_loss"})
