@@ -27,6 +27,8 @@ run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/mesh_step_time.py --out
 run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/communication.py
 run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/memory.py
 run "$PYTHON" benchmarks/gradient_reduction.py
+run "$PYTHON" benchmarks/context_length.py
+run "$PYTHON" benchmarks/context_length.py --step-time 4096 --rounds 5
 run "$PYTHON" benchmarks/hf_loading.py
 run "$PYTHON" benchmarks/communicate_less.py --parts bytes error  # its train part: ~1.5 h idle
 if "$PYTHON" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then

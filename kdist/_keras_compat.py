@@ -134,6 +134,18 @@ def set_byte_pair_backend(tokenizer, hf_tokenizer) -> None:
     tokenizer._tokenizer = hf_tokenizer
 
 
+def byte_pair_split_pattern() -> str:
+    """The regex keras-hub's ``BytePairTokenizer`` splits text with before merging
+    (``keras_hub.src.tokenizers.byte_pair_tokenizer.SPLIT_PATTERN_TOKENIZERS``, keras-hub
+    0.32; not exported): a vocabulary trained with it gives the ids keras-hub computes."""
+    try:
+        from keras_hub.src.tokenizers.byte_pair_tokenizer import SPLIT_PATTERN_TOKENIZERS
+    except ImportError as e:
+        raise _missing("keras_hub.src.tokenizers.byte_pair_tokenizer."
+                       "SPLIT_PATTERN_TOKENIZERS", e) from e
+    return SPLIT_PATTERN_TOKENIZERS
+
+
 def byte_pair_backend(tokenizer):
     """The ``tokenizers.Tokenizer`` a keras-hub ``BytePairTokenizer`` encodes with outside
     ``tf.data`` (``BytePairTokenizer._tokenizer``, keras-hub 0.32), or None."""

@@ -18,8 +18,10 @@ execution of the instruction:
   This is the figure to compare strategies with, and the one
   :func:`kdist.planning.theoretical_collective_bytes` predicts.
 
-Instructions are counted where they appear: a collective inside a loop body is counted
-once, not once per iteration (kdist's models unroll their layers, so there is none).
+A collective inside a loop body runs once per iteration: each instruction carries
+``executions``, the product of the ``known_trip_count`` of the ``while`` loops around it
+(1 outside any loop, or when XLA did not infer the count), and the summary counts and adds
+every execution (``lax.scan`` over layers, or over ring-attention steps).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Collective:
     group_size: int  # devices taking part in each replica group
     wire_bytes: float  # sent per device by a ring implementation
     op_name: str = ""  # the JAX operation it came from (HLO metadata), if printed
+    executions: int = 1  # per run of the program: the trip counts of the loops around it
     groups: tuple | None = None  # the devices of each replica group, when printed
 
     def crosses(self, block: int) -> bool:
@@ -144,6 +147,51 @@ def replica_groups(line: str, num_devices: int | None = None) -> tuple | None:
     return None
 
 
+# A computation's header: `%name (params) -> shape {` (`ENTRY %name ...` for the entry).
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$",
+                          re.MULTILINE)
+_CALLEE = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation"
+                     r"|branch_computations)=\{?%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def loop_executions(hlo_text: str) -> list[tuple[int, int, int]]:
+    r"""``(start, end, executions)`` of every computation in HLO text: how many times it runs
+    per run of the entry computation (a ``while`` body its trip count times its caller's).
+
+    Example:
+        >>> text = ('%body (p: f32[]) -> f32[] {\n}\n'
+        ...         'ENTRY %main (x: f32[]) -> f32[] {\n'
+        ...         '  %w = f32[] while(%x), body=%body, '
+        ...         'backend_config={"known_trip_count":{"n":"7"}}\n}')
+        >>> [n for _, _, n in loop_executions(text)]
+        [7, 1]
+    """
+    headers = list(_COMPUTATION.finditer(hlo_text))
+    spans, calls, entry = {}, {}, None
+    for i, m in enumerate(headers):
+        end = headers[i + 1].start() if i + 1 < len(headers) else len(hlo_text)
+        spans[m.group("name")] = (m.start(), end)
+        entry = m.group("name") if m.group("entry") else entry
+        for line in hlo_text[m.end():end].splitlines():
+            trips = _TRIP_COUNT.search(line) if " while(" in line else None
+            for callee in _CALLEE.findall(line):
+                is_body = trips and f"body=%{callee}" in line or f"body={callee}" in line
+                calls.setdefault(callee, []).append(
+                    (m.group("name"), int(trips.group(1)) if trips and is_body else 1))
+    memo: dict[str, int] = {}
+
+    def executions(name: str, seen=()) -> int:
+        if name == entry or name not in calls or name in seen:
+            return 1
+        if name not in memo:
+            memo[name] = sum(executions(caller, (*seen, name)) * n
+                             for caller, n in calls[name])
+        return memo[name]
+
+    return [(start, end, executions(name)) for name, (start, end) in spans.items()]
+
+
 def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
     """Every collective instruction in optimized HLO text, with its bytes per device.
 
@@ -156,6 +204,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         ('all-gather', 128.0, 4, 96.0)
     """
     found = []
+    spans = loop_executions(hlo_text)
     for m in _INSTRUCTION.finditer(hlo_text):
         line_end = hlo_text.find("\n", m.end())
         line = hlo_text[m.start(): line_end if line_end >= 0 else len(hlo_text)]
@@ -178,13 +227,15 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         else:
             wire = (n - 1) / n * size
         op = re.search(r'op_name="([^"]*)"', line)
+        runs = next((k for start, end, k in spans if start <= m.start() < end), 1)
         found.append(Collective(m.group("name"), kind, size, n, wire, op.group(1) if op else "",
-                                replica_groups(line, num_devices)))
+                                runs, replica_groups(line, num_devices)))
     return found
 
 
 def summarize_collectives(collectives: Iterable[Collective]) -> dict[str, dict[str, float]]:
-    """Count, logical bytes and ring wire bytes per collective kind (kinds with none omitted).
+    """Executions, logical bytes and ring wire bytes per collective kind (kinds with none
+    omitted), every execution of an instruction in a loop counted.
 
     Example:
         >>> text = "%ar = f32[10]{0} all-reduce(%x), replica_groups=[1,2]<=[2], to_apply=%add"
@@ -194,7 +245,7 @@ def summarize_collectives(collectives: Iterable[Collective]) -> dict[str, dict[s
     out: dict[str, dict[str, float]] = {}
     for c in collectives:
         row = out.setdefault(c.kind, {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
-        row["count"] += 1
-        row["bytes"] += c.bytes
-        row["wire_bytes"] += c.wire_bytes
+        row["count"] += c.executions
+        row["bytes"] += c.bytes * c.executions
+        row["wire_bytes"] += c.wire_bytes * c.executions
     return {k: out[k] for k in COLLECTIVE_KINDS if k in out}

@@ -99,6 +99,15 @@ def test_byte_pair_backend_is_settable():
     assert tokenizer.tokenize("ab").tolist() == [2]
 
 
+def test_byte_pair_split_pattern_is_keras_hubs():
+    import tokenizers
+
+    split = tokenizers.pre_tokenizers.Split(
+        tokenizers.Regex(compat.byte_pair_split_pattern()), behavior="isolated")
+    pieces = [p for p, _ in split.pre_tokenize_str("it's 1234 words")]
+    assert pieces == ["it", "'s", " ", "123", "4", " words"]  # numbers in threes
+
+
 def test_process_helpers_in_one_process():
     assert compat.distributed_client() is None
     assert compat.coordinator_address() is None

@@ -124,6 +124,17 @@ def test_unsupported_settings_are_refused_before_compiling():
                                                                       reduction="none"))
 
 
+def test_a_split_sequence_refuses_what_reads_across_it():
+    # Under seq each device's loss covers its share of every sequence's tokens: BERT's loss
+    # (masked positions, the first token) and dropout (one mask per share) are refused at
+    # compile, before XLA compiles anything. A causal LM trains (tests/test_context_training.py).
+    with pytest.raises(ValueError, match="does not declare the 'token_reordering'"):
+        _bert("seq=4,data=2", "float32", dropout=0.0).compile(optimizer=parity_optimizer())
+    model = _model("seq=8", "bfloat16", {**TINY_GPT, "dropout": 0.1})
+    with pytest.raises(ValueError, match="same mask for every 'seq' share"):
+        model.compile(optimizer=parity_optimizer())
+
+
 def test_chunked_attention_trains_like_one_device_under_kdist_reduction():
     # Its scans run per device inside the manual region (carries typed as varying).
     batches = token_batches(3)

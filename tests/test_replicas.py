@@ -132,6 +132,12 @@ def test_replica_settings_are_checked():
         kdist.distribution("replica=2,stage=2,fsdp=2", sync_every=5)
     with pytest.raises(ValueError, match="gradient_reduction='int8' is not built for a 'seq'"):
         kdist.distribution("seq=2,fsdp=4", gradient_reduction="int8")
+    with pytest.raises(ValueError, match="gradient_reduction='float8' is not built for a 'seq'"):
+        kdist.distribution("seq=2,data=4", gradient_reduction="float8", error_feedback=True)
+    with pytest.raises(ValueError, match="'seq' axis has not been built or tested together"):
+        kdist.distribution("replica=2,seq=2,fsdp=2", sync_every=5)
+    with pytest.raises(ValueError, match="sync_every=5 .DiLoCo. is not built for a 'seq'"):
+        kdist.distribution("seq=2,fsdp=4", sync_every=5)  # one replica group
     model = _model("replica=2,fsdp=4", sync_every=5)
     with pytest.raises(ValueError, match="LossScaleOptimizer"):
         model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))

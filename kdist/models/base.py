@@ -172,7 +172,7 @@ class Task:
         >>> from kdist.models import GPTCausalLM
         >>> lm = GPTCausalLM.from_preset("gpt-nano", vocabulary_size=64, num_layers=1)
         >>> sorted(lm.step_features)
-        ['fused_loss', 'gradient_reduction']
+        ['context_parallel', 'fused_loss', 'gradient_reduction', 'token_reordering']
     """
 
     backbone_class: ClassVar[type[Backbone]] = Backbone

@@ -248,7 +248,9 @@ class BertMaskedLM(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    step_features = frozenset({"gradient_reduction"})  # no fused loss: the head is not tied-only
+    # No fused loss (the head is not tied-only); sequences split over seq (not reordered:
+    # attention is bidirectional, and mask_positions index the sequence).
+    step_features = frozenset({"gradient_reduction", "context_parallel"})
     token_id_labels = True  # mask_ids are token ids
 
     def __init__(self, backbone: BertBackbone, check_token_ids: bool = False, **kwargs):
@@ -320,7 +322,7 @@ class BertClassifier(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    step_features = frozenset({"gradient_reduction"})
+    step_features = frozenset({"gradient_reduction", "context_parallel"})
 
     def __init__(self, backbone: BertBackbone, num_classes: int,
                  classifier_dropout: float = 0.1, check_token_ids: bool = False, **kwargs):

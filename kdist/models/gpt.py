@@ -20,7 +20,7 @@ from kdist.models.generation import CachedGeneration
 from kdist.models.layers import (
     NORM_AXES,
     PreNormBlock,
-    document_mask_and_positions,
+    document_positions,
     normalization,
 )
 from kdist.models.presets import GPT_PRESETS
@@ -30,16 +30,15 @@ from kdist.parallel.rules import build_with_axes
 
 
 @keras.saving.register_keras_serializable(package="kdist")
-class DocumentMask(layers.Layer):
-    """Segment ids ``(B, T)`` to a same-document attention mask ``(B, 1, T, T)`` and
-    per-document positions ``(B, T)`` (see ``document_mask_and_positions``)."""
+class DocumentPositions(layers.Layer):
+    """Segment ids ``(B, T)`` to per-document positions ``(B, T)`` (``document_positions``);
+    attention keeps to each document from the segment ids themselves."""
 
     def call(self, segment_ids):
-        return document_mask_and_positions(segment_ids)
+        return document_positions(segment_ids)
 
     def compute_output_spec(self, segment_ids):
-        b, t = segment_ids.shape
-        return (keras.KerasTensor((b, 1, t, t), "bool"), keras.KerasTensor((b, t), "int32"))
+        return keras.KerasTensor(segment_ids.shape, "int32")
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -207,16 +206,16 @@ class GPTBackbone(Backbone, keras.Model):
 
         # === Functional Model ===
         token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
-        mask = positions = None
+        segments = positions = None
         if document_mask:
-            segment_ids = keras.Input(shape=(None,), dtype="int32", name="segment_ids")
-            inputs = {"token_ids": token_ids, "segment_ids": segment_ids}
-            mask, positions = DocumentMask(name="document_mask")(segment_ids)
+            segments = keras.Input(shape=(None,), dtype="int32", name="segment_ids")
+            inputs = {"token_ids": token_ids, "segment_ids": segments}
+            positions = DocumentPositions(name="document_positions")(segments)
         else:
             inputs = token_ids
         x = self.embed(token_ids, positions=positions)
         for block in self.blocks:
-            x = block(x, attention_mask=mask, positions=positions if rotary else None)
+            x = block(x, segment_ids=segments, positions=positions if rotary else None)
         outputs = self.final_norm(x)
         super().__init__(inputs=inputs, outputs=outputs, dtype=dtype, **kwargs)
 
@@ -299,7 +298,8 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
     """
 
     backbone_class = GPTBackbone
-    step_features = frozenset({"gradient_reduction", "fused_loss"})
+    step_features = frozenset({"gradient_reduction", "fused_loss", "context_parallel",
+                               "token_reordering"})
     token_id_labels = True
 
     def __init__(self, backbone: GPTBackbone, loss_chunk_size: int | str | None = "auto",

@@ -12,6 +12,7 @@ import keras
 from keras import layers, ops
 
 from kdist.models.attention import CausalSelfAttention
+from kdist.parallel import context
 from kdist.parallel.constraints import shard_batch
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.rules import build_with_axes
@@ -234,16 +235,19 @@ class PreNormBlock(layers.Layer):
         self.mlp.build(input_shape)
 
     def call(
-        self, x, attention_mask=None, positions=None, cache=None, cache_index=None, training=None
+        self, x, attention_mask=None, positions=None, cache=None, cache_index=None, training=None,
+        segment_ids=None,
     ):
-        """``(B, T, D) -> (B, T, D)``; with a cache, also returns the updated cache."""
+        """``(B, T, D) -> (B, T, D)``; with a cache, also returns the updated cache.
+        ``segment_ids (B, T)``: documents of a packed sequence (attention stays in each)."""
         if cache is not None:
             h, cache = self.attention(self.attention_norm(x), cache=cache, cache_index=cache_index)
             return self._mlp_residual(x + h, training), cache
 
         def forward(x):
             h = self.attention(
-                self.attention_norm(x), attention_mask=attention_mask, positions=positions
+                self.attention_norm(x), attention_mask=attention_mask, positions=positions,
+                segment_ids=segment_ids,
             )
             return self._mlp_residual(x + self.attention_dropout(h, training=training), training)
 
@@ -373,8 +377,25 @@ def document_mask_and_positions(segment_ids):
         [[0, 1, 0]]
     """
     segment_ids = ops.cast(segment_ids, "int32")
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None], document_positions(
+        segment_ids)  # (B, 1, T, T), (B, T)
+
+
+def document_positions(segment_ids):
+    """Per-document positions ``(B, T)`` of packed sequences: each token's position minus
+    that of its document's first token (``segment_ids`` non-decreasing within each row).
+    A sequence split over ``seq`` gets the same from its tokens' true positions
+    (``kdist.parallel.context``).
+
+    Example:
+        >>> pos = document_positions(keras.ops.convert_to_tensor([[0, 0, 1, 1, 1]]))
+        >>> keras.ops.convert_to_numpy(pos).tolist()
+        [[0, 1, 0, 1, 2]]
+    """
+    segment_ids = ops.cast(segment_ids, "int32")
+    layout = context.current_layout(segment_ids.shape[1])
+    if layout is not None:
+        return context.document_positions(segment_ids, layout)
     # Tokens of earlier documents precede the current one: position = t - their count.
     earlier = ops.sum(ops.cast(segment_ids[:, None, :] < segment_ids[:, :, None], "int32"), -1)
-    positions = ops.arange(ops.shape(segment_ids)[1])[None, :] - earlier  # (B, T)
-    return same[:, None], positions
+    return ops.arange(ops.shape(segment_ids)[1])[None, :] - earlier  # (B, T)

@@ -96,7 +96,8 @@ def _constrain(x, axes, dist):
 
 
 def shard_batch(x):
-    """Pins an activation's batch dimension to the replica axes (the rest replicated).
+    """Pins an activation's batch dimension to the replica axes, and its sequence dimension
+    (the second) to ``seq`` when that axis divides it (the rest replicated).
 
     Models call this on each block's output. Without it XLA's partitioner propagates the
     weights' fsdp sharding into the activations and reshards them back and forth (measured
@@ -109,9 +110,15 @@ def shard_batch(x):
         return x
     manual = manual_axes() or frozenset()
     axes = tuple(a for a in REPLICA_AXES if dist.mesh_shape[a] > 1 and a not in manual)
-    if not axes or batch % math.prod(dist.mesh_shape[a] for a in axes):
+    seq = dist.mesh_shape.get("seq", 1)
+    split = seq > 1 and "seq" not in manual and len(x.shape) > 1 and isinstance(
+        x.shape[1], int) and x.shape[1] % seq == 0
+    if not (axes or split) or batch % math.prod(dist.mesh_shape[a] for a in axes):
         return x
-    return _constrain(x, (axes,) + (None,) * (len(x.shape) - 1), dist)
+    spec = [axes or None] + [None] * (len(x.shape) - 1)
+    if split:
+        spec[1] = "seq"  # (B, T, ...): each device's tokens (kdist.parallel.context)
+    return _constrain(x, tuple(spec), dist)
 
 
 def gathered(x, logical_axes: Sequence[str | None]):

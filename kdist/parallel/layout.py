@@ -36,8 +36,9 @@ GRADIENT_REDUCTIONS = (None, "float32", "bfloat16", "float8", "int8")
 # that builds an axis removes its entry.
 _NOT_BUILT = {
     "stage": "pipeline stages (kdist.parallel.pipeline)",
-    "seq": "context parallelism (kdist.parallel.context)",
 }
+# How attention crosses a sequence split over `seq` (kdist.parallel.context).
+CONTEXT_PARALLEL = ("all_gather", "ring")
 
 
 class BatchLayout(TensorLayout):
@@ -65,7 +66,8 @@ class KdistDistribution(ModelParallel):
 
     Build it with :func:`distribution`. ``layout_for(path, shape)`` returns the layout a
     weight of that path and shape gets; ``mesh_shape`` gives the axis sizes;
-    ``gradient_reduction`` is the step feature it asks of the model (None: XLA reduces).
+    ``gradient_reduction`` is the step feature it asks of the model (None: XLA reduces);
+    ``context_parallel`` and ``load_balance`` how attention crosses a ``seq`` split.
 
     Example:
         >>> dist = distribution("data=2,model=4", jax.devices())
@@ -77,7 +79,8 @@ class KdistDistribution(ModelParallel):
                  auto_shard: bool = False, allow_replicated: Sequence[str] = (),
                  gradient_reduction: str | None = None, error_feedback: bool = False,
                  sync_every: int | None = None, outer_learning_rate: float = 0.7,
-                 outer_momentum: float = 0.9, outer_nesterov: bool = True):
+                 outer_momentum: float = 0.9, outer_nesterov: bool = True,
+                 context_parallel: str = "all_gather", load_balance: bool = True):
         # Before Keras' __init__, which reads num_model_replicas when there are several
         # processes.
         self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
@@ -88,6 +91,8 @@ class KdistDistribution(ModelParallel):
         self.outer_learning_rate = outer_learning_rate
         self.outer_momentum = outer_momentum
         self.outer_nesterov = outer_nesterov
+        self.context_parallel = context_parallel
+        self.load_balance = load_balance
         super().__init__(layout_map=LayoutMap(device_mesh), batch_dim_name="data",
                          auto_shard_dataset=auto_shard_dataset)
         # Weights without logical axes: kdist.parallel.auto (structure and shape).
@@ -176,7 +181,8 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                  gradient_reduction: str | None = None,
                  error_feedback: bool = False, sync_every: int | None = None,
                  outer_learning_rate: float = 0.7, outer_momentum: float = 0.9,
-                 outer_nesterov: bool = True) -> KdistDistribution:
+                 outer_nesterov: bool = True, context_parallel: str = "all_gather",
+                 load_balance: bool = True) -> KdistDistribution:
     """Builds the Keras distribution for a mesh spec over all (or the given) devices.
 
     Set it before building the model; ``compile`` and ``fit`` then run sharded. With several
@@ -201,6 +207,13 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     (``outer_learning_rate``, ``outer_momentum``, ``outer_nesterov``; the paper's 0.7, 0.9,
     Nesterov) moves the shared weights. A ``replica`` axis needs ``sync_every``.
 
+    A ``seq`` axis splits every sequence's tokens (context parallelism,
+    :mod:`kdist.parallel.context`): ``context_parallel="all_gather"`` (default) gathers
+    keys and values for each attention layer, ``"ring"`` passes them around the axis
+    (``O(T / seq)`` memory); ``load_balance=True`` gives causal models' devices equal
+    attention work (each holds two of ``2 x seq`` chunks; sequence lengths must divide by
+    ``2 x seq``).
+
     Example:
         >>> import keras, kdist
         >>> keras.distribution.set_distribution(kdist.distribution("auto"))
@@ -215,8 +228,17 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
         raise ValueError(
             f"error_feedback=True carries the error of 8-bit gradient codes to the next step; "
             f"it needs gradient_reduction='float8' or 'int8', got {gradient_reduction!r}.")
+    if context_parallel not in CONTEXT_PARALLEL:
+        raise ValueError(f"context_parallel must be one of {CONTEXT_PARALLEL} (how attention "
+                         f"crosses a sequence split over 'seq'); got {context_parallel!r}.")
+    if not isinstance(load_balance, bool):
+        raise ValueError(f"load_balance must be True or False; got {load_balance!r}.")
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
     sizes = parse_mesh(spec, len(devices))
+    if sizes["seq"] > 1 and (sizes["stage"] > 1 or sizes["replica"] > 1):
+        raise ValueError(
+            f"Mesh spec {spec!r}: the 'seq' axis has not been built or tested together with "
+            f"'stage' or 'replica'. Use seq with data, fsdp and model.")
     _check_replica_settings(spec, sizes, sync_every, outer_learning_rate, outer_momentum,
                             outer_nesterov)
     _check_untested_combinations(spec, sizes, gradient_reduction, sync_every)
@@ -232,7 +254,8 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                              gradient_reduction=gradient_reduction,
                              error_feedback=error_feedback, sync_every=sync_every,
                              outer_learning_rate=outer_learning_rate,
-                             outer_momentum=outer_momentum, outer_nesterov=outer_nesterov)
+                             outer_momentum=outer_momentum, outer_nesterov=outer_nesterov,
+                             context_parallel=context_parallel, load_balance=load_balance)
 
 
 def _check_untested_combinations(spec, sizes, gradient_reduction, sync_every):

@@ -27,7 +27,10 @@ weight. Dropout draws each device's rows of the global batch's mask
 device's loss on its rows, combined as the loss' own reduction combines rows: the mean for
 Keras' ``sum_over_batch_size`` (every device holds as many rows), weighted by each
 device's sum of sample weights for ``mean_with_sample_weight`` (BERT's masked tokens), the
-sum for ``sum``.
+sum for ``sum``. Under a ``seq`` axis (:mod:`kdist.parallel.context`) each device holds
+a share of every sequence's tokens: ``seq`` is manual in the region too, and the loss and
+every gradient are summed over it like over a batch axis (for causal LMs, whose loss sums
+per-token terms; other tasks and dropout are refused there).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from kdist import _keras_compat
 from kdist.parallel import compression
 from kdist.parallel.constraints import in_manual_region, manual_axes, manual_region, varying_axes
+from kdist.parallel.context import step as context_step
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import BatchLayout, active
 from kdist.parallel.mesh import REPLICA_AXES
@@ -72,6 +76,8 @@ def check(dist, model) -> None:
             f"manual region, where layers {', '.join(foreign[:3])} would draw the same random "
             f"mask on every device. Use kdist.parallel.dropout.Dropout (it draws each "
             f"device's rows of the global mask), a rate of 0, or gradient_reduction=None.")
+    if dist.mesh_shape.get("seq", 1) > 1:
+        _check_split_sequence(dist, model)
     reduction = _loss_reduction(model)
     if reduction not in _LOSS_REDUCTIONS:
         raise ValueError(
@@ -79,6 +85,29 @@ def check(dist, model) -> None:
             f"the loss' reduction does; {type(model).__name__}'s loss has reduction "
             f"{reduction!r}, expected one of {_LOSS_REDUCTIONS} (a single loss). Use such a "
             f"loss or gradient_reduction=None.")
+
+
+def _check_split_sequence(dist, model) -> None:
+    """Under a ``seq`` axis each device computes the loss on its own tokens: right for a
+    task whose loss is a sum of per-token terms (it declares ``"token_reordering"``), not
+    for one that reads positions across the sequence (BERT's masked positions, its first
+    token). Dropout masks there would repeat across a row's token shares."""
+    name = type(model).__name__
+    if "token_reordering" not in getattr(model, "step_features", frozenset()):
+        raise ValueError(
+            f"gradient_reduction={dist.gradient_reduction!r} on mesh {dist.spec} computes each "
+            f"device's loss on its share of every sequence's tokens; {name}'s loss reads "
+            f"tokens across the whole sequence (it does not declare the 'token_reordering' "
+            f"step feature). Use gradient_reduction=None on this mesh (XLA's reductions) or "
+            f"a mesh without 'seq'.")
+    dropout = sorted(layer.name for layer in _keras_compat.all_layers(model)
+                     if isinstance(layer, Dropout) and layer.rate > 0)
+    if dropout:
+        raise ValueError(
+            f"gradient_reduction={dist.gradient_reduction!r} on mesh {dist.spec}: dropout "
+            f"layers ({', '.join(dropout[:3])}) would draw the same mask for every 'seq' "
+            f"share of a row in the per-device region (not built for a split sequence). "
+            f"Use a dropout rate of 0, gradient_reduction=None, or a mesh without 'seq'.")
 
 
 def _loss_reduction(model):
@@ -142,21 +171,24 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
     """
     dist = active()
     axes = gradient_axes(dist)
+    # A split sequence (kdist.parallel.context): each device holds its own tokens, so the
+    # loss and every gradient are partial over `seq` too, and summed over it like a replica.
+    summed = axes + context_step.summed_axes()
     sizes = tuple(sorted(dist.mesh_shape.items()))
     layouts = [dist.get_variable_layout(v).axes for v in model.trainable_variables]
     specs = [P(*(a if a in axes else None for a in layout)) for layout in layouts]
     model_axis = dist.mesh_shape.get("model", 1) > 1
-    plans = [_Plan(axes, sizes, next((i for i, a in enumerate(s) if a == "fsdp"), None),
+    plans = [_Plan(summed, sizes, next((i for i, a in enumerate(s) if a == "fsdp"), None),
                    dist.gradient_reduction,
                    P(*(a if a == "model" else None for a in layout)) if model_axis else None)
              for s, layout in zip(specs, layouts)]
-    rows = P(axes or None)
     combine = _loss_reduction(model)
     # Manual: the batch axes, and axes of size 1 (nothing to partition; leaving them to
     # XLA made XLA:CPU's bfloat16 all-reduce promotion crash, jaxlib 0.10.2) not already
     # manual in an enclosing region.
     outer = manual_axes() or frozenset()
-    manual = {a for a, n in dist.mesh_shape.items() if (a in axes or n == 1) and a not in outer}
+    manual = {a for a, n in dist.mesh_shape.items()
+              if (a in summed or n == 1) and a not in outer}
 
     def local(trainable, residuals, non_trainable, metrics, x, y, sample_weight,
               optimizer_variables):
@@ -168,8 +200,8 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
                 loss, (unscaled, y_pred, new_non_trainable, new_metrics) = compute(
                     full, non_trainable, metrics, x, y, sample_weight, training=True,
                     optimizer_variables=optimizer_variables)
-            if axes:  # this device's loss on its rows -> the loss on all rows
-                loss, unscaled = _combine((loss, unscaled), combine, sample_weight, axes)
+            if summed:  # this device's loss on its rows (and tokens) -> on all of them
+                loss, unscaled = _combine((loss, unscaled), combine, sample_weight, summed)
             return loss, (unscaled, y_pred, new_non_trainable, new_metrics)
 
         (loss, aux), (grads, new_residuals) = jax.value_and_grad(
@@ -177,8 +209,11 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
         return loss, aux, grads, new_residuals
 
     residual_specs = None if residuals is None else [P(axes or None)] * len(residuals)
-    in_specs = (specs, residual_specs, P(), P(), rows, rows, rows, P())
-    out_specs = (P(), (P(), rows, P(), P()), specs, residual_specs)
+    # Per-row arrays: rows over the batch axes, a split sequence's tokens over seq.
+    data_specs = [jax.tree.map(lambda a: context_step.row_spec(a, axes), t)
+                  for t in (x, y, sample_weight)]
+    in_specs = (specs, residual_specs, P(), P(), *data_specs, P())
+    out_specs = (P(), (P(), context_step.output_spec(axes), P(), P()), specs, residual_specs)
     # Nested in a replica group's region (kdist.parallel.replicas): its mesh from context.
     mesh = None if in_manual_region() else dist.device_mesh.backend_mesh
     region = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,

@@ -90,6 +90,8 @@ def plan(
     model_overrides: dict | None = None,
     auto_shard: bool = False,
     gradient_reduction: str | None = None,
+    context_parallel: str = "all_gather",
+    load_balance: bool = True,
 ) -> Plan:
     """Compiles one train step on abstract inputs and reports what it needs per device.
 
@@ -118,6 +120,8 @@ def plan(
         gradient_reduction: the distribution's (``kdist.distribution``): None, ``"float32"``,
             ``"bfloat16"``, ``"float8"`` or ``"int8"`` (the theoretical minimum then counts
             one byte per gradient value, whatever the collectives' kinds).
+        context_parallel, load_balance: the distribution's, for a mesh with a ``seq`` axis
+            (``"all_gather"`` or ``"ring"``; load-balanced causal layout).
 
     Example:
         >>> p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=128,
@@ -152,16 +156,22 @@ def plan(
                              "explicit mesh such as 'fsdp=8'.")
         chosen, _, mesh_choice = choose_mesh(
             cost, len(devices), device_memory, global_batch_size, sequence_length,
-            precision=policy, remat=remat, grad_accum=grad_accum)
+            precision=policy, remat=remat, grad_accum=grad_accum,
+            context_parallel=context_parallel)
         mesh = mesh_spec(chosen)
     sizes = _check_mesh(mesh, devices, global_batch_size, grad_accum)
+    if sizes["seq"] > 1 and sequence_length:  # before compiling: the layout's own check
+        from kdist.parallel.context import SequenceLayout
+
+        causal = cost is None or getattr(cost.flops_per_token(sequence_length), "causal", True)
+        SequenceLayout(sequence_length, sizes["seq"], balanced=causal and load_balance)
 
     def run(sizes, remat, grad_accum):
         # A preset is rebuilt with the remat asked for; a model function as it is.
         fn = model_fn(remat) if isinstance(model, str) else model_fn
         return compile_plan(fn, sizes, devices, policy, global_batch_size // grad_accum,
                             sequence_length, grad_accum, optimizer or adamw, batch,
-                            auto_shard, gradient_reduction)
+                            auto_shard, gradient_reduction, context_parallel, load_balance)
 
     start = time.perf_counter()
     compiled, state, model_obj = run(sizes, remat, grad_accum)
@@ -183,7 +193,7 @@ def plan(
         collectives=_collectives(compiled, num, grad_accum),
         theoretical_collectives=_theory(cost, sizes, global_batch_size // grad_accum,
                                         sequence_length, policy, gradient_reduction,
-                                        grad_accum),
+                                        grad_accum, context_parallel),
         compile_seconds=seconds,
         mesh_choice=mesh_choice,
     )
@@ -270,13 +280,16 @@ def _collectives(compiled, num, grad_accum) -> dict:
     return collectives
 
 
-def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, grad_accum):
-    if cost is None or (sizes["model"] > 1 and not {"hidden_dim", "num_layers"} <= set(
-            dimensions(cost))):
+def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, grad_accum,
+            context_parallel="all_gather"):
+    needs = {"hidden_dim", "num_layers"} | ({"num_heads"} if sizes["seq"] > 1 else set())
+    if cost is None or ((sizes["model"] > 1 or sizes["seq"] > 1)
+                        and not needs <= set(dimensions(cost))):
         return {}
     theory = theoretical_collective_bytes(
         cost, sizes, micro, sequence_length, compute_bytes(policy),
-        gradient_bytes={"bfloat16": 2, "float8": 1, "int8": 1}.get(gradient_reduction))
+        gradient_bytes={"bfloat16": 2, "float8": 1, "int8": 1}.get(gradient_reduction),
+        context_parallel=context_parallel)
     return {k: v * grad_accum for k, v in theory.items()}
 
 

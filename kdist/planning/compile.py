@@ -153,7 +153,8 @@ def compile_train_step(model: keras.Model, x, y, dist: KdistDistribution | None)
 
 
 def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length, grad_accum,
-                 optimizer_fn, batch, auto_shard=False, gradient_reduction=None):
+                 optimizer_fn, batch, auto_shard=False, gradient_reduction=None,
+                 context_parallel="all_gather", load_balance=True):
     """Builds ``model_fn()`` abstractly under the mesh ``sizes`` and precision ``policy``,
     compiles it (``optimizer_fn()`` and sparse categorical cross-entropy on logits, unless
     it is compiled already) and compiles its train step on ``batch`` (default:
@@ -167,7 +168,9 @@ def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length,
     keras.utils.clear_session()
     num = math.prod(sizes.values())
     dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard,
-                         gradient_reduction=gradient_reduction) if num > 1 else None)
+                         gradient_reduction=gradient_reduction,
+                         context_parallel=context_parallel, load_balance=load_balance)
+            if num > 1 else None)
     try:
         keras.config.set_dtype_policy(policy)
         keras.distribution.set_distribution(dist)
