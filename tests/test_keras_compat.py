@@ -72,6 +72,22 @@ def test_abstract_variables_and_layouts():
     assert compat.variable_layout(layer.kernel) == "a layout"
 
 
+def test_forget_uninitialized_keeps_the_others_pending():
+    with keras.StatelessScope(initialize_variables=False):
+        template = keras.layers.Dense(4)
+        template.build((None, 3))
+        kept = keras.layers.Dense(2)
+        kept.build((None, 3))
+    assert isinstance(compat.variable_initializer(template.kernel),
+                      keras.initializers.GlorotUniform)
+    compat.forget_uninitialized(template.weights)
+    with keras.StatelessScope():  # its exit initialises what is still pending
+        pass
+    assert kept.kernel.numpy().shape == (3, 2)
+    with pytest.raises(Exception):
+        template.kernel.numpy()  # never initialised
+
+
 def test_process_helpers_in_one_process():
     assert compat.distributed_client() is None
     assert compat.coordinator_address() is None

@@ -26,6 +26,7 @@ from kdist.models.base import Backbone, CostModel, Task
 from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEmbedding
 from kdist.models.layers import NORM_AXES, PostNormBlock
 from kdist.models.presets import BERT_PRESETS
+from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel.layout import check_divisible
 from kdist.parallel.rules import add_weight, build_with_axes
 
@@ -69,6 +70,9 @@ class BertBackbone(Backbone, keras.Model):
         remat: rematerialise each block in the backward pass.
         attention_chunk_size: attend over chunks of this many keys without keeping the
             attention probabilities for the backward pass (``CausalSelfAttention``).
+        scan_layers: the encoder blocks as one stacked, scanned ``LayerStack``
+            (``encoder_blocks/...``); None: when the distribution has a ``stage`` axis
+            (see ``GPTBackbone``).
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -98,6 +102,7 @@ class BertBackbone(Backbone, keras.Model):
         initializer_range: float = 0.02,
         remat: bool = False,
         attention_chunk_size: int | None = None,
+        scan_layers: bool | None = None,
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -127,8 +132,10 @@ class BertBackbone(Backbone, keras.Model):
         self.embeddings_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="embeddings_norm")
         self.embeddings_dropout = layers.Dropout(dropout, dtype=dtype, name="embeddings_dropout")
-        self.blocks = [
-            PostNormBlock(
+        scan_layers = stacking_default() if scan_layers is None else bool(scan_layers)
+
+        def block(name):
+            return PostNormBlock(
                 num_heads,
                 hidden_dim // num_heads,
                 intermediate_dim,
@@ -138,10 +145,12 @@ class BertBackbone(Backbone, keras.Model):
                 remat=remat,
                 attention_chunk_size=attention_chunk_size,
                 dtype=dtype,
-                name=f"encoder_block_{i}",
+                name=name,
             )
-            for i in range(num_layers)
-        ]
+
+        self.blocks = (
+            LayerStack(block("encoder_block"), num_layers, dtype=dtype, name="encoder_blocks")
+            if scan_layers else [block(f"encoder_block_{i}") for i in range(num_layers)])
         self.pooler = layers.Dense(hidden_dim, activation="tanh",
                                    kernel_initializer=_normal(initializer_range),
                                    dtype=dtype, name="pooler")
@@ -158,7 +167,7 @@ class BertBackbone(Backbone, keras.Model):
         x = x + self.segment_embedding(inputs["segment_ids"])  # + (B, T, D)
         x = self.embeddings_dropout(self.embeddings_norm(x))
         mask = PaddingMask(name="padding_attention_mask")(inputs["padding_mask"])  # (B,1,1,T)
-        for block in self.blocks:
+        for block in ([self.blocks] if scan_layers else self.blocks):
             x = block(x, attention_mask=mask)
         pooled = self.pooler(x[:, 0, :])  # (B, D): the [CLS] position
         super().__init__(
@@ -181,6 +190,7 @@ class BertBackbone(Backbone, keras.Model):
         self.initializer_range = initializer_range
         self.remat = remat
         self.attention_chunk_size = attention_chunk_size
+        self.scan_layers = scan_layers
 
 
 @keras.saving.register_keras_serializable(package="kdist")

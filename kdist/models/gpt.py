@@ -24,6 +24,7 @@ from kdist.models.layers import (
     normalization,
 )
 from kdist.models.presets import GPT_PRESETS
+from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel.layout import check_divisible, current_mesh_shape
 from kdist.parallel.rules import build_with_axes
 
@@ -84,6 +85,12 @@ class GPTBackbone(Backbone, keras.Model):
             50257 -> 50304: +10-19% tokens/s on an H200, ``benchmarks/README.md``), and a
             vocabulary with no divisor for the ``model`` axis can be sharded over it (use
             a multiple of that axis).
+        scan_layers: hold the blocks as one :class:`kdist.models.scan.LayerStack`: each
+            block weight stacked on a leading layer axis (``blocks/...`` of shape ``(L,
+            ...)`` instead of ``block_<i>/...``), the forward pass one ``lax.scan`` (XLA
+            compiles one block, not L), and the layers splittable into pipeline stages
+            (the ``stage`` mesh axis). None (default): stacked when the distribution has
+            a ``stage`` axis. ``kdist.models.stacking`` converts weights between the two.
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -121,6 +128,7 @@ class GPTBackbone(Backbone, keras.Model):
         fused_qkv: bool = False,
         vocabulary_divisible_by: int = 1,
         attention_chunk_size: int | None = None,
+        scan_layers: bool | None = None,
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -169,8 +177,10 @@ class GPTBackbone(Backbone, keras.Model):
             max_sequence_length, initializer_range, dtype=dtype, name="position_embedding"
         )
         self.embedding_dropout = layers.Dropout(dropout, dtype=dtype, name="embedding_dropout")
-        self.blocks = [
-            PreNormBlock(
+        scan_layers = stacking_default() if scan_layers is None else bool(scan_layers)
+
+        def block(name):
+            return PreNormBlock(
                 num_heads,
                 head_dim,
                 intermediate_dim,
@@ -187,10 +197,11 @@ class GPTBackbone(Backbone, keras.Model):
                 fused_qkv=fused_qkv,
                 attention_chunk_size=attention_chunk_size,
                 dtype=dtype,
-                name=f"block_{i}",
+                name=name,
             )
-            for i in range(num_layers)
-        ]
+
+        self.blocks = (LayerStack(block("block"), num_layers, dtype=dtype, name="blocks")
+                       if scan_layers else [block(f"block_{i}") for i in range(num_layers)])
         self.final_norm = normalization(norm, layer_norm_epsilon, "final_norm", dtype)
         build_with_axes(self.final_norm, (None, None, hidden_dim), **NORM_AXES)
 
@@ -204,7 +215,7 @@ class GPTBackbone(Backbone, keras.Model):
         else:
             inputs = token_ids
         x = self.embed(token_ids, positions=positions)
-        for block in self.blocks:
+        for block in ([self.blocks] if scan_layers else self.blocks):
             x = block(x, attention_mask=mask, positions=positions if rotary else None)
         outputs = self.final_norm(x)
         super().__init__(inputs=inputs, outputs=outputs, dtype=dtype, **kwargs)
@@ -231,6 +242,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.fused_qkv = fused_qkv
         self.vocabulary_divisible_by = vocabulary_divisible_by
         self.attention_chunk_size = attention_chunk_size
+        self.scan_layers = scan_layers
 
     @property
     def head_dim(self) -> int:

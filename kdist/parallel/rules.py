@@ -31,7 +31,9 @@ LOGICAL_TO_MESH: dict[str, str] = {
     "kv_heads": "model",
     "mlp": "model",
 }
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "position", "norm")
+# "layers": the leading layer axis of a scanned stack's weights (kdist.models.scan).
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "position", "norm",
+                "layers")
 
 Axes = tuple[str | None, ...]
 

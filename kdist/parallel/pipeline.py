@@ -1,0 +1,306 @@
+"""The ``stage`` mesh axis: a layer stack split into pipeline stages, microbatches flowing
+through them (GPipe), optionally in circular repeats.
+
+A scanned layer stack (:class:`kdist.models.scan.LayerStack`) holds its L layers as weights
+of shape ``(L, ...)`` whose first dimension is sharded over ``stage``: stage ``s`` of S
+holds layers ``s K ... (s + 1) K - 1`` (``K = L / S``). With ``R`` circular repeats the
+weights are ``(R, L / R, ...)``, sharded on the second dimension, so stage ``s`` holds
+``K = L / (R S)`` layers of each repeat ``r``: layers ``(r S + s) K ...`` — non-adjacent
+stages of the model on one device, and a microbatch goes round the ring of stages R times.
+
+Only the stack runs in the pipeline; the embedding and the head (and the loss) run
+outside, on every stage, over that stage group's rows (``stage`` does not split the
+batch): nothing but activations crosses between stages, and the head does not lengthen
+every pipeline iteration as it would on the last stage.
+
+The schedule (:func:`pipelined`) runs inside a ``jax.shard_map`` over ``stage`` only — the
+``data``, ``fsdp`` and ``model`` axes stay with XLA's partitioner inside every stage. The
+batch of each replica group is cut into M microbatches; one ``lax.scan`` runs
+``R M + S - 1`` iterations, in each of which every stage applies its K layers to the
+activation it holds and sends the result to the next stage with one ``ppermute``. Stage
+``s`` at iteration ``t`` works on virtual microbatch ``v = t - s`` (microbatch ``v mod M`` of
+repeat ``v div M``); outside ``0 <= v < R M`` it is in the bubble and computes on zeros — never
+on a leftover value, whose NaN a discarding ``where`` would still pass to the gradient.
+The backward pass is the scan's gradient: the same schedule in reverse. The idle share of
+the iterations, the *bubble*, is ``(S - 1) / (R M + S - 1)`` (:func:`bubble_fraction`).
+
+The user changes only the distribution: ``kdist.distribution("stage=4,fsdp=2",
+pipeline_microbatches=8, pipeline_repeats=2)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import keras
+from jax.sharding import PartitionSpec as P
+
+from kdist.parallel.constraints import manual_region, to_varying
+from kdist.parallel.layout import BatchLayout, active, divisors
+from kdist.parallel.mesh import REPLICA_AXES
+
+AXIS = "stage"
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The idle share of a pipeline's iterations: ``(S - 1) / (R M + S - 1)``.
+
+    Example:
+        >>> round(bubble_fraction(4, 4), 4), round(bubble_fraction(4, 4, repeats=2), 4)
+        (0.4286, 0.2727)
+    """
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def check_settings(stages: int, microbatches: int | None, repeats: int) -> int:
+    """Checks a distribution's pipeline settings; returns the microbatch count (default:
+    one per stage). Raises ``ValueError`` naming the argument and the valid values.
+
+    Example:
+        >>> check_settings(4, None, 1)
+        4
+    """
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"pipeline_repeats must be a positive int (circular repeats; 1: "
+                         f"plain GPipe); got {repeats!r}.")
+    if microbatches is None:
+        microbatches = stages
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"pipeline_microbatches must be a positive int; got {microbatches!r}.")
+    if stages > 1 and microbatches < stages:
+        raise ValueError(
+            f"pipeline_microbatches={microbatches} is fewer than the {stages} pipeline stages: "
+            f"some stage would never have work. Use pipeline_microbatches >= {stages} (e.g. "
+            f"{stages} or {2 * stages}; the bubble is (S-1)/(R*M+S-1)).")
+    if stages == 1 and repeats > 1:
+        raise ValueError(f"pipeline_repeats={repeats} needs a 'stage' mesh axis of size > 1; "
+                         f"the mesh has none. Add e.g. 'stage=2' to the mesh spec or use "
+                         f"pipeline_repeats=1.")
+    return microbatches
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A pipeline's shape: ``stages`` S, ``repeats`` R, ``microbatches`` M, ``replicas``
+    (devices per stage that split the batch: the product of the replica axes), the layer
+    count and the JAX mesh.
+
+    Example:
+        >>> s = Schedule(stages=4, repeats=2, microbatches=8, replicas=2, num_layers=16)
+        >>> s.iterations, s.layers_per_stage, round(s.bubble, 3)
+        (19, 4, 0.158)
+    """
+
+    stages: int
+    repeats: int
+    microbatches: int
+    replicas: int
+    num_layers: int
+    mesh: object = None
+
+    @property
+    def iterations(self) -> int:
+        """Scan iterations of the schedule: ``R M + S - 1``."""
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def layers_per_stage(self) -> int:
+        """Layers a stage applies per iteration: ``L / (R S)``."""
+        return self.num_layers // (self.repeats * self.stages)
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.stages, self.microbatches, self.repeats)
+
+    def permute_bytes(self, microbatch_activation_bytes: float) -> float:
+        """Bytes each device sends to its neighbour per training step: one microbatch
+        activation per iteration forward and one cotangent per iteration backward."""
+        return 2 * self.iterations * microbatch_activation_bytes
+
+
+def _settings():
+    """``(stages, repeats, microbatches)`` of the active distribution (1, 1, 1 without)."""
+    dist = active()
+    if dist is None:
+        return 1, 1, 1
+    stages = dist.mesh_shape.get(AXIS, 1)
+    return (stages, getattr(dist, "pipeline_repeats", 1),
+            getattr(dist, "pipeline_microbatches", None) or stages)
+
+
+def stages() -> int:
+    """The size of the active distribution's ``stage`` axis (1 without a pipeline)."""
+    return _settings()[0]
+
+
+def stack_shape(num_layers: int) -> tuple[int, ...]:
+    """The leading (layer) dimensions of a stacked weight under the active distribution:
+    ``(L,)``, or ``(R, L / R)`` with R circular repeats. Raises ``ValueError`` if the layers
+    do not divide into equal stages (x repeats), naming the valid values.
+
+    Example:
+        >>> stack_shape(12)  # no pipeline
+        (12,)
+    """
+    stages, repeats, _ = _settings()
+    if stages > 1 and num_layers % (stages * repeats):
+        valid_stages = [d for d in divisors(num_layers // repeats if num_layers % repeats == 0
+                                            else num_layers) if d > 1]
+        valid_repeats = [r for r in divisors(num_layers) if (num_layers // r) % stages == 0]
+        raise ValueError(
+            f"num_layers={num_layers} does not divide into {stages} pipeline stages x "
+            f"{repeats} repeats (stages get equal block counts). Use a 'stage' mesh axis "
+            f"among {valid_stages or 'none'} with pipeline_repeats={repeats}, "
+            f"pipeline_repeats among {valid_repeats or 'none'} with stage={stages}, or a "
+            f"layer count that is a multiple of {stages * repeats}.")
+    return (num_layers,) if repeats == 1 else (repeats, num_layers // repeats)
+
+
+def schedule_for(batch, num_layers: int, training=None) -> Schedule | None:
+    """The schedule a stack of ``num_layers`` runs with for a batch of ``batch`` rows, or
+    None when it runs unpipelined (no ``stage`` axis; or, outside training, a batch that
+    does not divide into microbatches — e.g. generating one sequence). In training such a
+    batch is a ``ValueError`` listing the batch sizes and microbatch counts that fit.
+
+    Example:
+        >>> schedule_for(8, 4) is None  # no distribution: no pipeline
+        True
+    """
+    stages, repeats, microbatches = _settings()
+    if stages == 1:
+        return None
+    dist = active()
+    replicas = math.prod(dist.mesh_shape.get(a, 1) for a in REPLICA_AXES)
+    if not isinstance(batch, int) or batch % (replicas * microbatches):
+        if not training:
+            return None
+        per_replica = batch // replicas if isinstance(batch, int) and batch % replicas == 0 \
+            else None
+        counts = [m for m in divisors(per_replica, 4096) if m >= stages] if per_replica else []
+        raise ValueError(
+            f"The batch of {batch} rows does not divide into pipeline_microbatches="
+            f"{microbatches} for each of the {replicas} replicas of mesh '{dist.spec}' "
+            f"(it must be a multiple of {replicas} x {microbatches} = "
+            f"{replicas * microbatches}). Use a global batch that is a multiple of "
+            f"{replicas * microbatches}"
+            + (f", or pipeline_microbatches among {counts}" if counts else "") + ".")
+    return Schedule(stages, repeats, microbatches, replicas, num_layers,
+                    dist.device_mesh.backend_mesh)
+
+
+def _to_microbatches(a, schedule: Schedule):
+    """``(B, ...)`` -> ``(M, B / M, ...)``: each replica group's rows cut into M, so every
+    microbatch keeps the batch's sharding over the replica axes (no data moves)."""
+    g, m = schedule.replicas, schedule.microbatches
+    rows = a.shape[0] // (g * m)
+    a = jnp.swapaxes(a.reshape((g, m, rows) + a.shape[1:]), 0, 1)
+    return a.reshape((m, g * rows) + a.shape[3:])
+
+
+def _from_microbatches(a, schedule: Schedule):
+    """The inverse of :func:`_to_microbatches`."""
+    g, m = schedule.replicas, schedule.microbatches
+    rows = a.shape[1] // g
+    a = jnp.swapaxes(a.reshape((m, g, rows) + a.shape[2:]), 0, 1)
+    return a.reshape((g * m * rows,) + a.shape[3:])
+
+
+def _rows_sharded(a):
+    """``(M, b, ...)`` with ``b`` pinned to the replica axes (a hint to XLA)."""
+    dist = active()
+    layout = BatchLayout((None, REPLICA_AXES) + (None,) * (a.ndim - 2), dist.device_mesh)
+    return keras.distribution.distribute_tensor(a, layout)
+
+
+def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule):
+    """``x`` ``(B, T, D)`` through the stacked layers with the pipeline ``schedule``.
+
+    ``layer(w, h, kwargs, index, seed)`` applies the layer of global index ``index`` with
+    weight slices ``w`` to ``h``; ``weights`` are the stacked arrays (``(L, ...)`` or
+    ``(R, L / R, ...)``, layers sharded over ``stage``); ``kwargs`` go to every layer — those
+    with one row per batch row (masks, positions) are cut into microbatches like ``x``;
+    ``seed`` (or None) is passed through. Returns ``(B, T, D)`` on every stage.
+    """
+    batch = x.shape[0]
+    per_row = {k for k, v in kwargs.items() if v.ndim and v.shape[0] == batch}
+    xm = _rows_sharded(_to_microbatches(x, schedule))  # (M, b, T, D)
+    kwm = {k: _rows_sharded(_to_microbatches(v, schedule)) if k in per_row else v
+           for k, v in kwargs.items()}
+    lead = 1 if schedule.repeats == 1 else 2
+    w_specs = [P(AXIS) if lead == 1 else P(None, AXIS) for _ in weights]
+    program = functools.partial(_stage_program, layer, schedule, lead, frozenset(per_row))
+    seed_spec = None if seed is None else P()
+    out = jax.shard_map(program, mesh=schedule.mesh, axis_names=frozenset({AXIS}),
+                        in_specs=(w_specs, P(), {k: P() for k in kwm}, seed_spec),
+                        out_specs=P())(list(weights), xm, kwm, seed)
+    return _from_microbatches(out, schedule)
+
+
+def _stage_program(layer, schedule: Schedule, lead, per_row, weights, xm, kwargs, seed):
+    """One stage's program (inside ``shard_map`` over ``stage``): the whole schedule."""
+    with manual_region():
+        return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed)
+
+
+def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
+    stages, repeats, micro = schedule.stages, schedule.repeats, schedule.microbatches
+    per_stage = schedule.layers_per_stage
+    s = jax.lax.axis_index(AXIS)
+    # This stage's layers as (R, K, ...): repeat r, local layer k is global layer
+    # (r S + s) K + k.
+    weights = [w[None] for w in weights] if lead == 1 else weights
+    zeros = jnp.zeros(xm.shape[1:], xm.dtype)
+
+    def apply_layers(r, h, kw):
+        ws = [jax.lax.dynamic_index_in_dim(w, r, keepdims=False) for w in weights]
+        first = (r * stages + s) * per_stage
+
+        def body(h, xs):
+            w, k = xs
+            return layer(w, h, kw, first + k, seed), None
+
+        h, _ = jax.lax.scan(body, h, (ws, jnp.arange(per_stage)))
+        return h
+
+    # Send to the next stage; round the ring only when a microbatch goes round again.
+    perm = [(i, (i + 1) % stages) for i in range(stages if repeats > 1 else stages - 1)]
+
+    def step(carry, t):
+        shift, circ, out = carry
+        v = t - s  # this stage's virtual microbatch
+        valid = (v >= 0) & (v < repeats * micro)
+        v = jnp.clip(v, 0, repeats * micro - 1)
+        m, r = v % micro, v // micro
+        fresh = jax.lax.dynamic_index_in_dim(xm, jnp.minimum(t, micro - 1), keepdims=False)
+        if repeats > 1:
+            # Stage 0 keeps what comes back round the ring until its next repeat is due:
+            # microbatch (t - S) mod M, back from the last stage after its repeat.
+            back = t - stages
+            keep = (s == 0) & (back >= 0) & (back < (repeats - 1) * micro)
+            slot = jnp.maximum(back, 0) % micro
+            kept = jax.lax.dynamic_index_in_dim(circ, slot, keepdims=False)
+            circ = jax.lax.dynamic_update_index_in_dim(circ, jnp.where(keep, shift, kept),
+                                                       slot, 0)
+            again = jax.lax.dynamic_index_in_dim(circ, t % micro, keepdims=False)
+            fresh = jnp.where(t < micro, fresh, again)
+        h = jnp.where(s == 0, fresh, shift)
+        h = jnp.where(valid, h, zeros)  # a bubble computes on zeros
+        kw = {k: jax.lax.dynamic_index_in_dim(a, m, keepdims=False) if k in per_row else a
+              for k, a in kwargs.items()}
+        y = apply_layers(r, h, kw)
+        done = (s == stages - 1) & valid & (r == repeats - 1)
+        written = jax.lax.dynamic_index_in_dim(out, m, keepdims=False)
+        out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(done, y, written), m, 0)
+        shift = jax.lax.ppermute(y, AXIS, perm)
+        return (shift, circ, out), None
+
+    init = (zeros, jnp.zeros_like(xm) if repeats > 1 else jnp.zeros((), xm.dtype),
+            jnp.zeros_like(xm))
+    init = tuple(to_varying(c, {AXIS}) for c in init)
+    (_, _, out), _ = jax.lax.scan(step, init, jnp.arange(schedule.iterations))
+    # Only the last stage wrote: the sum over stages is its outputs, now on every stage.
+    return jax.lax.psum(out, AXIS)
