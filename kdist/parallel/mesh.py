@@ -41,6 +41,8 @@ class MeshAxis:
 AXES: tuple[MeshAxis, ...] = (
     MeshAxis("data", batch=True, shorthand="dp",
              doc="replicas holding whole weights (data parallel)"),
+    MeshAxis("stage", batch=False, shorthand=None,
+             doc="pipeline stages: each holds a contiguous share of the layers"),
     MeshAxis("fsdp", batch=True, shorthand="fsdp",
              doc="replicas holding a shard of every weight (ZeRO-3)"),
     MeshAxis("model", batch=False, shorthand="tp",
