@@ -18,8 +18,12 @@ execution of the instruction:
   This is the figure to compare strategies with, and the one
   :func:`kdist.planning.theoretical_collective_bytes` predicts.
 
-Instructions are counted where they appear: a collective inside a loop body is counted
-once, not once per iteration (kdist's models unroll their layers, so there is none).
+A collective inside a loop body runs once per iteration: :func:`executions` reads how
+often each computation runs (a ``while`` body: its ``known_trip_count``; nested loops
+multiply), and each :class:`Collective` carries that count, which
+:func:`summarize_collectives` multiplies in — a scanned layer stack's per-layer all-gathers,
+a pipeline's per-iteration ``collective-permute``. :func:`matmul_flops` counts the
+program's matmul FLOPs the same way: XLA's own ``cost_analysis()`` counts a loop body once.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class Collective:
     group_size: int  # devices taking part in each replica group
     wire_bytes: float  # sent per device by a ring implementation
     op_name: str = ""  # the JAX operation it came from (HLO metadata), if printed
+    executions: int = 1  # times it runs per execution of the program (loop trips)
 
 
 def _element_bytes(dtype: str) -> float:
@@ -122,6 +127,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         ('all-gather', 128.0, 4, 96.0)
     """
     found = []
+    runs, headers = executions(hlo_text), _headers(hlo_text)
     for m in _INSTRUCTION.finditer(hlo_text):
         line_end = hlo_text.find("\n", m.end())
         line = hlo_text[m.start(): line_end if line_end >= 0 else len(hlo_text)]
@@ -144,12 +150,14 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         else:
             wire = (n - 1) / n * size
         op = re.search(r'op_name="([^"]*)"', line)
-        found.append(Collective(m.group("name"), kind, size, n, wire, op.group(1) if op else ""))
+        found.append(Collective(m.group("name"), kind, size, n, wire, op.group(1) if op else "",
+                                runs.get(_computation_at(headers, m.start()), 1)))
     return found
 
 
 def summarize_collectives(collectives: Iterable[Collective]) -> dict[str, dict[str, float]]:
-    """Count, logical bytes and ring wire bytes per collective kind (kinds with none omitted).
+    """Count, logical bytes and ring wire bytes per collective kind (kinds with none
+    omitted), each instruction counted as often as it runs (``executions``).
 
     Example:
         >>> text = "%ar = f32[10]{0} all-reduce(%x), replica_groups=[1,2]<=[2], to_apply=%add"
@@ -159,7 +167,118 @@ def summarize_collectives(collectives: Iterable[Collective]) -> dict[str, dict[s
     out: dict[str, dict[str, float]] = {}
     for c in collectives:
         row = out.setdefault(c.kind, {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
-        row["count"] += 1
-        row["bytes"] += c.bytes
-        row["wire_bytes"] += c.wire_bytes
+        row["count"] += c.executions
+        row["bytes"] += c.bytes * c.executions
+        row["wire_bytes"] += c.wire_bytes * c.executions
     return {k: out[k] for k in COLLECTIVE_KINDS if k in out}
+
+
+# --- Computations, loops and matmul FLOPs ------------------------------------------------
+
+_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\((?P<params>.*)\)\s+->"
+                     r".*\{\s*$", re.MULTILINE)
+_CALLS = re.compile(r"\b(?P<how>calls|to_apply|body|condition|true_computation|"
+                    r"false_computation)=%?(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[a-z][a-z0-9]*"
+                         r"\[[\d,]*\])", re.MULTILINE)
+_PARAM = re.compile(r"(?P<name>[\w.\-]+):\s*(?P<shape>[a-z][a-z0-9]*\[[\d,]*\])")
+_DOT = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*[a-z][a-z0-9]*\[(?P<dims>[\d,]*)\]\S*\s+"
+                  r"dot\(%?(?P<lhs>[\w.\-]+),", re.MULTILINE)
+
+
+def _headers(text: str) -> list[tuple[int, str, bool]]:
+    """``(offset, name, is_entry)`` of every computation header, in order."""
+    return [(m.start(), m.group("name"), bool(m.group("entry"))) for m in _HEADER.finditer(text)]
+
+
+def _computation_at(headers, offset: int) -> str | None:
+    name = None
+    for start, header, _ in headers:
+        if start > offset:
+            break
+        name = header
+    return name
+
+
+def _bodies(text: str, headers) -> dict[str, str]:
+    ends = [start for start, _, _ in headers[1:]] + [len(text)]
+    return {name: text[start:end] for (start, name, _), end in zip(headers, ends)}
+
+
+def executions(hlo_text: str) -> dict[str, int]:
+    """How many times each computation of an HLO module runs per execution of its entry:
+    a ``while`` body its trip count (``known_trip_count``, which XLA records for ``scan``
+    loops; 1 if unknown) times its caller's; fusions, reductions and branches their
+    caller's count (a branch as if taken: an upper bound).
+
+    Example:
+        >>> text = ('ENTRY %main (p: f32[]) -> f32[] {\\n  %w = (s32[]) while(%t), condition=%c, '
+        ...         'body=%b, backend_config={"known_trip_count":{"n":"7"}}\\n}\\n'
+        ...         '%b (q: (s32[])) -> (s32[]) {\\n}\\n')
+        >>> executions(text)["b"]
+        7
+    """
+    headers = _headers(hlo_text)
+    bodies = _bodies(hlo_text, headers)
+    callers: dict[str, list[tuple[str, int]]] = {}
+    for caller, body in bodies.items():
+        for line in body.splitlines()[1:]:
+            trip = _TRIP.search(line)
+            for m in _CALLS.finditer(line):
+                weight = int(trip.group(1)) if (trip and m.group("how") == "body") else 1
+                callers.setdefault(m.group("name"), []).append((caller, weight))
+            for m in _BRANCHES.finditer(line):
+                for name in re.findall(r"%?([\w.\-]+)", m.group("names")):
+                    callers.setdefault(name, []).append((caller, 1))
+    entry = next((name for _, name, is_entry in headers if is_entry), None)
+    memo: dict[str, int] = {}
+
+    def count(name, seen=()):
+        if name not in memo:
+            if name == entry or name not in callers:
+                memo[name] = 1
+            else:
+                memo[name] = sum(count(c, seen + (name,)) * w
+                                 for c, w in callers[name] if c not in seen)
+        return memo[name]
+
+    return {name: count(name) for name in bodies}
+
+
+def matmul_flops(hlo_text: str) -> float:
+    """The matmul FLOPs of an optimized HLO module (``dot`` instructions: ``2 x result
+    elements x contracted size``), each counted as often as it runs (:func:`executions`).
+    On a CPU-compiled program this is every matmul; a GPU program's cuBLAS calls are
+    ``custom-call``\\ s, not counted here.
+
+    Example:
+        >>> text = ("ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {\\n"
+        ...         "  ROOT %d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, "
+        ...         "rhs_contracting_dims={0}\\n}\\n")
+        >>> matmul_flops(text)
+        128.0
+    """
+    headers = _headers(hlo_text)
+    runs = executions(hlo_text)
+    total = 0.0
+    for name, body in _bodies(hlo_text, headers).items():
+        shapes = {m.group("name"): m.group("shape") for m in _PARAM.finditer(
+            body.splitlines()[0])}
+        shapes.update({m.group("name"): m.group("shape") for m in _DEFINITION.finditer(body)})
+        for m in _DOT.finditer(body):
+            line = body[m.start(): body.find("\n", m.end())]
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+            lhs = _dims(shapes.get(m.group("lhs"), ""))
+            if lhs is None or contracting is None:
+                continue
+            k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
+            result = math.prod(int(d) for d in m.group("dims").split(",") if d)
+            total += 2.0 * result * k * runs.get(name, 1)
+    return total
+
+
+def _dims(shape: str) -> list[int] | None:
+    m = re.match(r"[a-z][a-z0-9]*\[([\d,]*)\]", shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else None

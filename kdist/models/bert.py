@@ -247,7 +247,8 @@ class BertMaskedLM(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    step_features = frozenset()  # XLA's reductions; no fused loss (the head is not tied-only)
+    # XLA's reductions; no fused loss (the head is not tied-only); a pipelined encoder.
+    step_features = frozenset({"pipeline"})
     token_id_labels = True  # mask_ids are token ids
 
     def __init__(self, backbone: BertBackbone, check_token_ids: bool = False, **kwargs):
@@ -319,7 +320,7 @@ class BertClassifier(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    step_features = frozenset()
+    step_features = frozenset({"pipeline"})
 
     def __init__(self, backbone: BertBackbone, num_classes: int,
                  classifier_dropout: float = 0.1, check_token_ids: bool = False, **kwargs):

@@ -299,7 +299,7 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
     """
 
     backbone_class = GPTBackbone
-    step_features = frozenset({"gradient_reduction", "fused_loss"})
+    step_features = frozenset({"gradient_reduction", "fused_loss", "pipeline"})
     token_id_labels = True
 
     def __init__(self, backbone: GPTBackbone, loss_chunk_size: int | str | None = "auto",

@@ -30,96 +30,19 @@ pipeline_microbatches=8, pipeline_repeats=2)``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
-import keras
 from jax.sharding import PartitionSpec as P
 
 from kdist.parallel.constraints import manual_region, to_varying
-from kdist.parallel.layout import BatchLayout, active, divisors
+from kdist.parallel.layout import active, divisors
 from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.stages import Schedule, bubble_fraction, check_settings  # noqa: F401
 
 AXIS = "stage"
-
-
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The idle share of a pipeline's iterations: ``(S - 1) / (R M + S - 1)``.
-
-    Example:
-        >>> round(bubble_fraction(4, 4), 4), round(bubble_fraction(4, 4, repeats=2), 4)
-        (0.4286, 0.2727)
-    """
-    return (stages - 1) / (repeats * microbatches + stages - 1)
-
-
-def check_settings(stages: int, microbatches: int | None, repeats: int) -> int:
-    """Checks a distribution's pipeline settings; returns the microbatch count (default:
-    one per stage). Raises ``ValueError`` naming the argument and the valid values.
-
-    Example:
-        >>> check_settings(4, None, 1)
-        4
-    """
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise ValueError(f"pipeline_repeats must be a positive int (circular repeats; 1: "
-                         f"plain GPipe); got {repeats!r}.")
-    if microbatches is None:
-        microbatches = stages
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(f"pipeline_microbatches must be a positive int; got {microbatches!r}.")
-    if stages > 1 and microbatches < stages:
-        raise ValueError(
-            f"pipeline_microbatches={microbatches} is fewer than the {stages} pipeline stages: "
-            f"some stage would never have work. Use pipeline_microbatches >= {stages} (e.g. "
-            f"{stages} or {2 * stages}; the bubble is (S-1)/(R*M+S-1)).")
-    if stages == 1 and repeats > 1:
-        raise ValueError(f"pipeline_repeats={repeats} needs a 'stage' mesh axis of size > 1; "
-                         f"the mesh has none. Add e.g. 'stage=2' to the mesh spec or use "
-                         f"pipeline_repeats=1.")
-    return microbatches
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """A pipeline's shape: ``stages`` S, ``repeats`` R, ``microbatches`` M, ``replicas``
-    (devices per stage that split the batch: the product of the replica axes), the layer
-    count and the JAX mesh.
-
-    Example:
-        >>> s = Schedule(stages=4, repeats=2, microbatches=8, replicas=2, num_layers=16)
-        >>> s.iterations, s.layers_per_stage, round(s.bubble, 3)
-        (19, 4, 0.158)
-    """
-
-    stages: int
-    repeats: int
-    microbatches: int
-    replicas: int
-    num_layers: int
-    mesh: object = None
-
-    @property
-    def iterations(self) -> int:
-        """Scan iterations of the schedule: ``R M + S - 1``."""
-        return self.repeats * self.microbatches + self.stages - 1
-
-    @property
-    def layers_per_stage(self) -> int:
-        """Layers a stage applies per iteration: ``L / (R S)``."""
-        return self.num_layers // (self.repeats * self.stages)
-
-    @property
-    def bubble(self) -> float:
-        return bubble_fraction(self.stages, self.microbatches, self.repeats)
-
-    def permute_bytes(self, microbatch_activation_bytes: float) -> float:
-        """Bytes each device sends to its neighbour per training step: one microbatch
-        activation per iteration forward and one cotangent per iteration backward."""
-        return 2 * self.iterations * microbatch_activation_bytes
 
 
 def _settings():
@@ -209,39 +132,45 @@ def _from_microbatches(a, schedule: Schedule):
     return a.reshape((g * m * rows,) + a.shape[3:])
 
 
-def _rows_sharded(a):
-    """``(M, b, ...)`` with ``b`` pinned to the replica axes (a hint to XLA)."""
-    dist = active()
-    layout = BatchLayout((None, REPLICA_AXES) + (None,) * (a.ndim - 2), dist.device_mesh)
-    return keras.distribution.distribute_tensor(a, layout)
-
-
 def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule):
     """``x`` ``(B, T, D)`` through the stacked layers with the pipeline ``schedule``.
 
     ``layer(w, h, kwargs, index, seed)`` applies the layer of global index ``index`` with
     weight slices ``w`` to ``h``; ``weights`` are the stacked arrays (``(L, ...)`` or
-    ``(R, L / R, ...)``, layers sharded over ``stage``); ``kwargs`` go to every layer — those
-    with one row per batch row (masks, positions) are cut into microbatches like ``x``;
-    ``seed`` (or None) is passed through. Returns ``(B, T, D)`` on every stage.
+    ``(R, L / R, ...)``, layers sharded over ``stage``); ``kwargs`` go to every layer —
+    those with one row per batch row (masks, positions) are cut into microbatches like
+    ``x``; ``seed`` (a dropout seed, or None) is folded with each device's batch shard.
+    Returns ``(B, T, D)`` on every stage.
+
+    The replica axes (``data``, ``fsdp``) are manual here too, each device working on its
+    own rows: each stage's weights enter whole over ``fsdp`` (one all-gather per step, not
+    one per iteration) and their gradient, accumulated on the device over the schedule's
+    iterations, is reduced once when it leaves (the transpose of the entry), where XLA's
+    partitioner would reduce every iteration's partial gradient. The price: the stage's
+    weights and their gradient unsharded over ``fsdp`` during the step. ``model`` stays
+    with XLA (tensor parallelism inside each stage).
     """
     batch = x.shape[0]
     per_row = {k for k, v in kwargs.items() if v.ndim and v.shape[0] == batch}
-    xm = _rows_sharded(_to_microbatches(x, schedule))  # (M, b, T, D)
-    kwm = {k: _rows_sharded(_to_microbatches(v, schedule)) if k in per_row else v
-           for k, v in kwargs.items()}
+    xm = _to_microbatches(x, schedule)  # (M, b, T, D), b split over the replica axes
+    kwm = {k: _to_microbatches(v, schedule) if k in per_row else v for k, v in kwargs.items()}
     lead = 1 if schedule.repeats == 1 else 2
     w_specs = [P(AXIS) if lead == 1 else P(None, AXIS) for _ in weights]
+    rows = P(None, REPLICA_AXES)
     program = functools.partial(_stage_program, layer, schedule, lead, frozenset(per_row))
-    seed_spec = None if seed is None else P()
-    out = jax.shard_map(program, mesh=schedule.mesh, axis_names=frozenset({AXIS}),
-                        in_specs=(w_specs, P(), {k: P() for k in kwm}, seed_spec),
-                        out_specs=P())(list(weights), xm, kwm, seed)
+    out = jax.shard_map(
+        program, mesh=schedule.mesh, axis_names=frozenset({AXIS, *REPLICA_AXES}),
+        in_specs=(w_specs, rows, {k: rows if k in per_row else P() for k in kwm},
+                  None if seed is None else P()),
+        out_specs=rows)(list(weights), xm, kwm, seed)
     return _from_microbatches(out, schedule)
 
 
 def _stage_program(layer, schedule: Schedule, lead, per_row, weights, xm, kwargs, seed):
-    """One stage's program (inside ``shard_map`` over ``stage``): the whole schedule."""
+    """One device's program (inside ``shard_map``): its stage's part of the schedule, on its
+    rows."""
+    if seed is not None:  # each device's rows their own dropout masks
+        seed = jax.random.fold_in(seed, jax.lax.axis_index(REPLICA_AXES))
     with manual_region():
         return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed)
 
@@ -253,7 +182,13 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
     # This stage's layers as (R, K, ...): repeat r, local layer k is global layer
     # (r S + s) K + k.
     weights = [w[None] for w in weights] if lead == 1 else weights
+    # Typed varying over the rows' axes once here, so the backward pass reduces the
+    # weights' gradient once, after the schedule, not in every iteration.
+    weights = [to_varying(w, set(REPLICA_AXES)) for w in weights]
     zeros = jnp.zeros(xm.shape[1:], xm.dtype)
+    # The inputs reach only stage 0: typed varying over stages once here, so the backward
+    # pass sums their cotangent over stages once, not in every iteration.
+    xm = to_varying(xm, {AXIS})
 
     def apply_layers(r, h, kw):
         ws = [jax.lax.dynamic_index_in_dim(w, r, keepdims=False) for w in weights]
@@ -300,7 +235,7 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
 
     init = (zeros, jnp.zeros_like(xm) if repeats > 1 else jnp.zeros((), xm.dtype),
             jnp.zeros_like(xm))
-    init = tuple(to_varying(c, {AXIS}) for c in init)
+    init = tuple(to_varying(c, {AXIS, *REPLICA_AXES}) for c in init)
     (_, _, out), _ = jax.lax.scan(step, init, jnp.arange(schedule.iterations))
     # Only the last stage wrote: the sum over stages is its outputs, now on every stage.
     return jax.lax.psum(out, AXIS)

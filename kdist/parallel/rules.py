@@ -30,6 +30,7 @@ LOGICAL_TO_MESH: dict[str, str] = {
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
+    "layers": "stage",  # a scanned stack's layers: contiguous pipeline stages
 }
 # "layers": the leading layer axis of a scanned stack's weights (kdist.models.scan).
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "position", "norm",

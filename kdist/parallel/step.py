@@ -10,7 +10,7 @@ attention) is one more branch here and one more module of :mod:`kdist.parallel`.
 
 from __future__ import annotations
 
-from kdist.parallel import reduction
+from kdist.parallel import reduction, rules
 from kdist.parallel.layout import active
 
 # Name -> what a task declaring it promises.
@@ -19,6 +19,9 @@ STEP_FEATURES = {
                           "cross-device state in the forward pass other than the weights",
     "fused_loss": "it can train from hidden states through the fused cross-entropy "
                   "(kdist.models.losses) without materialising logits",
+    "pipeline": "its backbone holds its blocks as a scanned layer stack "
+                "(kdist.models.scan.LayerStack), which a 'stage' mesh axis splits into "
+                "pipeline stages (kdist.parallel.pipeline); nothing else is per layer",
 }
 
 
@@ -32,9 +35,12 @@ def supports(model, feature: str) -> bool:
 def requested_features() -> frozenset:
     """The step features the active distribution asks for."""
     dist = active()
+    wanted = set()
     if dist is not None and dist.gradient_reduction:
-        return frozenset({"gradient_reduction"})
-    return frozenset()
+        wanted.add("gradient_reduction")
+    if dist is not None and dist.mesh_shape.get("stage", 1) > 1:
+        wanted.add("pipeline")
+    return frozenset(wanted)
 
 
 def check_compile(model) -> None:
@@ -45,7 +51,13 @@ def check_compile(model) -> None:
         >>> check_compile(model)  # in Task.compile, before super().compile()  # doctest: +SKIP
     """
     dist = active()
-    for feature in requested_features():
+    for feature in sorted(requested_features()):
+        if feature == "pipeline" and not supports(model, feature):
+            raise ValueError(
+                f"The mesh '{dist.spec}' has a 'stage' axis (a pipeline), which "
+                f"{type(model).__name__} does not support (it does not declare the "
+                f"'pipeline' step feature): its layers would not be split into stages. Use a "
+                f"mesh without 'stage', or a kdist GPT or BERT task.")
         if not supports(model, feature):
             raise ValueError(
                 f"The distribution asks for {feature}={getattr(dist, feature)!r}, which "
@@ -54,6 +66,13 @@ def check_compile(model) -> None:
                 f"reductions. Build the distribution with {feature}=None.")
     if "gradient_reduction" in requested_features():
         reduction.check(dist, model)
+    if "pipeline" in requested_features() and not any(
+            "layers" in (rules.declared_axes(w) or ()) for w in model.weights):
+        raise ValueError(
+            f"The mesh '{dist.spec}' has a 'stage' axis, but no weight of "
+            f"{type(model).__name__} is stacked over layers, so nothing would be split into "
+            f"stages. Build the model after setting this distribution with scan_layers=True "
+            f"(or the default None, which stacks under a 'stage' axis).")
 
 
 def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_variables,
