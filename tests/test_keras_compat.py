@@ -83,9 +83,10 @@ def test_forget_uninitialized_keeps_the_others_pending():
     compat.forget_uninitialized(template.weights)
     with keras.StatelessScope():  # its exit initialises what is still pending
         pass
-    assert kept.kernel.numpy().shape == (3, 2)
-    with pytest.raises(Exception):
-        template.kernel.numpy()  # never initialised
+    # Initialising drops the initializer; the forgotten variable still has it (never
+    # initialised, no memory).
+    assert compat.variable_initializer(kept.kernel) is None
+    assert compat.variable_initializer(template.kernel) is not None
 
 
 def test_process_helpers_in_one_process():

@@ -71,15 +71,19 @@ def stack_shape(num_layers: int) -> tuple[int, ...]:
     """
     stages, repeats, _ = _settings()
     if stages > 1 and num_layers % (stages * repeats):
-        valid_stages = [d for d in divisors(num_layers // repeats if num_layers % repeats == 0
-                                            else num_layers) if d > 1]
-        valid_repeats = [r for r in divisors(num_layers) if (num_layers // r) % stages == 0]
+        valid_stages = [d for d in divisors(num_layers) if d > 1
+                        and num_layers % (d * repeats) == 0]
+        valid_repeats = [r for r in divisors(num_layers) if num_layers % (r * stages) == 0]
+        fixes = [f"a layer count that is a multiple of {stages * repeats}"]
+        if valid_stages:
+            fixes.insert(0, f"a 'stage' mesh axis among {valid_stages} with "
+                            f"pipeline_repeats={repeats}")
+        if valid_repeats:
+            fixes.insert(1, f"pipeline_repeats among {valid_repeats} with stage={stages}")
         raise ValueError(
             f"num_layers={num_layers} does not divide into {stages} pipeline stages x "
-            f"{repeats} repeats (stages get equal block counts). Use a 'stage' mesh axis "
-            f"among {valid_stages or 'none'} with pipeline_repeats={repeats}, "
-            f"pipeline_repeats among {valid_repeats or 'none'} with stage={stages}, or a "
-            f"layer count that is a multiple of {stages * repeats}.")
+            f"{repeats} repeats (stages get equal block counts). Use "
+            + ", or ".join(fixes) + ".")
     return (num_layers,) if repeats == 1 else (repeats, num_layers // repeats)
 
 
@@ -188,7 +192,8 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
     zeros = jnp.zeros(xm.shape[1:], xm.dtype)
     # The inputs reach only stage 0: typed varying over stages once here, so the backward
     # pass sums their cotangent over stages once, not in every iteration.
-    xm = to_varying(xm, {AXIS})
+    wire = _wire_dtype(xm.dtype)
+    xm = to_varying(xm.astype(wire), {AXIS}).astype(xm.dtype)
 
     def apply_layers(r, h, kw):
         ws = [jax.lax.dynamic_index_in_dim(w, r, keepdims=False) for w in weights]
@@ -229,13 +234,21 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
         y = apply_layers(r, h, kw)
         done = (s == stages - 1) & valid & (r == repeats - 1)
         written = jax.lax.dynamic_index_in_dim(out, m, keepdims=False)
-        out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(done, y, written), m, 0)
+        out = jax.lax.dynamic_update_index_in_dim(
+            out, jnp.where(done, y.astype(wire), written), m, 0)
         shift = jax.lax.ppermute(y, AXIS, perm)
         return (shift, circ, out), None
 
     init = (zeros, jnp.zeros_like(xm) if repeats > 1 else jnp.zeros((), xm.dtype),
-            jnp.zeros_like(xm))
+            jnp.zeros(xm.shape, wire))
     init = tuple(to_varying(c, {AXIS, *REPLICA_AXES}) for c in init)
     (_, _, out), _ = jax.lax.scan(step, init, jnp.arange(schedule.iterations))
     # Only the last stage wrote: the sum over stages is its outputs, now on every stage.
-    return jax.lax.psum(out, AXIS)
+    return jax.lax.psum(out, AXIS).astype(xm.dtype)
+
+
+def _wire_dtype(dtype):
+    """The type of the two cross-stage sums (outputs, and the inputs' cotangent): float32
+    on XLA:CPU, whose all-reduce promotion pass aborts on these bfloat16 all-reduces (jax
+    0.10.2; it would promote them to float32 anyway), else the activations' own."""
+    return jnp.float32 if jax.default_backend() == "cpu" else dtype
