@@ -7,8 +7,8 @@ import pytest
 
 import kdist
 from kdist.models import GPTBackbone
-from kdist.parallel.layout import BatchLayout
-from kdist.parallel.mesh import parse_mesh
+from kdist.parallel.layout import _NOT_BUILT, BatchLayout
+from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, full_mesh, parse_mesh
 from tests.helpers import TINY_GPT, tiny_gpt
 
 
@@ -26,7 +26,17 @@ from tests.helpers import TINY_GPT, tiny_gpt
     ],
 )
 def test_parse_mesh(spec, expected):
-    assert tuple(parse_mesh(spec, 8).values()) == expected
+    sizes = parse_mesh(spec, 8)
+    assert list(sizes) == list(MESH_AXES)  # every axis, in registry order
+    assert (sizes["data"], sizes["fsdp"], sizes["model"]) == expected
+    assert sizes["replica"] == sizes["stage"] == sizes["seq"] == 1
+
+
+@pytest.mark.parametrize("axis", sorted(_NOT_BUILT))
+def test_axes_without_a_transform_are_refused(axis):
+    assert parse_mesh(f"{axis}=2,fsdp=4", 8)[axis] == 2  # the spec itself is valid
+    with pytest.raises(ValueError, match=f"'{axis}' axis .* not available"):
+        kdist.distribution(f"{axis}=2,fsdp=4")
 
 
 @pytest.mark.parametrize(
@@ -51,13 +61,13 @@ def test_bad_mesh_specs(spec, message):
 
 def test_distribution_mesh_and_batch_layout():
     dist = kdist.distribution("data=2,fsdp=2,model=2")
-    assert dist.mesh_shape == {"data": 2, "fsdp": 2, "model": 2}
+    assert dist.mesh_shape == full_mesh({"data": 2, "fsdp": 2, "model": 2})
     assert dist.num_model_replicas == 4
     assert dist.spec == "data=2,fsdp=2,model=2"
     layout = dist.get_data_layout((16, 32))
     assert isinstance(layout, BatchLayout)
     sharding = layout.backend_layout
-    assert tuple(sharding.spec) == (("data", "fsdp"), None)
+    assert tuple(sharding.spec) == (REPLICA_AXES, None)
     # The batch is split 4 ways over the replicas and replicated over `model`.
     x = jax.device_put(np.arange(16 * 32).reshape(16, 32), sharding)
     assert {s.data.shape for s in x.addressable_shards} == {(4, 32)}

@@ -19,6 +19,7 @@ import pytest
 
 import kdist
 from kdist import launch
+from kdist.parallel.mesh import MESH_AXES
 from tests import multihost_script
 from tests.helpers import ProcessOutput
 
@@ -97,7 +98,8 @@ def test_device_order_keeps_model_inside_a_host_and_data_across(mesh, expected, 
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"devices-rank{rank}.json").read_text())
         assert seen["process_index"] == rank
-        assert seen["coords"] == expected[rank]
+        # Axes of size 1 (replica, stage, seq here) have the one coordinate 0.
+        assert seen["coords"] == {axis: expected[rank].get(axis, [0]) for axis in MESH_AXES}
 
 
 class Launched(ProcessOutput):

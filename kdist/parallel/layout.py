@@ -31,6 +31,14 @@ REPLICATE_BELOW = 4096
 
 GRADIENT_REDUCTIONS = (None, "float32", "bfloat16")
 
+# Axes registered in kdist.parallel.mesh whose transform is not built yet: a size above 1
+# is refused (each device would silently compute what its neighbours compute). The module
+# that builds an axis removes its entry.
+_NOT_BUILT = {
+    "replica": "infrequent-sync replica groups (kdist.parallel.replicas)",
+    "seq": "context parallelism (kdist.parallel.context)",
+}
+
 
 class BatchLayout(TensorLayout):
     """A ``TensorLayout`` whose dimensions may each be sharded over a tuple of mesh axes.
@@ -61,8 +69,8 @@ class KdistDistribution(ModelParallel):
 
     Example:
         >>> dist = distribution("data=2,model=4", jax.devices())
-        >>> dist.mesh_shape, dist.spec
-        ({'data': 2, 'fsdp': 1, 'model': 4}, 'data=2,model=4')
+        >>> dist.mesh_shape["model"], dist.spec
+        (4, 'data=2,model=4')
     """
 
     def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True,
@@ -194,6 +202,11 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                          f"'float32' or 'bfloat16'; got {gradient_reduction!r}.")
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
     sizes = parse_mesh(spec, len(devices))
+    for axis, what in _NOT_BUILT.items():
+        if sizes[axis] > 1:
+            raise ValueError(
+                f"Mesh spec {spec!r}: the '{axis}' axis ({what}) is not available in this "
+                f"version of kdist. Put those devices on data, fsdp or model instead.")
     if gradient_reduction and sizes["model"] > 1:
         raise ValueError(
             f"gradient_reduction={gradient_reduction!r} covers the data and fsdp axes; mesh "

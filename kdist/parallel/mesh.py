@@ -4,11 +4,15 @@ Each mesh axis is one :class:`MeshAxis` entry of :data:`AXES`, listed from the s
 varying to the fastest-varying: ``np.reshape`` of the device list (ordered process by
 process, then by local id, as ``jax.devices()`` gives it) puts neighbouring devices on the
 last axis. So ``model`` — whose collectives run inside every layer — stays inside a host,
-and ``data`` — one gradient reduction per step — spans hosts. Adding an axis (``stage``,
-``seq``, ``replica``) is one entry here, at the position its traffic calls for, plus its
-logical-axis rules in :mod:`kdist.parallel.rules`.
+and ``data`` — one gradient reduction per step — spans hosts. Each axis sits at the
+position its traffic calls for: ``replica`` (groups that synchronise every few steps)
+outermost, then ``data``, ``stage`` (point-to-point activations between pipeline
+stages), ``fsdp`` (weight all-gathers every layer), ``seq`` (keys and values of every
+attention layer) and ``model`` innermost. Adding an axis is one entry here plus its
+logical-axis rules in :mod:`kdist.parallel.rules` and its transform in a module of
+:mod:`kdist.parallel`.
 
-A *mesh spec* names axis sizes: ``"fsdp=8"``, ``"data=2,model=4"``,
+A *mesh spec* names axis sizes: ``"fsdp=8"``, ``"data=2,model=4"``, ``"stage=4,fsdp=2"``,
 ``"data=2,fsdp=2,model=2"``, ``"fsdp=-1,model=2"`` (``-1`` takes the remaining devices),
 ``"auto"`` (every device on ``fsdp``) or a strategy shorthand (``"dp"``, ``"fsdp"``,
 ``"tp"``). Axes not named have size 1.
@@ -39,12 +43,16 @@ class MeshAxis:
 
 # Slowest-varying first (across hosts) to fastest-varying last (inside a host).
 AXES: tuple[MeshAxis, ...] = (
+    MeshAxis("replica", batch=True, shorthand=None,
+             doc="replica groups that synchronise every few steps (DiLoCo)"),
     MeshAxis("data", batch=True, shorthand="dp",
              doc="replicas holding whole weights (data parallel)"),
     MeshAxis("stage", batch=False, shorthand=None,
-             doc="pipeline stages: each holds a contiguous share of the layers"),
+             doc="consecutive layers split into pipeline stages"),
     MeshAxis("fsdp", batch=True, shorthand="fsdp",
              doc="replicas holding a shard of every weight (ZeRO-3)"),
+    MeshAxis("seq", batch=False, shorthand=None,
+             doc="each sequence's tokens split (context parallel)"),
     MeshAxis("model", batch=False, shorthand="tp",
              doc="heads, MLP features and vocabulary split (tensor parallel)"),
 )
@@ -59,9 +67,9 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
 
     Example:
         >>> parse_mesh("data=2,model=-1", 8)
-        {'data': 2, 'fsdp': 1, 'model': 4}
-        >>> parse_mesh("auto", 8)
-        {'data': 1, 'fsdp': 8, 'model': 1}
+        {'replica': 1, 'data': 2, 'stage': 1, 'fsdp': 1, 'seq': 1, 'model': 4}
+        >>> parse_mesh("auto", 8)["fsdp"]
+        8
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(
@@ -125,6 +133,20 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
     return {axis: sizes.get(axis, 1) for axis in MESH_AXES}
 
 
+def full_mesh(sizes: dict[str, int]) -> dict[str, int]:
+    """``sizes`` with every axis of :data:`MESH_AXES`, in registry order (size 1 when absent).
+
+    Example:
+        >>> full_mesh({"fsdp": 8})
+        {'replica': 1, 'data': 1, 'stage': 1, 'fsdp': 8, 'seq': 1, 'model': 1}
+    """
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"Unknown mesh axes {sorted(unknown)}; valid axes are "
+                         f"{', '.join(MESH_AXES)}.")
+    return {axis: int(sizes.get(axis, 1)) for axis in MESH_AXES}
+
+
 def mesh_spec(sizes: dict[str, int]) -> str:
     """The canonical spec of axis sizes: axes of size 1 left out, ``data=1`` for one device.
 
@@ -136,18 +158,20 @@ def mesh_spec(sizes: dict[str, int]) -> str:
 
 
 def device_grid(devices, sizes: dict[str, int]):
-    """The devices as an array of shape ``(data, fsdp, model)``: ``model`` fastest-varying.
+    """The devices as an array with one dimension per axis of :data:`MESH_AXES` (in that
+    order; axes absent from ``sizes`` have size 1): ``model`` fastest-varying.
 
     ``devices`` in ``jax.devices()`` order (process by process): consecutive devices — the
     same host — share a ``model`` group; ``data`` groups span hosts.
 
     Example:
-        >>> device_grid(list(range(8)), {"data": 2, "fsdp": 2, "model": 2})[1, 0].tolist()
-        [4, 5]
+        >>> grid = device_grid(list(range(8)), {"data": 2, "fsdp": 2, "model": 2})
+        >>> grid.shape, grid[0, 1, 0, 0, 0].tolist()
+        ((1, 2, 1, 2, 1, 2), [4, 5])
     """
     import numpy as np
 
-    shape = tuple(sizes[a] for a in MESH_AXES)
+    shape = tuple(full_mesh(sizes).values())
     if math.prod(shape) != len(devices):
         raise ValueError(f"Mesh {mesh_spec(sizes)} needs {math.prod(shape)} devices; "
                          f"{len(devices)} were given.")

@@ -1,10 +1,11 @@
 """Choosing a mesh: every (data, fsdp, model) mesh a model and batch allow, ranked by the
-analytic memory and communication of :mod:`.estimate` (``--mesh auto``).
+analytic memory and communication of :mod:`.estimate` (``--mesh auto``). Meshes are full
+axis dicts (:func:`kdist.parallel.mesh.full_mesh`); axes not searched have size 1.
 
 Example:
     >>> from kdist.planning import choose_mesh
-    >>> choose_mesh("gpt-nano", 8, 2**34, 16, 256)[0]
-    {'data': 8, 'fsdp': 1, 'model': 1}
+    >>> mesh_spec(choose_mesh("gpt-nano", 8, 2**34, 16, 256)[0])
+    'data=8'
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kdist.parallel.mesh import mesh_spec
+from kdist.parallel.mesh import full_mesh, mesh_spec
 from kdist.planning.estimate import (
     SPLIT_BY_MODEL_AXIS,
     compute_bytes,
@@ -72,7 +73,7 @@ def candidate_meshes(num_devices: int, model: Any, global_batch_size: int,
                 continue
             if dims and f > 1 and dims.get("hidden_dim") and dims["hidden_dim"] % f:
                 continue
-            out.append({"data": d, "fsdp": f, "model": m})
+            out.append(full_mesh({"data": d, "fsdp": f, "model": m}))
     return out
 
 
@@ -91,8 +92,8 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
 
     Example:
         >>> mesh, _, why = choose_mesh("gpt-nano", 8, 2**34, 16, 256)
-        >>> mesh
-        {'data': 8, 'fsdp': 1, 'model': 1}
+        >>> mesh_spec(mesh)
+        'data=8'
     """
     cost = cost_model_of(model)
     dims_source = model if isinstance(model, (str, Mapping)) else cost
