@@ -30,6 +30,7 @@ import numpy as np  # noqa: F401 (used by the docstring examples)
 from keras import layers, ops
 
 from kdist import _keras_compat
+from kdist.models import stacking
 from kdist.parallel import pipeline, rules
 
 # Initializers that draw every element independently of the shape: one call with the
@@ -94,11 +95,11 @@ class StackedWeights(layers.Layer):
             raise ValueError(f"Layer '{self.name}' expects {len(self.weights)} variables, but "
                              f"the file holds {len(store.keys())}.")
         for i, variable in enumerate(self.weights):
-            value = store[str(i)]
-            if math.prod(value.shape) != math.prod(variable.shape):
+            value = stacking.reviewed(store[str(i)], variable.shape)
+            if tuple(value.shape) != tuple(variable.shape):
                 raise ValueError(f"'{variable.path}' has shape {tuple(variable.shape)}; the file "
                                  f"holds {tuple(value.shape)}.")
-            variable.assign(np.reshape(value, variable.shape))
+            variable.assign(value)
 
 
 @dataclasses.dataclass

@@ -148,6 +148,20 @@ def _same_tail(a: tuple, b: tuple) -> bool:
     return False
 
 
+def reviewed(value, shape: Sequence[int]):
+    """``value`` reshaped to ``shape`` when the two are views of one layer stack (``(L,
+    ...)`` and ``(R, L / R, ...)``: another pipeline's circular repeats), else unchanged.
+
+    Example:
+        >>> reviewed(np.zeros((4, 3)), (2, 2, 3)).shape
+        (2, 2, 3)
+    """
+    have, shape = tuple(np.shape(value)), tuple(int(d) for d in shape)
+    if have != shape and _same_tail(have, shape):
+        return np.reshape(value, shape)
+    return value
+
+
 def conversion_plan(target: Mapping[str, Sequence[int]],
                     source: Mapping[str, Sequence[int]]) -> dict[str, Source]:
     """For every target key and shape, how to make it from the source's keys and shapes.

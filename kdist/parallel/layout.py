@@ -231,6 +231,11 @@ def _pipeline_settings(spec, sizes, gradient_reduction, microbatches, repeats):
         raise ValueError(f"pipeline_microbatches={microbatches!r} needs a 'stage' mesh axis of "
                          f"size > 1; mesh '{spec}' has none. Add e.g. 'stage=2' to the spec, "
                          f"or leave pipeline_microbatches out.")
+    others = [a for a in ("replica", "seq") if sizes.get(a, 1) > 1]
+    if stages > 1 and others:
+        raise ValueError(
+            f"Mesh '{spec}' combines the 'stage' axis with {others}, a combination the "
+            f"pipeline is not built or tested for. Put those devices on data, fsdp or model.")
     if stages > 1 and gradient_reduction:
         raise ValueError(
             f"gradient_reduction={gradient_reduction!r} is not built for the 'stage' axis of "

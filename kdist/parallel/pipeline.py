@@ -74,12 +74,13 @@ def stack_shape(num_layers: int) -> tuple[int, ...]:
         valid_stages = [d for d in divisors(num_layers) if d > 1
                         and num_layers % (d * repeats) == 0]
         valid_repeats = [r for r in divisors(num_layers) if num_layers % (r * stages) == 0]
-        fixes = [f"a layer count that is a multiple of {stages * repeats}"]
+        fixes = []
         if valid_stages:
-            fixes.insert(0, f"a 'stage' mesh axis among {valid_stages} with "
-                            f"pipeline_repeats={repeats}")
+            fixes.append(f"a 'stage' mesh axis among {valid_stages} with "
+                         f"pipeline_repeats={repeats}")
         if valid_repeats:
-            fixes.insert(1, f"pipeline_repeats among {valid_repeats} with stage={stages}")
+            fixes.append(f"pipeline_repeats among {valid_repeats} with stage={stages}")
+        fixes.append(f"a layer count that is a multiple of {stages * repeats}")
         raise ValueError(
             f"num_layers={num_layers} does not divide into {stages} pipeline stages x "
             f"{repeats} repeats (stages get equal block counts). Use "
@@ -162,8 +163,11 @@ def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule):
     w_specs = [P(AXIS) if lead == 1 else P(None, AXIS) for _ in weights]
     rows = P(None, REPLICA_AXES)
     program = functools.partial(_stage_program, layer, schedule, lead, frozenset(per_row))
+    # Every axis but model is manual: seq has size 1 here (refused with a pipeline), and
+    # JAX's partial-auto lowering of debug callbacks handles only one automatic axis.
+    manual = frozenset(a for a in schedule.mesh.axis_names if a != "model")
     out = jax.shard_map(
-        program, mesh=schedule.mesh, axis_names=frozenset({AXIS, *REPLICA_AXES}),
+        program, mesh=schedule.mesh, axis_names=manual,
         in_specs=(w_specs, rows, {k: rows if k in per_row else P() for k in kwm},
                   None if seed is None else P()),
         out_specs=rows)(list(weights), xm, kwm, seed)
