@@ -32,6 +32,7 @@ from keras import layers, ops
 from kdist import _keras_compat
 from kdist.models import stacking
 from kdist.parallel import pipeline, rules
+from kdist.parallel.constraints import shard_batch
 
 # Initializers that draw every element independently of the shape: one call with the
 # stacked shape gives independent layers.
@@ -219,8 +220,10 @@ class LayerStack(layers.Layer):
 
         schedule = pipeline.schedule_for(x.shape[0], self.num_layers, training=training)
         if schedule is not None:
-            return pipeline.pipelined(layer, weights, x, kwargs, seed, schedule)
-        return scan_layers(layer, self._flat(weights), x, kwargs, seed)
+            x = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule)
+        else:
+            x = scan_layers(layer, self._flat(weights), x, kwargs, seed)
+        return shard_batch(x)  # (B, T, D), B split over the replica axes
 
     def _flat(self, weights):
         lead = len(self.lead)

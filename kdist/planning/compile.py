@@ -153,11 +153,13 @@ def compile_train_step(model: keras.Model, x, y, dist: KdistDistribution | None)
 
 
 def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length, grad_accum,
-                 optimizer_fn, batch, auto_shard=False, gradient_reduction=None):
+                 optimizer_fn, batch, auto_shard=False, gradient_reduction=None,
+                 pipeline=(None, 1)):
     """Builds ``model_fn()`` abstractly under the mesh ``sizes`` and precision ``policy``,
     compiles it (``optimizer_fn()`` and sparse categorical cross-entropy on logits, unless
     it is compiled already) and compiles its train step on ``batch`` (default:
-    :func:`abstract_batch`). Returns ``(compiled, abstract_state, model)``.
+    :func:`abstract_batch`). ``pipeline``: the distribution's ``(pipeline_microbatches,
+    pipeline_repeats)``. Returns ``(compiled, abstract_state, model)``.
 
     A fresh Keras session is used (stable variable paths, the abstract model dropped
     afterwards); the caller's distribution and dtype policy are put back.
@@ -167,7 +169,9 @@ def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length,
     keras.utils.clear_session()
     num = math.prod(sizes.values())
     dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard,
-                         gradient_reduction=gradient_reduction) if num > 1 else None)
+                         gradient_reduction=gradient_reduction,
+                         pipeline_microbatches=pipeline[0], pipeline_repeats=pipeline[1])
+            if num > 1 else None)
     try:
         keras.config.set_dtype_policy(policy)
         keras.distribution.set_distribution(dist)

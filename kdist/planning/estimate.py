@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kdist.planning import stages
+
 # Transformer dimensions the tensor-parallel (``model``) axis splits; a cost model that
 # states them (through its ``config``) gets model-axis meshes in the search.
 SPLIT_BY_MODEL_AXIS = ("num_heads", "num_key_value_heads", "intermediate_dim",
@@ -122,7 +124,9 @@ def _ring(n: int) -> float:
 def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_size: int,
                                  sequence_length: int, compute_bytes: int = 4,
                                  parameter_bytes: int = 4,
-                                 gradient_bytes: int | None = None) -> dict[str, float]:
+                                 gradient_bytes: int | None = None,
+                                 pipeline_microbatches: int | None = None,
+                                 pipeline_repeats: int = 1) -> dict[str, float]:
     """The minimum ring wire bytes per device per step, by collective kind, for a strategy.
 
     ``model`` is anything :func:`cost_model_of` reads. With P the parameter bytes, d/f/m
@@ -139,7 +143,9 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
 
     Gradients are reduced in ``gradient_bytes`` per value (default: ``parameter_bytes``; 2
     with ``gradient_reduction="bfloat16"``). Small all-reduces (loss, gradient norm, softmax
-    statistics) are not counted.
+    statistics) are not counted. A ``stage`` axis (a pipeline of ``pipeline_microbatches``
+    and ``pipeline_repeats``) is counted by :func:`kdist.planning.stages.collectives`:
+    activations between stages (``collective-permute``), each stage's weights gathered once.
 
     Example:
         >>> c = theoretical_collective_bytes("gpt-nano", {"data": 8}, 16, 256)
@@ -147,6 +153,12 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
         True
     """
     cost = cost_model_of(model)
+    if mesh.get("stage", 1) > 1:
+        dims = dimensions(model)
+        return stages.collectives(cost, mesh, global_batch_size, sequence_length,
+                                  compute_bytes, dims.get("hidden_dim", 0),
+                                  dims.get("num_layers", 0), pipeline_microbatches,
+                                  pipeline_repeats, parameter_bytes, gradient_bytes)
     d, f, m = mesh.get("data", 1), mesh.get("fsdp", 1), mesh.get("model", 1)
     p = cost.parameters * parameter_bytes
     g = cost.parameters * (gradient_bytes or parameter_bytes)
@@ -166,12 +178,14 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
 
 
 def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
-             *, precision: str = "float32", remat: bool = False, grad_accum: int = 1) -> dict:
+             *, precision: str = "float32", remat: bool = False, grad_accum: int = 1,
+             pipeline_microbatches: int | None = None, pipeline_repeats: int = 1) -> dict:
     """Analytic per-device bytes (weights, optimizer, gradients, activations) of a model on
     a mesh. ``model`` is anything :func:`cost_model_of` reads. Weights are float32 (mixed
     precision keeps float32 variables); activations use the compute dtype (the cost
     model's ``activation_bytes_per_token``); gradient accumulation adds a float32
-    accumulator per weight.
+    accumulator per weight. A ``stage`` axis: :func:`kdist.planning.stages.memory` (blocks
+    split over stages, the schedule's bubble and buffers, the head on every stage).
 
     Example:
         >>> e = estimate("gpt2-small", {"data": 1, "fsdp": 8, "model": 1}, 64, 1024)
@@ -179,6 +193,11 @@ def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_
         True
     """
     cost = cost_model_of(model)
+    if mesh.get("stage", 1) > 1:
+        return stages.memory(cost, mesh, global_batch_size, sequence_length,
+                             compute_bytes(precision), remat, grad_accum,
+                             pipeline_microbatches, pipeline_repeats,
+                             dimensions(model).get("hidden_dim"))
     shards = mesh.get("fsdp", 1) * mesh.get("model", 1)
     weights = cost.parameters * 4 / shards
     micro_batch = global_batch_size / grad_accum / (mesh.get("data", 1) * mesh.get("fsdp", 1))

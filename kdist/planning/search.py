@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kdist.parallel.mesh import full_mesh, mesh_spec
+from kdist.parallel.stages import bubble_fraction
 from kdist.planning.estimate import (
     SPLIT_BY_MODEL_AXIS,
     compute_bytes,
@@ -77,9 +78,37 @@ def candidate_meshes(num_devices: int, model: Any, global_batch_size: int,
     return out
 
 
+def pipeline_meshes(num_devices: int, model: Any, global_batch_size: int,
+                    grad_accum: int = 1, microbatches: int | None = None,
+                    repeats: int = 1) -> list[dict[str, int]]:
+    """Every mesh with a ``stage`` axis (> 1) over ``num_devices`` that the model's layers
+    and the batch allow: stages divide the layers (x repeats), and each replica group's
+    micro-batch divides into the microbatches (default: one per stage).
+
+    Example:
+        >>> sorted({m["stage"] for m in pipeline_meshes(8, "gpt-nano", 16)})
+        [2, 4]
+    """
+    layers = dimensions(model).get("num_layers") if model is not None else None
+    out = []
+    for stages in range(2, num_devices + 1):
+        if num_devices % stages or not layers or layers % (stages * repeats):
+            continue
+        micro = microbatches or stages
+        if micro < stages:
+            continue
+        for mesh in candidate_meshes(num_devices // stages, model, global_batch_size,
+                                     grad_accum):
+            if (global_batch_size // grad_accum) % (mesh["data"] * mesh["fsdp"] * micro):
+                continue
+            out.append(full_mesh({**mesh, "stage": stages}))
+    return out
+
+
 def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_size: int,
                 sequence_length: int, *, precision: str = "float32", remat: bool = False,
-                grad_accum: int = 1) -> tuple[dict[str, int], list[dict], str]:
+                grad_accum: int = 1, pipeline_microbatches: int | None = None,
+                pipeline_repeats: int = 1) -> tuple[dict[str, int], list[dict], str]:
     """The mesh that fits in memory with the least communication per step (analytic).
 
     ``model`` is a preset name, a task, a cost model (or a GPT config dict); see
@@ -87,8 +116,11 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     table has one row per candidate (estimated bytes, wire bytes, ranking cost, fits).
     Communication is ranked with tensor parallelism's activation all-reduces counted twice
     (they sit on the critical path; the gradient all-reduce and the weight all-gathers
-    overlap with compute); ties go to fewer ``model`` shards. If nothing fits, the
-    candidate with the least memory is returned and ``why`` says so.
+    overlap with compute); ties go to fewer ``model`` shards. Only if no such mesh fits are
+    pipelines considered (:func:`pipeline_meshes`, with ``pipeline_microbatches`` and
+    ``pipeline_repeats``): the one that fits with the smallest bubble, then the least
+    communication. If nothing fits, the candidate with the least memory is returned and
+    ``why`` says so.
 
     Example:
         >>> mesh, _, why = choose_mesh("gpt-nano", 8, 2**34, 16, 256)
@@ -101,21 +133,34 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     value_bytes = compute_bytes(precision)
     micro = global_batch_size // grad_accum
 
+    schedule = dict(pipeline_microbatches=pipeline_microbatches,
+                    pipeline_repeats=pipeline_repeats)
+
     def wire(mesh):
         return sum(theoretical_collective_bytes(
-            dims_source, mesh, micro, sequence_length, value_bytes).values()) * grad_accum
+            dims_source, mesh, micro, sequence_length, value_bytes, **schedule).values()
+        ) * grad_accum
 
-    rows = []
-    for mesh in candidate_meshes(num_devices, dims_source, global_batch_size, grad_accum):
-        memory = estimate(cost, mesh, global_batch_size, sequence_length,
-                          precision=precision, remat=remat, grad_accum=grad_accum)["total"]
+    def row(mesh):
+        memory = estimate(cost, mesh, global_batch_size, sequence_length, precision=precision,
+                          remat=remat, grad_accum=grad_accum, **schedule)["total"]
         comm = wire(mesh)
         # Tensor parallelism's activation all-reduces sit on the critical path (each layer
         # waits for them); gradient all-reduces and weight all-gathers overlap with compute.
         # So its bytes weigh double when ranking.
         tp = comm - wire({**mesh, "model": 1}) / mesh["model"]
-        rows.append({"mesh": mesh_spec(mesh), "memory": memory, "wire_bytes": comm,
-                     "cost": comm + max(0.0, tp), "fits": memory <= budget, "_mesh": mesh})
+        stages = mesh.get("stage", 1)
+        bubble = bubble_fraction(stages, pipeline_microbatches or stages, pipeline_repeats)
+        return {"mesh": mesh_spec(mesh), "memory": memory, "wire_bytes": comm,
+                "cost": comm + max(0.0, tp), "fits": memory <= budget, "bubble": bubble,
+                "_mesh": mesh}
+
+    rows = [row(m) for m in candidate_meshes(num_devices, dims_source, global_batch_size,
+                                             grad_accum)]
+    if not any(r["fits"] for r in rows):  # then a pipeline, if one fits
+        rows += [row(m) for m in pipeline_meshes(num_devices, dims_source, global_batch_size,
+                                                 grad_accum, pipeline_microbatches,
+                                                 pipeline_repeats)]
     if not rows:
         raise ValueError(
             f"No mesh over {num_devices} devices suits this model and a global batch of "
@@ -123,11 +168,14 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
             f"Use a global batch that is a multiple of {num_devices}.")
     fitting = [r for r in rows if r["fits"]]
     if fitting:
-        best = min(fitting, key=lambda r: (r["cost"], r["_mesh"]["model"]))
+        best = min(fitting, key=lambda r: (r["bubble"], r["cost"], r["_mesh"]["model"]))
         why = (f"{best['mesh']}: fits ({format_bytes(best['memory'])} estimated of "
                f"{format_bytes(budget)} usable per device) with the least communication "
                f"({format_bytes(best['wire_bytes'])} per device per step; tensor-parallel "
                f"bytes weigh double) of the {len(fitting)} fitting meshes out of {len(rows)}")
+        if best["bubble"]:
+            why += (f"; no mesh without a pipeline fits, so it has the smallest bubble "
+                    f"({best['bubble']:.0%} of the iterations)")
     else:
         best = min(rows, key=lambda r: r["memory"])
         why = (f"no mesh fits {format_bytes(budget)} usable per device; {best['mesh']} needs "
