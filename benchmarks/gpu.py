@@ -43,6 +43,9 @@ RUNS = [
     ("gpt2-medium", "batch 64", {}, {}, 64),
     ("gpt2-small", "table unpadded (50257 rows)", {"vocabulary_divisible_by": 1}, {}, 32),
     ("gpt2-medium", "table unpadded (50257 rows)", {"vocabulary_divisible_by": 1}, {}, 16),
+    # Scanned layer stack (one block compiled, lax.scan over stacked weights): tokens/s and
+    # wall_s (compile included) against the default row. Figure still to take on a GPU.
+    ("gpt2-medium", "scan_layers", {"scan_layers": True}, {}, 16),
 ]
 DRY_SHAPE = dict(vocabulary_size=512, num_layers=2, num_heads=4, hidden_dim=64,
                  intermediate_dim=256, max_sequence_length=64)

@@ -247,11 +247,12 @@ def executions(hlo_text: str) -> dict[str, int]:
     return {name: count(name) for name in bodies}
 
 
-def matmul_flops(hlo_text: str) -> float:
+def matmul_flops(hlo_text: str, in_loops_only: bool = False) -> float:
     """The matmul FLOPs of an optimized HLO module (``dot`` instructions: ``2 x result
     elements x contracted size``), each counted as often as it runs (:func:`executions`).
     On a CPU-compiled program this is every matmul; a GPU program's cuBLAS calls are
-    ``custom-call``\\ s, not counted here.
+    ``custom-call``\\ s, not counted here. ``in_loops_only``: only those in computations
+    that run more than once (a scanned layer stack, a pipeline's schedule).
 
     Example:
         >>> text = ("ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {\\n"
@@ -264,6 +265,8 @@ def matmul_flops(hlo_text: str) -> float:
     runs = executions(hlo_text)
     total = 0.0
     for name, body in _bodies(hlo_text, headers).items():
+        if in_loops_only and runs.get(name, 1) <= 1:
+            continue
         shapes = {m.group("name"): m.group("shape") for m in _PARAM.finditer(
             body.splitlines()[0])}
         shapes.update({m.group("name"): m.group("shape") for m in _DEFINITION.finditer(body)})
