@@ -136,7 +136,7 @@ def bubble_benchmark(args) -> None:
 
     ref_t, ref_f = statistics.median(times["unpipelined"]), flops["unpipelined"]
     rows = []
-    for label, mesh, micro, repeats in cases[1:]:
+    for label, _, micro, repeats in cases[1:]:
         t = statistics.median(times[label])
         rows.append({"case": label, "formula": bubble_fraction(4, micro, repeats),
                      "xla": 1 - ref_f / flops[label], "time": 1 - ref_t / t, "step_s": t,

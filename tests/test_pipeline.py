@@ -21,14 +21,14 @@ DEEP_GPT = dict(TINY_GPT, num_layers=8)  # 8 layers: 1, 2 or 4 per stage
 BATCHES = token_batches(steps=3, batch=16)
 
 
-def _lm(mesh, config=DEEP_GPT, **options):
+def _lm(mesh, config=DEEP_GPT, lm_options=None, **options):
     keras.distribution.set_distribution(kdist.distribution(mesh, **options) if mesh else None)
     keras.utils.set_random_seed(0)
-    return GPTCausalLM(GPTBackbone(**{**config, "scan_layers": True}))
+    return GPTCausalLM(GPTBackbone(**{**config, "scan_layers": True}), **(lm_options or {}))
 
 
-def _run(mesh, config=DEEP_GPT, **options):
-    model = _lm(mesh, config, **options)
+def _run(mesh, config=DEEP_GPT, lm_options=None, **options):
+    model = _lm(mesh, config, lm_options, **options)
     return train(model, BATCHES), weights(model)
 
 
@@ -58,10 +58,15 @@ def test_pipeline_trains_like_one_device(mesh, options, reference):
     _assert_same(_run(mesh, **options), reference)
 
 
-def test_llama_style_decoder_and_bert():
-    llama = dict(TINY_LLAMA, num_layers=4)
-    _assert_same(_run("stage=4,data=2", llama, pipeline_microbatches=4), _run(None, llama))
+def test_llama_style_decoder_with_the_fused_loss():
+    """Untied output matrix, RMSNorm, grouped-query attention; the fused cross-entropy over
+    a vocabulary split over the stages (kdist.parallel.rules.FALLBACK_MESH)."""
+    llama, fused = dict(TINY_LLAMA, num_layers=4), {"loss_chunk_size": 8}
+    _assert_same(_run("stage=4,data=2", llama, fused, pipeline_microbatches=4),
+                 _run(None, llama, fused))
 
+
+def test_bert_encoder():
     def bert(mesh):
         model = tiny_bert_mlm(mesh, scan_layers=True)
         model.compile(optimizer=parity_optimizer())
@@ -168,3 +173,15 @@ def test_settings_are_checked_before_compiling():
     with pytest.raises(ValueError, match=r"multiple of 2 x 4 = 8.*among \[6\]"):
         model.train_on_batch(x[:12], y[:12])
     assert model.predict_on_batch(x[:3]).shape == (3, 16, 256)  # inference: unpipelined
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_layouts_split_layers_and_vocabulary_over_stages(repeats):
+    model = _lm("stage=4,fsdp=2", pipeline_repeats=repeats)
+    spec = tuple(model.backbone.blocks.weights[4].value.sharding.spec)  # query kernel
+    assert spec[:repeats] == ((None,) * (repeats - 1) + ("stage",))
+    assert "fsdp" in spec  # and ZeRO-3 inside each stage
+    table = tuple(model.backbone.token_embedding.embeddings.value.sharding.spec)
+    assert table == ("stage", "fsdp")  # no model axis: the vocabulary over the stages
+    odd = _lm("stage=4,fsdp=2", dict(DEEP_GPT, vocabulary_size=250))
+    assert tuple(odd.backbone.token_embedding.embeddings.value.sharding.spec)[0] is None

@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import gpt_pretrain  # noqa: E402
+
 from tests.test_recipe import TINY  # noqa: E402
 
 

@@ -101,8 +101,11 @@ class KdistDistribution(ModelParallel):
         return mesh_spec(self.mesh_shape)
 
     def mesh_axis_for(self, logical_axis: str | None) -> str | None:
-        """The mesh axis a logical axis is sharded over here, or None if replicated."""
+        """The mesh axis a logical axis is sharded over here, or None if replicated (its
+        rule's axis, else its fallback's: ``rules.FALLBACK_MESH``)."""
         mesh_axis = rules.LOGICAL_TO_MESH.get(logical_axis)
+        if mesh_axis is not None and self.mesh_shape[mesh_axis] == 1:
+            mesh_axis = rules.FALLBACK_MESH.get(logical_axis)
         if mesh_axis is None or self.mesh_shape[mesh_axis] == 1:
             return None
         return mesh_axis
@@ -141,6 +144,9 @@ class KdistDistribution(ModelParallel):
         axes = []
         for dim, (logical_axis, size) in enumerate(zip(logical, shape)):
             mesh_axis = self.mesh_axis_for(logical_axis)
+            if mesh_axis is not None and size % self.mesh_shape[mesh_axis] and \
+                    rules.FALLBACK_MESH.get(logical_axis) == mesh_axis:
+                mesh_axis = None  # a fallback that does not divide: replicated, as without
             if mesh_axis is not None and size % self.mesh_shape[mesh_axis]:
                 n = self.mesh_shape[mesh_axis]
                 raise ValueError(
