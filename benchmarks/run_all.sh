@@ -27,6 +27,8 @@ run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/mesh_step_time.py --out
 run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/communication.py
 run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/memory.py
 run "$PYTHON" benchmarks/gradient_reduction.py
+run "$PYTHON" benchmarks/pipeline.py bubble
+run "$PYTHON" benchmarks/pipeline.py compile   # gpt2-xl: minutes, ~7 GB peak
 if "$PYTHON" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
   run "$PYTHON" benchmarks/gpu.py
 else

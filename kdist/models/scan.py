@@ -219,6 +219,12 @@ class LayerStack(layers.Layer):
             return self._layer(w, h, kw, index, seed, training)
 
         schedule = pipeline.schedule_for(x.shape[0], self.num_layers, training=training)
+        if schedule is not None and len(self.lead) != (1 if schedule.repeats == 1 else 2):
+            raise ValueError(
+                f"{self.name} was built with its layers stacked as {self.lead}, for another "
+                f"pipeline_repeats than the distribution's {schedule.repeats}. Build the model "
+                f"after setting the distribution (or load it under it: kdist.models.stacking "
+                f"converts the weights).")
         if schedule is not None:
             x = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule)
         else:

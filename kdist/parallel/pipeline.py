@@ -10,7 +10,9 @@ stages of the model on one device, and a microbatch goes round the ring of stage
 
 Only the stack runs in the pipeline; the embedding and the head (and the loss) run
 outside, on every stage, over that stage group's rows (``stage`` does not split the
-batch): nothing but activations crosses between stages, and the head does not lengthen
+batch), with the vocabulary split over the stages when there is no ``model`` axis
+(``kdist.parallel.rules.FALLBACK_MESH``: each stage computes a ``1 / S`` slice of the
+logits): nothing but activations crosses between stages, and the head does not lengthen
 every pipeline iteration as it would on the last stage.
 
 The schedule (:func:`pipelined`) runs inside a ``jax.shard_map`` over ``stage`` only — the
