@@ -85,12 +85,12 @@ def compile_benchmark(args) -> None:
 
 
 def _bubble_child(args) -> dict:
+    import jax
     import keras
     import numpy as np
 
     import kdist
-    from kdist import hlo
-    from kdist.planning.compile import compile_train_step, token_batch
+    from kdist import _keras_compat, hlo
 
     keras.utils.clear_session()
     dist = kdist.distribution(args.mesh, pipeline_microbatches=args.microbatches,
@@ -101,13 +101,16 @@ def _bubble_child(args) -> dict:
     model = kdist.models.GPTCausalLM(kdist.models.GPTBackbone(**config))
     model.compile(optimizer=kdist.optim.adamw(1e-4, warmup_steps=1, decay_steps=100))
     batch, length = args.batch, args.length
-    compiled, _ = compile_train_step(model, *token_batch(batch, length), dist)
-    loop_flops = hlo.matmul_flops(compiled.as_text(), in_loops_only=True) * 8
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (batch, length + 1), dtype=np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
     for _ in range(2):
         float(model.train_on_batch(x, y))
+    # The program fit runs (its state's and batch's shardings), compiled once more to read.
+    placed = [jax.device_put(a, dist.get_data_layout(a.shape).backend_layout) for a in (x, y)]
+    text = jax.jit(model.train_step).lower(_keras_compat.jax_state(model),
+                                           tuple(placed)).compile().as_text()
+    loop_flops = hlo.matmul_flops(text, in_loops_only=True) * 8
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()

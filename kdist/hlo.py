@@ -247,12 +247,14 @@ def executions(hlo_text: str) -> dict[str, int]:
     return {name: count(name) for name in bodies}
 
 
-def matmul_flops(hlo_text: str, in_loops_only: bool = False) -> float:
+def matmul_flops(hlo_text: str, in_loops_only: bool = False, per_iteration: bool = True
+                 ) -> float:
     """The matmul FLOPs of an optimized HLO module (``dot`` instructions: ``2 x result
     elements x contracted size``), each counted as often as it runs (:func:`executions`).
     On a CPU-compiled program this is every matmul; a GPU program's cuBLAS calls are
     ``custom-call``\\ s, not counted here. ``in_loops_only``: only those in computations
-    that run more than once (a scanned layer stack, a pipeline's schedule).
+    that run more than once (a scanned layer stack, a pipeline's schedule);
+    ``per_iteration=False``: each counted once, as XLA's ``cost_analysis()`` does.
 
     Example:
         >>> text = ("ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {\\n"
@@ -278,7 +280,7 @@ def matmul_flops(hlo_text: str, in_loops_only: bool = False) -> float:
                 continue
             k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
             result = math.prod(int(d) for d in m.group("dims").split(",") if d)
-            total += 2.0 * result * k * runs.get(name, 1)
+            total += 2.0 * result * k * (runs.get(name, 1) if per_iteration else 1)
     return total
 
 

@@ -201,11 +201,18 @@ def xla_memory(compiled) -> dict[str, int]:
 
 
 def xla_flops(compiled) -> float:
-    """``cost_analysis()["flops"]`` of a compiled (per-device) program."""
+    """``cost_analysis()["flops"]`` of a compiled (per-device) program, with the matmuls of
+    loop bodies counted once per iteration: XLA counts a ``while`` body once, which for a
+    scanned layer stack or a pipeline's schedule leaves out most of the step
+    (``kdist.hlo.matmul_flops``; the loops' element-wise ops stay counted once)."""
+    from kdist import hlo
+
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
         cost = cost[0]
-    return float(cost.get("flops", 0.0))
+    text = compiled.as_text()
+    loops = hlo.matmul_flops(text) - hlo.matmul_flops(text, per_iteration=False)
+    return float(cost.get("flops", 0.0)) + loops
 
 
 def memory_breakdown(compiled, state) -> dict[str, float]:

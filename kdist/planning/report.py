@@ -91,13 +91,13 @@ class Plan:
     def _flops_lines(self) -> list[str]:
         f = self.flops
         lines = [f"FLOPs per optimizer step: XLA {f['xla']:.4g}, formula {f['formula']:.4g} "
-                 f"(XLA / formula {f['xla'] / f['formula']:.3f})"]
-        if "program" in f and f["program"] and f["program"] != f["xla"]:
+                 f"(XLA / formula {f['xla'] / f['formula']:.3f}; loop bodies' matmuls counted "
+                 f"per iteration)"]
+        if f.get("program") and self.mesh.get("stage", 1) > 1:
             lines.append(
-                f"  the compiled program's matmuls, loops counted per iteration: "
-                f"{f['program']:.4g} ({f['program'] / f['formula']:.3f} x formula; XLA's "
-                f"cost_analysis counts a loop body once). MFU uses the formula: the model's "
-                f"FLOPs, not the bubble's or those repeated on every stage")
+                f"  the pipelined program's matmuls: {f['program']:.4g} "
+                f"({f['program'] / f['formula']:.3f} x formula: the bubble computes on zeros). "
+                f"MFU uses the formula, the model's FLOPs")
         return lines
 
     def _collective_lines(self) -> list[str]:
