@@ -185,3 +185,13 @@ def test_layouts_split_layers_and_vocabulary_over_stages(repeats):
     assert table == ("stage", "fsdp")  # no model axis: the vocabulary over the stages
     odd = _lm("stage=4,fsdp=2", dict(DEEP_GPT, vocabulary_size=250))
     assert tuple(odd.backbone.token_embedding.embeddings.value.sharding.spec)[0] is None
+
+
+def test_dropout_under_a_pipeline_draws_fresh_masks():
+    """Each layer, microbatch, device and step its own mask: the same batch twice, with
+    (almost) no update between, gives two different finite losses."""
+    model = _lm("stage=2,data=4", dict(TINY_GPT, dropout=0.3))
+    model.compile(optimizer=parity_optimizer(learning_rate=1e-9))
+    x, y = BATCHES[0][0][:8], BATCHES[0][1][:8]
+    first, second = (float(model.train_on_batch(x, y)) for _ in range(2))
+    assert np.isfinite(first) and np.isfinite(second) and abs(first - second) > 1e-3
