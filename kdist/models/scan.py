@@ -226,7 +226,8 @@ class LayerStack(layers.Layer):
                 f"after setting the distribution (or load it under it: kdist.models.stacking "
                 f"converts the weights).")
         if schedule is not None:
-            x = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule)
+            layouts = [pipeline.layout_axes(v) for v in self._parts.stacked]
+            x = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule, layouts)
         else:
             x = scan_layers(layer, self._flat(weights), x, kwargs, seed)
         return shard_batch(x)  # (B, T, D), B split over the replica axes

@@ -122,6 +122,11 @@ def schedule_for(batch, num_layers: int, training=None) -> Schedule | None:
                     dist.device_mesh.backend_mesh)
 
 
+def layout_axes(variable) -> tuple:
+    """A weight's mesh axes per dimension under the active distribution (its layout)."""
+    return tuple(active().get_variable_layout(variable).axes)
+
+
 def _to_microbatches(a, schedule: Schedule):
     """``(B, ...)`` -> ``(M, B / M, ...)``: each replica group's rows cut into M, so every
     microbatch keeps the batch's sharding over the replica axes (no data moves)."""
@@ -139,35 +144,41 @@ def _from_microbatches(a, schedule: Schedule):
     return a.reshape((g * m * rows,) + a.shape[3:])
 
 
-def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule):
+def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None):
     """``x`` ``(B, T, D)`` through the stacked layers with the pipeline ``schedule``.
 
     ``layer(w, h, kwargs, index, seed)`` applies the layer of global index ``index`` with
     weight slices ``w`` to ``h``; ``weights`` are the stacked arrays (``(L, ...)`` or
     ``(R, L / R, ...)``, layers sharded over ``stage``); ``kwargs`` go to every layer —
     those with one row per batch row (masks, positions) are cut into microbatches like
-    ``x``; ``seed`` (a dropout seed, or None) is folded with each device's batch shard.
-    Returns ``(B, T, D)`` on every stage.
+    ``x``; ``seed`` (a dropout seed, or None) is folded with each device's batch shard;
+    ``layouts``: each weight's mesh axes per dimension (its variable's layout; default:
+    only the layer dimension over ``stage``). Returns ``(B, T, D)`` on every stage.
 
     The replica axes (``data``, ``fsdp``) are manual here too, each device working on its
-    own rows: each stage's weights enter whole over ``fsdp`` (one all-gather per step, not
-    one per iteration) and their gradient, accumulated on the device over the schedule's
-    iterations, is reduced once when it leaves (the transpose of the entry), where XLA's
-    partitioner would reduce every iteration's partial gradient. The price: the stage's
-    weights and their gradient unsharded over ``fsdp`` during the step. ``model`` stays
-    with XLA (tensor parallelism inside each stage).
+    own rows: each stage's weights are all-gathered over ``fsdp`` once per step (not once
+    per iteration), and their gradient, accumulated on the device over the schedule's
+    iterations, leaves through one reduce-scatter over ``fsdp`` and one all-reduce of the
+    shard over ``data`` — where XLA's partitioner would reduce every iteration's partial
+    gradient. The price: the stage's weights and their gradient unsharded over ``fsdp``
+    during the step. ``model`` stays with XLA (tensor parallelism inside each stage).
     """
     batch = x.shape[0]
     per_row = {k for k, v in kwargs.items() if v.ndim and v.shape[0] == batch}
     xm = _to_microbatches(x, schedule)  # (M, b, T, D), b split over the replica axes
     kwm = {k: _to_microbatches(v, schedule) if k in per_row else v for k, v in kwargs.items()}
     lead = 1 if schedule.repeats == 1 else 2
-    w_specs = [P(AXIS) if lead == 1 else P(None, AXIS) for _ in weights]
-    rows = P(None, REPLICA_AXES)
-    program = functools.partial(_stage_program, layer, schedule, lead, frozenset(per_row))
     # Every axis but model is manual: seq has size 1 here (refused with a pipeline), and
     # JAX's partial-auto lowering of debug callbacks handles only one automatic axis.
     manual = frozenset(a for a in schedule.mesh.axis_names if a != "model")
+    if layouts is None:
+        layouts = [(None,) * (lead - 1) + (AXIS,) for _ in weights]
+    layouts = [tuple(a if a in manual else None for a in axes) for axes in layouts]
+    w_specs = [P(*axes) for axes in layouts]
+    fsdp_dims = tuple(axes.index("fsdp") if "fsdp" in axes else None for axes in layouts)
+    rows = P(None, REPLICA_AXES)
+    program = functools.partial(_stage_program, layer, schedule, lead, frozenset(per_row),
+                                fsdp_dims)
     out = jax.shard_map(
         program, mesh=schedule.mesh, axis_names=manual,
         in_specs=(w_specs, rows, {k: rows if k in per_row else P() for k in kwm},
@@ -176,13 +187,39 @@ def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule):
     return _from_microbatches(out, schedule)
 
 
-def _stage_program(layer, schedule: Schedule, lead, per_row, weights, xm, kwargs, seed):
+def _stage_program(layer, schedule: Schedule, lead, per_row, fsdp_dims, weights, xm, kwargs,
+                   seed):
     """One device's program (inside ``shard_map``): its stage's part of the schedule, on its
     rows."""
     if seed is not None:  # each device's rows their own dropout masks
         seed = jax.random.fold_in(seed, jax.lax.axis_index(REPLICA_AXES))
+    weights = [_whole(w, dim) for w, dim in zip(weights, fsdp_dims)]
     with manual_region():
         return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _whole(weight, fsdp_dim):
+    """This device's stage weight whole over ``fsdp``, typed varying over the rows' axes (it
+    meets this device's rows): its gradient is reduced only by the backward pass below,
+    once, after the schedule (kdist.parallel.reduction does the same for a whole step)."""
+    if fsdp_dim is not None:
+        weight = jax.lax.all_gather(weight, "fsdp", axis=fsdp_dim, tiled=True)
+    return to_varying(weight, set(REPLICA_AXES))
+
+
+def _whole_fwd(weight, fsdp_dim):
+    return _whole(weight, fsdp_dim), None
+
+
+def _whole_bwd(fsdp_dim, _, grad):
+    if fsdp_dim is not None:  # into this device's shard: a reduce-scatter
+        grad = jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=fsdp_dim, tiled=True)
+    rest = tuple(a for a in REPLICA_AXES if a != "fsdp" or fsdp_dim is None)
+    return (jax.lax.psum(grad, rest),)  # over the replicas holding the same shard
+
+
+_whole.defvjp(_whole_fwd, _whole_bwd)
 
 
 def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
@@ -192,9 +229,6 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
     # This stage's layers as (R, K, ...): repeat r, local layer k is global layer
     # (r S + s) K + k.
     weights = [w[None] for w in weights] if lead == 1 else weights
-    # Typed varying over the rows' axes once here, so the backward pass reduces the
-    # weights' gradient once, after the schedule, not in every iteration.
-    weights = [to_varying(w, set(REPLICA_AXES)) for w in weights]
     zeros = jnp.zeros(xm.shape[1:], xm.dtype)
     # The inputs reach only stage 0: typed varying over stages once here, so the backward
     # pass sums their cotangent over stages once, not in every iteration.
