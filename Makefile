@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,hf-test]"
 	touch $(STAMP)
 
 run: setup  ## GPT pretraining on the embedded corpus over 8 host devices (ARGS="--steps 50" ...)

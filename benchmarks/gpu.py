@@ -14,6 +14,8 @@ remaining variants rather than overrun (default 7 minutes).
 
     python benchmarks/gpu.py                      # on the GPU machine
     python benchmarks/gpu.py --dry-run            # CPU: a tiny shape, checks the plumbing
+    python benchmarks/gpu.py --context            # 2+ GPUs: seq=N, ring vs all-gather
+    python benchmarks/gpu.py --hf-load            # loading a Hugging Face checkpoint onto GPUs
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ RUNS = [
     # wall_s (compile included) against the default row. Figure still to take on a GPU.
     ("gpt2-medium", "scan_layers", {"scan_layers": True}, {}, 16),
 ]
+# Context parallelism (--context; needs 2 or more GPUs): one long sequence split over all
+# of them, both attention variants. Figure still to take: tokens/s, MFU and peak memory of
+# gpt2-small at 32,768 tokens on seq=N, ring against all-gather (this machine has 1 GPU).
+CONTEXT_RUNS = [
+    ("gpt2-small", "all_gather", {}, {}, 1),
+    ("gpt2-small", "ring", {}, {}, 1),
+]
 DRY_SHAPE = dict(vocabulary_size=512, num_layers=2, num_heads=4, hidden_dim=64,
                  intermediate_dim=256, max_sequence_length=64)
 
@@ -75,7 +84,7 @@ def uses_cudnn_attention(model, batch: int, length: int) -> bool:
 
 
 def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
-            check_attention=True) -> dict:
+            check_attention=True, context_parallel=None) -> dict:
     import jax
     import keras
     import numpy as np
@@ -84,8 +93,13 @@ def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
 
     keras.utils.clear_session()
     devices = jax.devices()
-    keras.distribution.set_distribution(
-        kdist.distribution(f"fsdp={len(devices)}") if len(devices) > 1 else None)
+    if context_parallel:  # the sequence split over every device
+        backbone_options = {**backbone_options, "max_sequence_length": length}
+        keras.distribution.set_distribution(kdist.distribution(
+            f"seq={len(devices)}", context_parallel=context_parallel))
+    else:
+        keras.distribution.set_distribution(
+            kdist.distribution(f"fsdp={len(devices)}") if len(devices) > 1 else None)
     keras.config.set_dtype_policy("float32" if dry_run else "mixed_bfloat16")
     keras.utils.set_random_seed(0)
     shape = dict(DRY_SHAPE) if dry_run else {}
@@ -136,26 +150,49 @@ def main(argv=None):
     p.add_argument("--output", default="gpu", help="result name under benchmarks/results/")
     p.add_argument("--runs", nargs="*", type=int, default=None,
                    help="indices into RUNS (default: all)")
+    p.add_argument("--context", action="store_true",
+                   help="CONTEXT_RUNS instead: one sequence of --length tokens (default "
+                        "32768) split over every GPU (seq=N), ring and all-gather")
+    p.add_argument("--hf-load", action="store_true",
+                   help="instead: load a gpt2-medium-shaped Hugging Face checkpoint onto the "
+                        "GPUs, kdist vs keras-hub (benchmarks/hf_loading.py; ~2 min)")
     args = p.parse_args(argv)
+    if args.hf_load:  # seconds, device and host peaks of each path, in its own process
+        from benchmarks import hf_loading
+
+        result = hf_loading.on_gpu()
+        print(result)
+        write_result("gpu_hf_loading", result)
+        return result
+    if args.context and args.dry_run:
+        import kdist
+
+        kdist.force_host_devices(8)  # a CPU's 8 host devices stand in for the GPUs
     _keep_tensorflow_off_the_gpu()
     import jax
 
     if not args.dry_run and jax.devices()[0].platform != "gpu":
         raise SystemExit(f"No GPU: JAX sees {jax.devices()[0].platform} devices. Install "
                          f"JAX's CUDA wheels (pip install -e '.[gpu]'), or pass --dry-run.")
-    length = 64 if args.dry_run else args.length
+    if args.context and jax.device_count() < 2:
+        raise SystemExit("--context splits a sequence over several devices; JAX sees one.")
+    runs = CONTEXT_RUNS if args.context else RUNS
+    if args.context and args.length == 1024:
+        args.length = 32768
+    length = (256 if args.context else 64) if args.dry_run else args.length
     steps = 3 if args.dry_run else args.steps
     start, rows, skipped = time.perf_counter(), [], []
-    for i, (preset, variant, backbone_options, lm_options, batch) in enumerate(RUNS):
+    for i, (preset, variant, backbone_options, lm_options, batch) in enumerate(runs):
         if args.runs is not None and i not in args.runs:
             continue
         if time.perf_counter() - start > args.budget_s:
             skipped.append(f"{preset} {variant}")
             continue
-        batch = 4 if args.dry_run else batch
-        first = not any(r["preset"] == preset for r in rows)
+        batch = 4 if args.dry_run and not args.context else batch
+        first = not any(r["preset"] == preset for r in rows) and not args.context
         row = measure(preset, backbone_options, lm_options, batch, length, steps, args.dry_run,
-                      check_attention=first)
+                      check_attention=first,
+                      context_parallel=variant if args.context else None)
         row["variant"] = variant
         rows.append(row)
         print(f"{preset} {variant}: {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, "
@@ -171,7 +208,9 @@ def main(argv=None):
     if skipped:
         print(f"skipped (time budget): {', '.join(skipped)}")
     print(f"total {time.perf_counter() - start:.0f} s")
-    write_result("gpu_dry_run" if args.dry_run else args.output,
+    name = ("gpu_dry_run" if args.dry_run else args.output) + ("_context" if args.context
+                                                              else "")
+    write_result(name,
                  {"args": vars(args), "target": "gpt2-medium bf16 >= 50% MFU",
                   "rows": rows, "skipped": skipped})
     return rows

@@ -29,6 +29,9 @@ run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/memory.py
 run "$PYTHON" benchmarks/gradient_reduction.py
 run "$PYTHON" benchmarks/pipeline.py bubble
 run "$PYTHON" benchmarks/pipeline.py compile   # gpt2-xl: minutes, ~7 GB peak
+run "$PYTHON" benchmarks/context_length.py
+run "$PYTHON" benchmarks/context_length.py --step-time 4096 --rounds 5
+run "$PYTHON" benchmarks/hf_loading.py
 if "$PYTHON" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
   run "$PYTHON" benchmarks/gpu.py
 else

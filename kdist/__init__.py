@@ -29,7 +29,15 @@ if keras.backend.backend() != "jax":
         f"import kdist before keras."
     )
 
-from kdist import callbacks, data, flops, models, optim, parallel
+from kdist import (
+    callbacks,
+    data,
+    flops,
+    hf,  # Hugging Face checkpoints in and out
+    models,
+    optim,
+    parallel,
+)
 from kdist.multihost import initialize
 from kdist.parallel import KdistDistribution, distribution, force_host_devices, parse_mesh
 
@@ -41,7 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KdistDistribution", "callbacks", "data", "distribution", "flops", "force_host_devices",
-    "models", "optim", "parallel", "parse_mesh",
+    "hf", "models", "optim", "parallel", "parse_mesh",
     "initialize",
     "hlo", "plan", "planning",
 ]

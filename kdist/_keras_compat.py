@@ -75,15 +75,81 @@ def symbolic_build(model, batch) -> None:
     model._symbolic_build(data_batch=batch)
 
 
-def forget_pending_variables() -> None:
-    """Drops the variables a ``StatelessScope(initialize_variables=False)`` left to
-    initialise later (``global_state`` attribute ``uninitialized_variables``): an abstract
-    model must never be materialised."""
+def _pending_variables() -> list:
     try:
         from keras.src.backend.common import global_state
     except ImportError as e:
         raise _missing("keras.src.backend.common.global_state", e) from e
-    global_state.set_global_attribute("uninitialized_variables", [])
+    return list(global_state.get_global_attribute("uninitialized_variables") or [])
+
+
+def _set_pending_variables(variables: list) -> None:
+    from keras.src.backend.common import global_state
+
+    global_state.set_global_attribute("uninitialized_variables", variables)
+
+
+def pending_variable_count() -> int:
+    """How many variables a ``StatelessScope(initialize_variables=False)`` has left to
+    initialise (``global_state`` attribute ``uninitialized_variables``)."""
+    return len(_pending_variables())
+
+
+def forget_pending_variables(start: int = 0) -> None:
+    """Drops the variables a ``StatelessScope(initialize_variables=False)`` left to
+    initialise later (``global_state`` attribute ``uninitialized_variables``), from the
+    ``start``-th on: an abstract model must never be materialised."""
+    _set_pending_variables(_pending_variables()[:start])
+
+
+def initialize_pending_variables(start: int = 0) -> int:
+    """Initialises, each with its own initializer and layout, the variables a
+    ``StatelessScope(initialize_variables=False)`` left pending (from the ``start``-th on)
+    that no one has assigned since (``global_state`` attribute ``uninitialized_variables``;
+    ``Variable._value`` is None until then; ``Variable._deferred_initialize``), and drops
+    them from the list. Returns how many were initialised. How ``kdist.models.hf`` builds a
+    model whose weights it then assigns from a checkpoint: nothing is initialised twice."""
+    pending = _pending_variables()
+    count = 0
+    for variable in pending[start:]:
+        if variable._value is None:
+            variable._deferred_initialize()
+            count += 1
+    _set_pending_variables(pending[:start])
+    return count
+
+
+# --- keras-hub: tokenizers ----------------------------------------------------------------
+
+
+def set_byte_pair_backend(tokenizer, hf_tokenizer) -> None:
+    """Makes a keras-hub ``BytePairTokenizer`` encode and decode (outside ``tf.data``) with
+    ``hf_tokenizer``, a ``tokenizers.Tokenizer`` read from a model's ``tokenizer.json``
+    (``BytePairTokenizer._tokenizer``, keras-hub 0.32: its pure-Python backend, which it
+    otherwise builds from the vocabulary and merges with Llama 3's split pattern, whatever
+    the model's own pre-tokenizer)."""
+    if not hasattr(tokenizer, "_tokenizer"):
+        raise CompatibilityError(f"{type(tokenizer).__name__} has no _tokenizer backend "
+                                 f"(keras-hub changed; kdist was checked against 0.32).")
+    tokenizer._tokenizer = hf_tokenizer
+
+
+def byte_pair_split_pattern() -> str:
+    """The regex keras-hub's ``BytePairTokenizer`` splits text with before merging
+    (``keras_hub.src.tokenizers.byte_pair_tokenizer.SPLIT_PATTERN_TOKENIZERS``, keras-hub
+    0.32; not exported): a vocabulary trained with it gives the ids keras-hub computes."""
+    try:
+        from keras_hub.src.tokenizers.byte_pair_tokenizer import SPLIT_PATTERN_TOKENIZERS
+    except ImportError as e:
+        raise _missing("keras_hub.src.tokenizers.byte_pair_tokenizer."
+                       "SPLIT_PATTERN_TOKENIZERS", e) from e
+    return SPLIT_PATTERN_TOKENIZERS
+
+
+def byte_pair_backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` a keras-hub ``BytePairTokenizer`` encodes with outside
+    ``tf.data`` (``BytePairTokenizer._tokenizer``, keras-hub 0.32), or None."""
+    return getattr(tokenizer, "_tokenizer", None)
 
 
 # --- JAX / Keras: several processes -------------------------------------------------------

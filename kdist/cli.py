@@ -65,11 +65,16 @@ def _run_plan(args: argparse.Namespace) -> int:
         force_host_devices(wanted)  # on CPU; an accelerator's devices are what they are
     import jax
 
+    overrides = ({"max_sequence_length": args.max_sequence_length}
+                 if args.max_sequence_length else None)
     result = plan(args.preset, mesh=args.mesh, global_batch_size=args.global_batch_size,
                   sequence_length=args.sequence_length, precision=args.precision,
                   remat=args.remat == "block", grad_accum=args.grad_accum,
                   device_memory=args.device_memory, devices=jax.devices()[:wanted],
-                  verify=not args.no_verify, pipeline_microbatches=args.pipeline_microbatches,
+                  verify=not args.no_verify, model_overrides=overrides,
+                  context_parallel=args.context_parallel,
+                  load_balance=not args.no_load_balance,
+                  pipeline_microbatches=args.pipeline_microbatches,
                   pipeline_repeats=args.pipeline_repeats)
     print(result.report())
     if args.json:
@@ -107,6 +112,12 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="do not compile the suggested change to confirm it")
     p.add_argument("--json", default=None, help="also write the plan as JSON here")
+    p.add_argument("--max-sequence-length", type=int, default=None,
+                   help="the model's positions (default: the preset's), for long sequences")
+    p.add_argument("--context-parallel", default="all_gather", choices=["all_gather", "ring"],
+                   help="attention across a seq axis: all-gather keys/values, or a ring")
+    p.add_argument("--no-load-balance", action="store_true",
+                   help="seq axis: contiguous token shares instead of balanced causal work")
     p.set_defaults(func=_run_plan)
 
 

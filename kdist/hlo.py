@@ -22,8 +22,9 @@ A collective inside a loop body runs once per iteration: :func:`executions` read
 often each computation runs (a ``while`` body: its ``known_trip_count``; nested loops
 multiply), and each :class:`Collective` carries that count, which
 :func:`summarize_collectives` multiplies in — a scanned layer stack's per-layer all-gathers,
-a pipeline's per-iteration ``collective-permute``. :func:`matmul_flops` counts the
-program's matmul FLOPs the same way: XLA's own ``cost_analysis()`` counts a loop body once.
+a pipeline's per-iteration ``collective-permute``, a ring attention's per-step key/value
+blocks. :func:`matmul_flops` counts the program's matmul FLOPs the same way: XLA's own
+``cost_analysis()`` counts a loop body once.
 """
 
 from __future__ import annotations

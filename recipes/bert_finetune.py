@@ -12,6 +12,7 @@ Arithmetic of the defaults:
     examples per run  = 32 x 300 steps = 9,600, ~1.7 epochs of the ~5.8 k training windows
 
     python recipes/bert_finetune.py --pretrained runs/bert_pretrain
+    python recipes/bert_finetune.py --init-from ~/models/bert-base-uncased   # Hugging Face
     python recipes/bert_finetune.py --from-scratch
     python recipes/bert_finetune.py --task glue/sst2 --data-dir ~/tensorflow_datasets
 """
@@ -29,6 +30,7 @@ import keras
 from recipe_flags import (
     check_sequence_length,
     check_warmup,
+    existing_path,
     int_at_least,
     nonnegative_float,
     nonnegative_int,
@@ -45,6 +47,10 @@ def parse_args(argv=None):
     p.add_argument("--pretrained", default=None,
                    help=f"a bert_pretrain output directory (default: {DEFAULT_PRETRAINED} "
                         f"if it exists)")
+    p.add_argument("--init-from", default=None,
+                   type=existing_path("--init-from", "Hugging Face BERT directory"),
+                   help="a local Hugging Face BERT directory (config.json, safetensors, "
+                        "vocab.txt): its encoder, a new classifier head")
     p.add_argument("--from-scratch", action="store_true",
                    help="random initialisation (with --preset) instead of pretrained weights")
     p.add_argument("--preset", default="bert-tiny", help="model shape when from scratch")
@@ -87,6 +93,11 @@ def parse_args(argv=None):
 
 def pretrained_source(args):
     """The pretraining directory to start from, or None (from scratch); checked early."""
+    if args.init_from is not None:
+        if args.pretrained or args.from_scratch:
+            raise ValueError("Pass either --init-from DIR, --pretrained DIR or --from-scratch, "
+                             "not several.")
+        return None
     if args.from_scratch:
         if args.pretrained:
             raise ValueError("Pass either --pretrained DIR or --from-scratch, not both.")
@@ -142,7 +153,14 @@ def main(argv=None):
         precision = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
 
-    if source is not None:
+    if args.init_from is not None:  # a Hugging Face directory: its tokenizer and config
+        tokenizer = kdist.hf.load_tokenizer(args.init_from)
+        config = kdist.hf.backbone_config(args.init_from)
+        if "num_segments" not in config:
+            raise ValueError(f"--init-from {args.init_from} is not a BERT checkpoint; "
+                             f"fine-tune GPT-2 or Llama with recipes/gpt_finetune.py.")
+        check_model_fits(args, config, tokenizer, f"--init-from {args.init_from}")
+    elif source is not None:
         tokenizer = kdist.data.load_word_piece(source / "vocabulary.txt")
         config = json.loads((source / "summary.json").read_text())["backbone_config"]
         config = {k: v for k, v in config.items() if k not in ("name", "trainable", "dtype")}
@@ -160,14 +178,19 @@ def main(argv=None):
     for split in ("train", "validation"):
         kdist.data.check_token_ids(getattr(data, split).token_ids, config["vocabulary_size"],
                                    f"The encoded {split} examples of --task {args.task}")
-    if source is not None:
+    if args.init_from is not None:  # streamed into the sharded backbone
+        backbone = kdist.models.BertBackbone.from_pretrained(args.init_from,
+                                                             dropout=args.dropout)
+    elif source is not None:
         backbone = kdist.models.BertBackbone(**{**config, "dropout": args.dropout})
     else:
         backbone = kdist.models.BertBackbone.from_preset(
             args.preset, vocabulary_size=tokenizer.vocabulary_size(), dropout=args.dropout)
     model = kdist.models.BertClassifier(backbone, data.num_classes,
                                         classifier_dropout=args.classifier_dropout)
-    if source is not None:
+    if args.init_from is not None:
+        print(f"backbone initialised from the Hugging Face checkpoint {args.init_from}")
+    elif source is not None:
         kdist.models.load_backbone_weights(model, source)
         print(f"backbone initialised from {source / 'model.keras'}")
     else:
@@ -188,6 +211,8 @@ def main(argv=None):
     print(f"mesh {mesh} over {jax.device_count()} {jax.default_backend()} devices, "
           f"{precision}, {model.count_params():,} parameters")
 
+    before = model.evaluate(data.validation, verbose=0, return_dict=True)["loss"]
+    print(f"validation loss before fine-tuning: {before:.4f}")
     start = time.time()
     history = model.fit(
         data.train,
@@ -198,15 +223,17 @@ def main(argv=None):
         callbacks=[keras.callbacks.CSVLogger(str(output_dir / "log.csv"))],
     )
     wall = time.time() - start
+    origin = args.init_from or (str(source) if source else None)
     accuracy = history.history["val_accuracy"][-1]
     print(f"held-out accuracy {accuracy:.4f} vs majority-class baseline "
-          f"{data.majority_baseline:.4f} ({'pretrained' if source else 'from scratch'}, "
+          f"{data.majority_baseline:.4f} ({'pretrained' if origin else 'from scratch'}, "
           f"{args.steps} steps in {wall:.0f} s)")
 
     model.save(output_dir / "model.keras")
     summary = dict(
         vars(args), mesh=mesh, precision=precision, wall_seconds=wall,
-        initialised_from=str(source) if source else "scratch", accuracy=accuracy,
+        initialised_from=origin or "scratch", accuracy=accuracy,
+        validation_loss_before=before,
         majority_baseline=data.majority_baseline, class_names=data.class_names,
         train_examples=data.train_examples, validation_examples=data.validation_examples,
         history=history.history,

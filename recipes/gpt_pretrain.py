@@ -15,6 +15,8 @@ With --grad-accum N, each step is N micro-batches of 16 / N sequences: same toke
     python recipes/gpt_pretrain.py --mesh stage=4,fsdp=2 --pipeline-microbatches 8
     python recipes/gpt_pretrain.py --preset llama-nano --document-mask
     python recipes/gpt_pretrain.py --preset gpt2-small --sequence-length 1024 --precision bfloat16
+    python recipes/gpt_pretrain.py --mesh seq=8 --context-parallel ring --global-batch-size 1 \
+        --sequence-length 16384 --max-sequence-length 16384      # context parallelism
     python recipes/gpt_pretrain.py --steps 50 --profile-steps 20:22; kdist report runs/gpt_pretrain
     python recipes/gpt_pretrain.py --data tfds:tiny_shakespeare --tfds-manual-dir ~/downloads
     python -m kdist.launch --processes 2 --devices-per-process 4 recipes/gpt_pretrain.py --steps 50
@@ -77,6 +79,15 @@ def parse_args(argv=None):
                    default=None,
                    help="attend over key chunks of this size, keeping no probabilities "
                         "(saves memory where no flash attention runs, e.g. CPU)")
+    p.add_argument("--max-sequence-length",
+                   type=positive_int("--max-sequence-length", 16384), default=None,
+                   help="the model's positions (default: the preset's); for long sequences")
+    p.add_argument("--context-parallel", default="all_gather", choices=["all_gather", "ring"],
+                   help="how attention crosses a seq mesh axis: all-gather keys and values "
+                        "(default), or pass them around a ring (less memory)")
+    p.add_argument("--no-load-balance", action="store_true",
+                   help="seq axis: contiguous token shares (default: each device holds two "
+                        "of 2 x seq chunks, equal causal work)")
     p.add_argument("--gradient-reduction", default=None, choices=["float32", "bfloat16"],
                    help="kdist reduces each gradient once (reduce-scatter + all-reduce), in "
                         "this type; default: XLA places the reductions (kdist.parallel.reduction)")
@@ -139,7 +150,31 @@ def check_args(args):
                          f"--global-batch-size ({args.global_batch_size}).")
     check_warmup(args)
     preset = kdist.models.presets.preset_config(kdist.models.GPT_PRESETS, args.preset)
-    check_sequence_length(args, preset["max_sequence_length"], f"--preset {args.preset}")
+    if args.max_sequence_length:
+        check_sequence_length(args, args.max_sequence_length, "--max-sequence-length")
+        return
+    try:
+        check_sequence_length(args, preset["max_sequence_length"], f"--preset {args.preset}")
+    except ValueError as e:
+        raise ValueError(f"{e} Or give the model that many positions: --max-sequence-length "
+                         f"{args.sequence_length}.") from None
+
+
+def check_context(args, mesh: str, devices: int):
+    """A seq axis must split --sequence-length evenly (into 2 x seq chunks when balanced)."""
+    from kdist.parallel.context import SequenceLayout
+
+    seq = kdist.parse_mesh(mesh, devices)["seq"]
+    if seq > 1:
+        try:
+            SequenceLayout(args.sequence_length, seq, balanced=not args.no_load_balance)
+        except ValueError as e:
+            raise ValueError(f"--sequence-length {args.sequence_length} on --mesh {mesh}: "
+                             f"{e}") from None
+
+
+def _positions(args) -> dict:
+    return {"max_sequence_length": args.max_sequence_length} if args.max_sequence_length else {}
 
 
 def main(argv=None):
@@ -163,19 +198,23 @@ def main(argv=None):
     mesh = args.mesh
     if mesh == "auto":  # the mesh that fits with the least communication (kdist.plan)
         config = kdist.models.presets.preset_config(
-            kdist.models.GPT_PRESETS, args.preset, vocabulary_size=args.vocabulary_size)
+            kdist.models.GPT_PRESETS, args.preset, vocabulary_size=args.vocabulary_size,
+            **_positions(args))
         chosen, _, why = kdist.plan.choose_mesh(
             config, jax.device_count(), kdist.plan.default_device_memory(),
             args.global_batch_size, args.sequence_length, precision=precision,
             remat=args.remat, grad_accum=args.grad_accum,
+            context_parallel=args.context_parallel,
             pipeline_microbatches=args.pipeline_microbatches,
             pipeline_repeats=args.pipeline_repeats)
         mesh = kdist.plan.mesh_spec(chosen)
         print(f"mesh auto: {why}")
-    keras.distribution.set_distribution(
-        kdist.distribution(mesh, gradient_reduction=args.gradient_reduction,
-                           pipeline_microbatches=args.pipeline_microbatches,
-                           pipeline_repeats=args.pipeline_repeats))
+    check_context(args, mesh, jax.device_count())
+    keras.distribution.set_distribution(kdist.distribution(
+        mesh, gradient_reduction=args.gradient_reduction,
+        context_parallel=args.context_parallel, load_balance=not args.no_load_balance,
+        pipeline_microbatches=args.pipeline_microbatches,
+        pipeline_repeats=args.pipeline_repeats))
     keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
 
     micro_batch = args.global_batch_size // args.grad_accum
@@ -199,6 +238,7 @@ def main(argv=None):
         remat=args.remat,
         document_mask=args.document_mask,
         attention_chunk_size=args.attention_chunk_size,
+        **_positions(args),
     )
     model.compile(
         optimizer=kdist.optim.adamw(

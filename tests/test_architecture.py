@@ -80,7 +80,7 @@ def private_uses(path: Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
-            if any(n.startswith(("keras.src", "jax._src")) for n in names):
+            if any(n.startswith(("keras.src", "jax._src", "keras_hub.src")) for n in names):
                 found.append(f"line {node.lineno}: imports {names}")
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kdist"):
                 private = [a.name for a in node.names

@@ -58,3 +58,20 @@ def test_real_program_gather_and_reduce():
     assert summary["all-gather"]["bytes"] == 64 * 32 * 4
     assert summary["all-gather"]["wire_bytes"] == pytest.approx(7 / 8 * 64 * 32 * 4)
     assert summary["all-reduce"]["count"] >= 1
+
+
+def test_collectives_in_a_loop_count_once_per_iteration():
+    mesh = Mesh(np.array(jax.devices()).reshape(8), ("x",))
+    ring = [(i, (i + 1) % 8) for i in range(8)]
+
+    def f(x):  # 7 steps of a ring, then one more transfer outside the loop
+        x, _ = jax.lax.scan(lambda c, _: (jax.lax.ppermute(c, "x", ring) * 2, None), x,
+                            None, length=7)
+        return jax.lax.ppermute(x, "x", ring)
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=PartitionSpec("x"),
+                              out_specs=PartitionSpec("x")))
+    found = parse_collectives(g.lower(jnp.ones(64)).compile().as_text(), 8)
+    assert sorted(c.executions for c in found) == [1, 7]
+    assert summarize_collectives(found)["collective-permute"] == {
+        "count": 8, "bytes": 8 * 32.0, "wire_bytes": 8 * 32.0}

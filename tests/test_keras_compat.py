@@ -89,6 +89,39 @@ def test_forget_uninitialized_keeps_the_others_pending():
     assert compat.variable_initializer(template.kernel) is not None
 
 
+def test_pending_variables_are_initialised_once():
+    with keras.StatelessScope(initialize_variables=False):
+        layer = keras.layers.Dense(4, kernel_initializer="ones")
+        layer.build((None, 3))
+    layer.bias.assign(np.full(4, 2.0, "float32"))  # assigned: not initialised again
+    assert compat.pending_variable_count() == 2
+    assert compat.initialize_pending_variables() == 1  # the kernel, from its initializer
+    assert np.asarray(layer.kernel.value).sum() == 12 and np.asarray(layer.bias.value)[0] == 2
+    assert compat.initialize_pending_variables() == 0
+
+
+def test_byte_pair_backend_is_settable():
+    import keras_hub
+    import tokenizers
+
+    tokenizer = keras_hub.tokenizers.BytePairTokenizer(
+        vocabulary={"a": 0, "b": 1, "ab": 2}, merges=["a b"])
+    backend = compat.byte_pair_backend(tokenizer)
+    assert isinstance(backend, tokenizers.Tokenizer)
+    compat.set_byte_pair_backend(tokenizer, backend)
+    assert compat.byte_pair_backend(tokenizer) is backend
+    assert tokenizer.tokenize("ab").tolist() == [2]
+
+
+def test_byte_pair_split_pattern_is_keras_hubs():
+    import tokenizers
+
+    split = tokenizers.pre_tokenizers.Split(
+        tokenizers.Regex(compat.byte_pair_split_pattern()), behavior="isolated")
+    pieces = [p for p, _ in split.pre_tokenize_str("it's 1234 words")]
+    assert pieces == ["it", "'s", " ", "123", "4", " words"]  # numbers in threes
+
+
 def test_process_helpers_in_one_process():
     assert compat.distributed_client() is None
     assert compat.coordinator_address() is None

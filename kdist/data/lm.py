@@ -24,6 +24,7 @@ from pathlib import Path
 import keras
 import numpy as np
 
+from kdist import _keras_compat
 from kdist.data.checks import check_token_ids
 from kdist.data.corpus import STDLIB
 from kdist.data.sources import text_source
@@ -185,6 +186,8 @@ def lm_dataset(
     prefetch: int = 2,
     verbose: bool = True,
     encoding: str = "utf-8",
+    tokenizer=None,
+    end_of_text: str = END_OF_TEXT,
 ) -> LMData:
     """Causal-LM data from a source: tokenizer, token store, train and validation batches.
 
@@ -202,6 +205,11 @@ def lm_dataset(
     ``validation_steps=N`` (fewer batches than the split holds) it is a fixed sample of N
     batches whose windows are evenly strided over the whole split (``LMBatches(spread=True)``),
     not its first N batches. ``LMData.validation_coverage`` says which, in words.
+
+    ``tokenizer``: a keras-hub tokenizer to encode with instead of training one (a
+    pretrained model's, e.g. ``kdist.hf.load_tokenizer(DIR)``; ``vocabulary_size`` is then
+    the tokenizer's); ``end_of_text``: the token appended after each document (Llama 3:
+    ``"<|end_of_text|>"``).
 
     Local text files are decoded with ``encoding``; undecodable bytes are counted, warned
     about, and refused above 0.1% of a file (:func:`kdist.data.checks.decode_text`). Token
@@ -239,17 +247,28 @@ def lm_dataset(
     sample = types.SimpleNamespace(  # what byte_pair_tokenizer reads, streamed
         fingerprint=text.fingerprint, train=text.sample(TOKENIZER_TRAINING_CHARACTERS)
     )
-    with exclusive(cache / f"bpe-{text.fingerprint}-{vocabulary_size}.lock"):
-        tokenizer = byte_pair_tokenizer(sample, vocabulary_size, cache)
+    pipeline = ""  # a given tokenizer: its whole encoding pipeline keys its token stores
+    if tokenizer is None:
+        with exclusive(cache / f"bpe-{text.fingerprint}-{vocabulary_size}.lock"):
+            tokenizer = byte_pair_tokenizer(sample, vocabulary_size, cache)
+    else:
+        try:
+            tokenizer.token_to_id(end_of_text)
+        except (ValueError, KeyError):
+            raise ValueError(f"end_of_text={end_of_text!r} is not a token of the given "
+                             f"tokenizer; pass the token its model ends documents with (GPT-2: "
+                             f"'<|endoftext|>', Llama 3: '<|end_of_text|>').") from None
+        backend = _keras_compat.byte_pair_backend(tokenizer)
+        pipeline = f"{type(tokenizer).__name__}{backend.to_str() if backend else ''}{end_of_text}"
     vocab_key = hashlib.sha256(
-        "\n".join(tokenizer.get_vocabulary()).encode()
+        ("\n".join(tokenizer.get_vocabulary()) + pipeline).encode()
     ).hexdigest()[:12]
     stores = {
         split: token_store(
             functools.partial(text.documents, split), tokenizer,
             cache / f"tokens-{text.fingerprint}-{vocab_key}-{split}.npy",
             num_documents=text.num_documents(split), verbose=verbose,
-            what=f"The {split} token store of {source!r}",
+            what=f"The {split} token store of {source!r}", end_of_text=end_of_text,
         )
         for split in ("train", "validation")
     }
@@ -257,7 +276,7 @@ def lm_dataset(
     process = dict(
         process_index=share,
         process_count=shares,
-        end_of_text_id=tokenizer.token_to_id(END_OF_TEXT) if document_mask else None,
+        end_of_text_id=tokenizer.token_to_id(end_of_text) if document_mask else None,
     )
     train = LMBatches(stores["train"], sequence_length, global_batch_size, seed,
                       start_step=start_step, workers=prefetch, **process)

@@ -53,13 +53,13 @@ def _npy_header(dtype: np.dtype, length: int) -> bytes:
 
 def token_store(
     documents, tokenizer, path: Path, num_documents: int | None = None, verbose: bool = True,
-    what: str | None = None,
+    what: str | None = None, end_of_text: str = END_OF_TEXT,
 ) -> np.ndarray:
     """The memory-mapped token stream of ``documents``, tokenized into ``path`` once.
 
     ``documents`` is an iterable of strings, or a callable returning one (then it is only
     called if the store must be built). It is consumed in a single streaming pass, chunk by
-    chunk, each document followed by the end-of-text id, with a progress bar
+    chunk, each document followed by the id of ``end_of_text``, with a progress bar
     (``num_documents`` sets its target): a corpus larger than memory is never held whole.
     The file is written under a temporary name and renamed when complete, while holding a
     lock: other processes wait and then reuse it, and a crash leaves no file that looks like
@@ -79,7 +79,8 @@ def token_store(
     if not path.exists():
         with exclusive(path.with_name(path.name + ".lock")):
             if not path.exists():  # another process may have built it while we waited
-                _write_token_store(documents, tokenizer, path, num_documents, verbose, what)
+                _write_token_store(documents, tokenizer, path, num_documents, verbose, what,
+                                   end_of_text)
     tokens = np.load(path, mmap_mode="r")
     minimum, maximum = store_id_range(path, tokens)
     if len(tokens):
@@ -141,10 +142,11 @@ def _write_meta(path: Path, minimum: int, maximum: int, file: Path | None = None
     os.replace(tmp, meta)
 
 
-def _write_token_store(documents, tokenizer, path, num_documents, verbose, what) -> None:
+def _write_token_store(documents, tokenizer, path, num_documents, verbose, what,
+                       end_of_text=END_OF_TEXT) -> None:
     if callable(documents):
         documents = documents()
-    eot = tokenizer.token_to_id(END_OF_TEXT)
+    eot = tokenizer.token_to_id(end_of_text)
     vocabulary_size = tokenizer.vocabulary_size()
     dtype = np.dtype(np.uint16 if vocabulary_size <= 2**16 else np.uint32)
     for stale in path.parent.glob(path.name + ".tmp*"):  # a crashed builder's leftover

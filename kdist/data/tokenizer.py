@@ -16,6 +16,8 @@ from pathlib import Path
 
 import keras_hub
 
+from kdist import _keras_compat
+
 END_OF_TEXT = "<|endoftext|>"
 
 
@@ -33,7 +35,6 @@ def train_byte_pair(documents, vocabulary_size: int, directory: Path) -> None:
     Writes ``vocabulary.json`` and ``merges.txt`` atomically (temporary names, then rename).
     """
     import tokenizers
-    from keras_hub.src.tokenizers.byte_pair_tokenizer import SPLIT_PATTERN_TOKENIZERS
     from tokenizers import models, pre_tokenizers, trainers
 
     if vocabulary_size < 257 + 1:
@@ -44,8 +45,9 @@ def train_byte_pair(documents, vocabulary_size: int, directory: Path) -> None:
     tokenizer = tokenizers.Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(pattern=tokenizers.Regex(SPLIT_PATTERN_TOKENIZERS),
-                                 behavior="isolated"),
+            pre_tokenizers.Split(
+                pattern=tokenizers.Regex(_keras_compat.byte_pair_split_pattern()),
+                behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

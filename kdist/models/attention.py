@@ -25,16 +25,23 @@ import math
 import jax
 import jax.numpy as jnp
 import keras
-import numpy as np
 from keras import layers, ops
 from keras_hub.layers import RotaryEmbedding
 
-from kdist.parallel.constraints import to_varying, varying_axes
+from kdist.models.rope import ScaledRotaryEmbedding, check_rope_scaling
+from kdist.online_softmax import (
+    chunk_gradients,
+    online_finish,
+    online_init,
+    online_update,
+    softmax_delta,
+    varying_union,
+)
+from kdist.parallel import context
+from kdist.parallel.constraints import to_varying
 from kdist.parallel.rules import build_with_axes
 
 _F32 = jnp.float32
-# Keras' masked logit (keras/src/backend/jax/nn.py): finite, so fully masked rows stay finite.
-_NEG = float(-0.7 * np.finfo(np.float32).max)
 
 
 def chunked_attention(query, key, value, mask=None, is_causal: bool = False,
@@ -104,10 +111,6 @@ def _key_mask(mask, batch, length, keys, chunk, pad):
     return m.reshape(m.shape[:2] + (-1, chunk))
 
 
-def _varying(*arrays) -> frozenset:
-    return frozenset().union(*map(varying_axes, arrays))
-
-
 def _visible(mask_j, j, chunk, length, is_causal):
     """Key chunk ``j``'s mask (1 attend, 0 masked, -1 padding), broadcastable to
     ``(B, K, G, T, c)``."""
@@ -119,37 +122,20 @@ def _visible(mask_j, j, chunk, length, is_causal):
     return vis[:, None, None]
 
 
-def _logits(q, k_j, vis, scale):
-    s = jnp.einsum("btkgh,bckh->bkgtc", q, k_j, preferred_element_type=_F32) * scale
-    return jnp.where(vis == 1, s, jnp.where(vis == 0, _NEG, -jnp.inf))  # (B, K, G, T, c)
-
-
 def _forward(q, k, v, mask, is_causal):
-    batch, length, kv_heads, groups, head_dim = q.shape
+    length, head_dim = q.shape[1], q.shape[-1]
     chunk = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim)
 
     def step(carry, xs):
-        o, peak, total = carry  # (B, T, K, G, H) f32; (B, K, G, T) f32 running max and sum
         k_j, v_j, mask_j, j = xs
-        s = _logits(q, k_j, _visible(mask_j, j, chunk, length, is_causal), scale)
-        peak_new = jnp.maximum(peak, s.max(-1))
-        p = jnp.exp(s - peak_new[..., None])
-        correction = jnp.exp(peak - peak_new)
-        total = total * correction + p.sum(-1)
-        o = o * jnp.moveaxis(correction, 3, 1)[..., None] + jnp.einsum(
-            "bkgtc,bckh->btkgh", p.astype(v.dtype), v_j, preferred_element_type=_F32)
-        return (o, peak_new, total), None
+        vis = _visible(mask_j, j, chunk, length, is_causal)
+        return online_update(carry, q, k_j, v_j, vis, scale), None
 
-    stats = jnp.full((batch, kv_heads, groups, length), _NEG, _F32)
-    init = (jnp.zeros(q.shape, _F32), stats, jnp.zeros_like(stats))
     # Inside shard_map (kdist.parallel.reduction) the carries vary per device like q, k and v.
-    init = [to_varying(c, _varying(q, k, v, mask)) for c in init]
-    (o, peak, total), _ = jax.lax.scan(step, tuple(init), (k, v, mask, jnp.arange(k.shape[0])))
-    out = (o / jnp.moveaxis(total, 3, 1)[..., None]).astype(q.dtype)
-    # Max and sum, not their log-sum-exp: for a fully masked row peak = -0.7 * float32 max,
-    # where adding log(total) would be lost to rounding.
-    return out, (peak, total)  # (B, T, K, G, H); (B, K, G, T) each
+    init = online_init(q, k, v, mask)
+    carry, _ = jax.lax.scan(step, init, (k, v, mask, jnp.arange(k.shape[0])))
+    return online_finish(carry, q.dtype)  # (B, T, K, G, H); (B, K, G, T) each
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -167,24 +153,15 @@ def _attend_bwd(is_causal, residuals, d_out):
     length, head_dim = q.shape[1], q.shape[-1]
     chunk = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim)
-    # D_t = sum_h dO * O: the softmax backward's row term, once for all chunks.
-    delta = jnp.moveaxis(jnp.sum(d_out.astype(_F32) * out.astype(_F32), -1), 1, 3)
+    delta = softmax_delta(d_out, out)  # once for all chunks
 
     def step(dq, xs):
         k_j, v_j, mask_j, j = xs
         vis = _visible(mask_j, j, chunk, length, is_causal)
-        s = _logits(q, k_j, vis, scale)
-        p = jnp.exp(s - peak[..., None]) / total[..., None]  # (B, K, G, T, c)
-        dv_j = jnp.einsum("bkgtc,btkgh->bckh", p.astype(d_out.dtype), d_out,
-                          preferred_element_type=_F32)
-        dp = jnp.einsum("btkgh,bckh->bkgtc", d_out, v_j, preferred_element_type=_F32)
-        ds = jnp.where(vis == 1, p * (dp - delta[..., None]), 0.0) * scale  # masked: none
-        ds = ds.astype(q.dtype)
-        dq = dq + jnp.einsum("bkgtc,bckh->btkgh", ds, k_j, preferred_element_type=_F32)
-        dk_j = jnp.einsum("bkgtc,btkgh->bckh", ds, q, preferred_element_type=_F32)
-        return dq, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
+        dq_j, dk_j, dv_j = chunk_gradients(q, k_j, v_j, vis, d_out, delta, peak, total, scale)
+        return dq + dq_j, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
 
-    dq = to_varying(jnp.zeros(q.shape, _F32), _varying(q, k, v, mask, d_out))
+    dq = to_varying(jnp.zeros(q.shape, _F32), varying_union(q, k, v, mask, d_out))
     dq, (dk, dv) = jax.lax.scan(step, dq, (k, v, mask, jnp.arange(k.shape[0])))
     return dq.astype(q.dtype), dk, dv, None
 
@@ -212,6 +189,9 @@ class CausalSelfAttention(layers.Layer):
         num_key_value_heads: K (N must divide by K); None means N (multi-head attention).
         rotary_max_wavelength: if set, queries and keys are rotated by position (RoPE,
             keras-hub's ``RotaryEmbedding``) with this base wavelength.
+        rope_scaling: Llama 3.1/3.2's RoPE frequency scaling (a Hugging Face
+            ``rope_scaling`` dict with ``rope_type="llama3"``; :mod:`kdist.models.rope`), or
+            None (plain RoPE).
         use_bias: biases on the four projections.
         causal: mask future keys (decoder). ``False`` gives bidirectional attention
             (encoder, BERT), where only ``attention_mask`` restricts which keys are seen.
@@ -243,6 +223,7 @@ class CausalSelfAttention(layers.Layer):
         causal: bool = True,
         fused_qkv: bool = False,
         attention_chunk_size: int | None = None,
+        rope_scaling: dict | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -266,11 +247,14 @@ class CausalSelfAttention(layers.Layer):
                 f"num_heads={num_heads} must be a multiple of num_key_value_heads={kv_heads} "
                 f"(each key/value head serves num_heads / num_key_value_heads query heads)."
             )
-        self.rotary = (
-            RotaryEmbedding(max_wavelength=rotary_max_wavelength, dtype=self.dtype_policy)
-            if rotary_max_wavelength
-            else None
-        )
+        self.rope_scaling = check_rope_scaling(rope_scaling)
+        self.rotary = None
+        if rotary_max_wavelength and self.rope_scaling is None:
+            self.rotary = RotaryEmbedding(max_wavelength=rotary_max_wavelength,
+                                          dtype=self.dtype_policy)
+        elif rotary_max_wavelength:  # Llama 3.1/3.2: scaled frequencies
+            self.rotary = ScaledRotaryEmbedding(rotary_max_wavelength, self.rope_scaling,
+                                                dtype=self.dtype_policy)
 
     @property
     def kv_heads(self) -> int:
@@ -336,20 +320,35 @@ class CausalSelfAttention(layers.Layer):
             return x
         return self.rotary(x, start_index=start_index, positions=positions)
 
-    def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None):
+    def call(self, x, attention_mask=None, positions=None, cache=None, cache_index=None,
+             segment_ids=None):
         """``x (B, T, D) -> (B, T, D)``.
 
         Args:
             attention_mask: optional boolean mask broadcastable to ``(B, 1, T, T)``, True where
-                a query may attend a key (documents of a packed sequence; ``(B, 1, 1, T)`` for
-                padding); causality is applied on top when ``causal``.
+                a query may attend a key (``(B, 1, 1, T)`` for padding); causality is applied
+                on top when ``causal``.
             positions: optional ``(B, T)`` positions for RoPE (restarting per document).
+            segment_ids: optional ``(B, T)`` document ids of a packed sequence: a query
+                attends only its own document's keys.
             cache: ``(B, 2, S, K, H)`` keys and values so far; then ``x`` holds the tokens at
                 ``cache_index ...`` and the call also returns the updated cache.
         """
         q, k, v = self.project_qkv(x)  # (B, T, N|K, H)
         if cache is None:
+            length = k.shape[1]
+            if positions is None:  # true positions of a split sequence's tokens, if needed
+                split = context.token_positions(length)
+                positions = None if split is None else split[None]  # (1, T)
             q, k = self.rotate(q, positions=positions), self.rotate(k, positions=positions)
+            if context.current_layout(length) is not None:  # T split over the seq axis
+                out = context.attention(q, k, v, mask=attention_mask, segment_ids=segment_ids,
+                                        causal=self.causal,
+                                        chunk_size=self.attention_chunk_size)
+                return self.attention_output(out)
+            if segment_ids is not None:  # (B, 1, T, T): the same document
+                same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+                attention_mask = same if attention_mask is None else attention_mask & same
             # Keras infers output shapes with symbolic batch and length; the chunking needs
             # concrete ones, and the shapes are the same either way.
             if self.attention_chunk_size and all(isinstance(d, int) for d in k.shape[:2]):
@@ -383,4 +382,5 @@ class CausalSelfAttention(layers.Layer):
             "causal": self.causal,
             "fused_qkv": self.fused_qkv,
             "attention_chunk_size": self.attention_chunk_size,
+            "rope_scaling": self.rope_scaling,
         }

@@ -98,6 +98,7 @@ class Backbone:
 
     presets: ClassVar[dict[str, dict]] = {}
     config_attributes: ClassVar[dict[str, str]] = {}  # argument -> attribute holding it
+    hf_model_types: ClassVar[tuple[str, ...]] = ()  # Hugging Face model_types it loads
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()  # name, trainable, dtype
@@ -119,6 +120,22 @@ class Backbone:
             4
         """
         return cls(**preset_config(cls.presets, preset, **overrides))
+
+    @classmethod
+    def from_pretrained(cls, directory, **overrides):
+        """The backbone with the weights of a local Hugging Face model directory, sharded
+        under the active distribution as it is read (:mod:`kdist.models.hf`); ``overrides``
+        replace config fields that change no shape (``dropout``, ``remat``...)."""
+        from kdist.models import hf
+
+        return hf.load_pretrained(cls, directory, **overrides)
+
+    def save_pretrained(self, directory, tokenizer=None, **kwargs):
+        """Writes the weights and config as a Hugging Face checkpoint
+        (:func:`kdist.models.hf.export`)."""
+        from kdist.models import hf
+
+        return hf.export(self, directory, tokenizer=tokenizer, **kwargs)
 
     @classmethod
     def full_config(cls, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -155,7 +172,7 @@ class Task:
         >>> from kdist.models import GPTCausalLM
         >>> lm = GPTCausalLM.from_preset("gpt-nano", vocabulary_size=64, num_layers=1)
         >>> sorted(lm.step_features)
-        ['fused_loss', 'gradient_reduction', 'pipeline']
+        ['context_parallel', 'fused_loss', 'gradient_reduction', 'pipeline', 'token_reordering']
     """
 
     backbone_class: ClassVar[type[Backbone]] = Backbone
@@ -335,6 +352,27 @@ class Task:
         task_args = {k: kwargs.pop(k) for k in list(kwargs)
                      if k in constructor_arguments(cls) and k != "backbone"}
         return cls(cls.backbone_class.from_preset(preset, **kwargs), **task_args)
+
+    @classmethod
+    def from_pretrained(cls, directory, **kwargs):
+        """The task with the weights of a local Hugging Face model directory
+        (``config.json`` + safetensors), each tensor streamed into its already-sharded
+        variable under the active distribution (:mod:`kdist.models.hf`). Keyword arguments
+        of the task's constructor go to it, the others override backbone config fields.
+
+        Example:
+            >>> lm = GPTCausalLM.from_pretrained("path/to/gpt2")  # doctest: +SKIP
+        """
+        from kdist.models import hf
+
+        return hf.load_pretrained(cls, directory, **kwargs)
+
+    def save_pretrained(self, directory, tokenizer=None, **kwargs):
+        """Writes the model as a Hugging Face checkpoint, one tensor at a time from its
+        shards (:func:`kdist.models.hf.export`); ``tokenizer`` adds its files."""
+        from kdist.models import hf
+
+        return hf.export(self, directory, tokenizer=tokenizer, **kwargs)
 
 
 def _is_array_like(value) -> bool:

@@ -9,7 +9,8 @@ D hidden, V vocabulary, C classes.
 
 Differences from the original BERT, by design: no attention-probability dropout
 (``keras.ops.dot_product_attention`` has none; residual and embedding dropout remain), the
-encoder MLP's GELU is the tanh approximation (kdist's shared ``MLP``), and there is no
+encoder MLP's GELU is the tanh approximation by default (``mlp_activation="gelu_exact"`` is
+the original's erf form, what Hugging Face checkpoints get), and there is no
 next-sentence-prediction head (RoBERTa showed it unnecessary).
 """
 
@@ -70,6 +71,8 @@ class BertBackbone(Backbone, keras.Model):
         remat: rematerialise each block in the backward pass.
         attention_chunk_size: attend over chunks of this many keys without keeping the
             attention probabilities for the backward pass (``CausalSelfAttention``).
+        mlp_activation: the encoder MLP's GELU: ``"gelu"`` (tanh approximation, kdist's
+            default) or ``"gelu_exact"`` (erf: the original BERT and Hugging Face's).
         scan_layers: the encoder blocks as one stacked, scanned ``LayerStack``
             (``encoder_blocks/...``); None: when the distribution has a ``stage`` axis
             (see ``GPTBackbone``).
@@ -87,6 +90,7 @@ class BertBackbone(Backbone, keras.Model):
     """
 
     presets = BERT_PRESETS
+    hf_model_types = ("bert",)  # Hugging Face checkpoints (kdist.models.hf)
 
     def __init__(
         self,
@@ -102,9 +106,13 @@ class BertBackbone(Backbone, keras.Model):
         initializer_range: float = 0.02,
         remat: bool = False,
         attention_chunk_size: int | None = None,
+        mlp_activation: str = "gelu",
         scan_layers: bool | None = None,
         **kwargs,
     ):
+        if mlp_activation not in ("gelu", "gelu_exact"):
+            raise ValueError(f"BERT's mlp_activation must be 'gelu' (tanh approximation) or "
+                             f"'gelu_exact' (erf); got {mlp_activation!r}.")
         if hidden_dim % num_heads:
             raise ValueError(
                 f"hidden_dim={hidden_dim} must be divisible by num_heads={num_heads} "
@@ -144,6 +152,7 @@ class BertBackbone(Backbone, keras.Model):
                 initializer_range=initializer_range,
                 remat=remat,
                 attention_chunk_size=attention_chunk_size,
+                mlp_activation=mlp_activation,
                 dtype=dtype,
                 name=name,
             )
@@ -190,6 +199,7 @@ class BertBackbone(Backbone, keras.Model):
         self.initializer_range = initializer_range
         self.remat = remat
         self.attention_chunk_size = attention_chunk_size
+        self.mlp_activation = mlp_activation
         self.scan_layers = scan_layers
 
 
@@ -247,8 +257,10 @@ class BertMaskedLM(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    # XLA's reductions; no fused loss (the head is not tied-only); a pipelined encoder.
-    step_features = frozenset({"pipeline"})
+    # XLA's reductions; no fused loss (the head is not tied-only); sequences split over seq
+    # (not reordered: attention is bidirectional, and mask_positions index the sequence);
+    # a pipelined encoder.
+    step_features = frozenset({"context_parallel", "pipeline"})
     token_id_labels = True  # mask_ids are token ids
 
     def __init__(self, backbone: BertBackbone, check_token_ids: bool = False, **kwargs):
@@ -320,7 +332,7 @@ class BertClassifier(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    step_features = frozenset({"pipeline"})
+    step_features = frozenset({"context_parallel", "pipeline"})
 
     def __init__(self, backbone: BertBackbone, num_classes: int,
                  classifier_dropout: float = 0.1, check_token_ids: bool = False, **kwargs):

@@ -12,7 +12,7 @@ import keras
 import numpy as np  # noqa: F401 (used by the docstring examples)
 from keras import layers, ops
 
-from kdist.parallel import rules
+from kdist.parallel import context, rules
 from kdist.parallel.constraints import gathered
 
 TOKEN_AXES = ("vocab", "embed")
@@ -121,6 +121,11 @@ class PositionEmbedding(layers.Layer):
 
     def call(self, x, start_index=0, positions=None):
         table = ops.convert_to_tensor(self.embeddings)  # (max_sequence_length, D)
+        if positions is None and isinstance(start_index, int) and start_index == 0:
+            # A sequence split over seq: its tokens' true positions (None: 0 ... T - 1).
+            split = context.token_positions(x.shape[1])
+            if split is not None:
+                return ops.cast(ops.take(table, split, axis=0), self.compute_dtype)[None]
         if positions is not None:
             return ops.cast(ops.take(table, positions, axis=0), self.compute_dtype)  # (B, T, D)
         rows = ops.slice(table, [start_index, 0], [ops.shape(x)[1], ops.shape(table)[1]])

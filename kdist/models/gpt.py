@@ -3,7 +3,7 @@
 One model, configured: learned or rotary positions, LayerNorm or RMSNorm, GELU or SwiGLU
 MLP, multi-head or grouped-query attention, tied or untied output embedding, with or
 without biases, and optional document-aware attention over packed sequences. Its cost
-model is :class:`GPTCostModel`; generation is :mod:`kdist.models.generation`.
+model is :class:`~kdist.models.gpt_cost.GPTCostModel`; generation is :mod:`kdist.models.generation`.
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import keras
 import numpy as np
 from keras import layers, ops
 
-from kdist import _keras_compat, flops
+from kdist import _keras_compat
 from kdist.models import losses
-from kdist.models.base import Backbone, CostModel, Task
+from kdist.models.base import Backbone, Task
 from kdist.models.embeddings import PositionEmbedding, TokenEmbedding
 from kdist.models.generation import CachedGeneration
+from kdist.models.gpt_cost import GPTCostModel
 from kdist.models.layers import (
     NORM_AXES,
     PreNormBlock,
-    document_mask_and_positions,
+    document_positions,
     normalization,
 )
 from kdist.models.presets import GPT_PRESETS
@@ -30,16 +31,15 @@ from kdist.parallel.rules import build_with_axes
 
 
 @keras.saving.register_keras_serializable(package="kdist")
-class DocumentMask(layers.Layer):
-    """Segment ids ``(B, T)`` to a same-document attention mask ``(B, 1, T, T)`` and
-    per-document positions ``(B, T)`` (see ``document_mask_and_positions``)."""
+class DocumentPositions(layers.Layer):
+    """Segment ids ``(B, T)`` to per-document positions ``(B, T)`` (``document_positions``);
+    attention keeps to each document from the segment ids themselves."""
 
     def call(self, segment_ids):
-        return document_mask_and_positions(segment_ids)
+        return document_positions(segment_ids)
 
     def compute_output_spec(self, segment_ids):
-        b, t = segment_ids.shape
-        return (keras.KerasTensor((b, 1, t, t), "bool"), keras.KerasTensor((b, t), "int32"))
+        return keras.KerasTensor(segment_ids.shape, "int32")
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -59,8 +59,12 @@ class GPTBackbone(Backbone, keras.Model):
             kdist refuses rather than silently replicating key/value heads.
         position_embedding: ``"learned"`` (GPT-2) or ``"rotary"`` (RoPE, Llama).
         rotary_max_wavelength: RoPE base (Llama 3: 500000).
+        rope_scaling: Llama 3.1/3.2's RoPE frequency scaling, a Hugging Face
+            ``rope_scaling`` dict (``rope_type="llama3"``, ``factor``, ``low_freq_factor``,
+            ``high_freq_factor``, ``original_max_position_embeddings``); None: plain RoPE.
         norm: ``"layer_norm"`` (GPT-2) or ``"rms_norm"`` (Llama).
-        mlp_activation: ``"gelu"`` (GPT-2) or ``"swiglu"`` (Llama).
+        mlp_activation: ``"gelu"`` (GPT-2's tanh approximation), ``"gelu_exact"`` (erf) or
+            ``"swiglu"`` (Llama).
         use_bias: biases on the attention and MLP projections (GPT-2: yes; Llama: no).
         tie_embeddings: output projection = token embedding transposed.
         document_mask: inputs become ``{"token_ids", "segment_ids"}``; attention does not
@@ -104,6 +108,7 @@ class GPTBackbone(Backbone, keras.Model):
 
     presets = GPT_PRESETS
     config_attributes = {"position_embedding": "position_embedding_type"}
+    hf_model_types = ("gpt2", "llama")  # Hugging Face checkpoints (kdist.models.hf)
 
     def __init__(
         self,
@@ -128,6 +133,7 @@ class GPTBackbone(Backbone, keras.Model):
         fused_qkv: bool = False,
         vocabulary_divisible_by: int = 1,
         attention_chunk_size: int | None = None,
+        rope_scaling: dict | None = None,
         scan_layers: bool | None = None,
         **kwargs,
     ):
@@ -140,6 +146,9 @@ class GPTBackbone(Backbone, keras.Model):
             raise ValueError(
                 f"Unknown position_embedding '{position_embedding}'. Use 'learned' or 'rotary'."
             )
+        if rope_scaling is not None and position_embedding != "rotary":
+            raise ValueError("rope_scaling scales rotary position embeddings; pass "
+                             "position_embedding='rotary' with it, or rope_scaling=None.")
         check_divisible("num_heads", num_heads)
         check_divisible("num_key_value_heads", num_key_value_heads or num_heads)
         check_divisible("intermediate_dim", intermediate_dim)
@@ -196,6 +205,7 @@ class GPTBackbone(Backbone, keras.Model):
                 remat=remat,
                 fused_qkv=fused_qkv,
                 attention_chunk_size=attention_chunk_size,
+                rope_scaling=rope_scaling if rotary else None,
                 dtype=dtype,
                 name=name,
             )
@@ -207,16 +217,16 @@ class GPTBackbone(Backbone, keras.Model):
 
         # === Functional Model ===
         token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
-        mask = positions = None
+        segments = positions = None
         if document_mask:
-            segment_ids = keras.Input(shape=(None,), dtype="int32", name="segment_ids")
-            inputs = {"token_ids": token_ids, "segment_ids": segment_ids}
-            mask, positions = DocumentMask(name="document_mask")(segment_ids)
+            segments = keras.Input(shape=(None,), dtype="int32", name="segment_ids")
+            inputs = {"token_ids": token_ids, "segment_ids": segments}
+            positions = DocumentPositions(name="document_positions")(segments)
         else:
             inputs = token_ids
         x = self.embed(token_ids, positions=positions)
         for block in ([self.blocks] if scan_layers else self.blocks):
-            x = block(x, attention_mask=mask, positions=positions if rotary else None)
+            x = block(x, segment_ids=segments, positions=positions if rotary else None)
         outputs = self.final_norm(x)
         super().__init__(inputs=inputs, outputs=outputs, dtype=dtype, **kwargs)
 
@@ -242,6 +252,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.fused_qkv = fused_qkv
         self.vocabulary_divisible_by = vocabulary_divisible_by
         self.attention_chunk_size = attention_chunk_size
+        self.rope_scaling = rope_scaling
         self.scan_layers = scan_layers
 
     @property
@@ -299,7 +310,8 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
     """
 
     backbone_class = GPTBackbone
-    step_features = frozenset({"gradient_reduction", "fused_loss", "pipeline"})
+    step_features = frozenset({"gradient_reduction", "fused_loss", "context_parallel",
+                               "token_reordering", "pipeline"})
     token_id_labels = True
 
     def __init__(self, backbone: GPTBackbone, loss_chunk_size: int | str | None = "auto",
@@ -383,68 +395,7 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
             >>> GPTCausalLM.cost_model_for(GPT_PRESETS["gpt2-small"]).parameters
             124475904
         """
-        return GPTCostModel(backbone_config)
-
-
-class GPTCostModel(CostModel):
-    """Parameters, FLOPs and activation bytes per token of a GPT (GPT-2 or Llama-style).
-
-    FLOPs: :func:`kdist.flops.transformer_flops_per_token` with causal attention
-    (``causal_half``: MaxText's half of ``T x T``, or nanoGPT's full matrix), the output
-    projection over the real vocabulary (padding rows not counted), a third MLP matmul for
-    SwiGLU, fewer key/value FLOPs for grouped-query attention.
-
-    Example:
-        >>> cost = GPTCostModel(GPT_PRESETS["gpt-nano"])
-        >>> round(cost.flops_per_token(256).training / 1e6, 1)
-        33.0
-    """
-
-    def __init__(self, backbone_config):
-        self.config = GPTBackbone.full_config(backbone_config)
-
-    @property
-    def parameters(self) -> int:
-        """Trainable parameters (exact), padding rows of the token table included."""
-        c = self.config
-        d, f, n = c["hidden_dim"], c["intermediate_dim"], c["num_heads"]
-        multiple = c["vocabulary_divisible_by"]
-        v = -(-c["vocabulary_size"] // multiple) * multiple  # token table rows
-        k = c["num_key_value_heads"] or n
-        h = d // n
-        bias = c["use_bias"]
-        gated = c["mlp_activation"] == "swiglu"
-        norm = 2 * d if c["norm"] == "layer_norm" else d
-        attention = d * (n + 2 * k) * h + n * h * d + (bias and (n + 2 * k) * h + d)
-        mlp = d * f * (3 if gated else 2) + (bias and f * (2 if gated else 1) + d)
-        blocks = c["num_layers"] * (attention + mlp + 2 * norm)
-        embeddings = v * d * (1 if c["tie_embeddings"] else 2)
-        positions = 0 if c["position_embedding"] == "rotary" else c["max_sequence_length"] * d
-        return int(blocks + embeddings + positions + norm)
-
-    def flops_per_token(self, sequence_length: int, causal_half: bool = True):
-        c = self.config
-        return flops.transformer_flops_per_token(
-            c["num_layers"], c["hidden_dim"], c["num_heads"], c["intermediate_dim"],
-            c["vocabulary_size"], sequence_length, num_kv_heads=c["num_key_value_heads"],
-            causal=True, causal_half=causal_half, gated_mlp=c["mlp_activation"] == "swiglu",
-            remat=bool(c["remat"]))
-
-    def activation_bytes_per_token(self, sequence_length: int, bytes_per_value: int = 4,
-                                   remat: bool = False) -> float:
-        """Per layer and token: block input and two norm outputs (3D), q/k/v (3D), attention
-        scores and probabilities (2NT; 2N with ``attention_chunk_size``), attention output
-        and projection (2D), MLP up and activation (2F, 3F gated), down (D). Once: float32
-        logits and their gradient (2V x 4). ``remat``: block inputs plus one block's."""
-        c = self.config
-        d, f, n, v = c["hidden_dim"], c["intermediate_dim"], c["num_heads"], c["vocabulary_size"]
-        gated = c["mlp_activation"] == "swiglu"
-        attention = 2 * n * (1 if c["attention_chunk_size"] else sequence_length)
-        per_layer = bytes_per_value * (9 * d + attention + (3 if gated else 2) * f)
-        logits = 2 * v * 4
-        if remat:
-            return c["num_layers"] * bytes_per_value * d + per_layer + logits
-        return c["num_layers"] * per_layer + logits
+        return GPTCostModel(GPTBackbone.full_config(backbone_config))
 
 
 def _is_default_loss(loss) -> bool:

@@ -12,6 +12,7 @@ import keras
 from keras import layers, ops
 
 from kdist.models.attention import CausalSelfAttention
+from kdist.parallel import context
 from kdist.parallel.constraints import shard_batch
 from kdist.parallel.rules import build_with_axes
 
@@ -37,12 +38,17 @@ def normalization(kind: str, epsilon: float, name: str, dtype=None) -> layers.La
     raise ValueError(f"Unknown norm '{kind}'. Use 'layer_norm' or 'rms_norm'.")
 
 
+# "gelu": tanh approximation (GPT-2); "gelu_exact": erf (HF BERT); "swiglu": gated (Llama).
+MLP_ACTIVATIONS = ("gelu", "gelu_exact", "swiglu")
+
+
 @keras.saving.register_keras_serializable(package="kdist")
 class MLP(layers.Layer):
     """The position-wise feed-forward network.
 
-    ``activation="gelu"``: ``down(gelu(up(x)))`` (GPT-2). ``activation="swiglu"``:
-    ``down(silu(gate(x)) * up(x))`` (Llama).
+    ``activation="gelu"``: ``down(gelu(up(x)))`` with GELU's tanh approximation (GPT-2's
+    ``gelu_new``); ``"gelu_exact"``: the exact, erf form (Hugging Face BERT's ``gelu``).
+    ``activation="swiglu"``: ``down(silu(gate(x)) * up(x))`` (Llama).
 
     Example:
         >>> MLP(intermediate_dim=128, activation="swiglu")(keras.ops.ones((2, 8, 64))).shape
@@ -59,8 +65,9 @@ class MLP(layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if activation not in ("gelu", "swiglu"):
-            raise ValueError(f"Unknown MLP activation '{activation}'. Use 'gelu' or 'swiglu'.")
+        if activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"Unknown MLP activation '{activation}'. Use one of "
+                             f"{MLP_ACTIVATIONS} ('gelu' is the tanh approximation).")
         self.intermediate_dim = intermediate_dim
         self.activation = activation
         self.use_bias = use_bias
@@ -96,7 +103,8 @@ class MLP(layers.Layer):
         # x: (B, T, D) -> (B, T, F) -> (B, T, D)
         if self.activation == "swiglu":
             return self.down(keras.activations.silu(self.gate(x)) * self.up(x))
-        return self.down(keras.activations.gelu(self.up(x), approximate=True))
+        approximate = self.activation == "gelu"  # tanh form; "gelu_exact": erf
+        return self.down(keras.activations.gelu(self.up(x), approximate=approximate))
 
     def get_config(self):
         return {
@@ -167,6 +175,7 @@ class PreNormBlock(layers.Layer):
         remat: bool | str = False,
         fused_qkv: bool = False,
         attention_chunk_size: int | None = None,
+        rope_scaling: dict | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -188,6 +197,7 @@ class PreNormBlock(layers.Layer):
         self.output_initializer_range = output_initializer_range
         self.remat = remat
         self.attention_chunk_size = attention_chunk_size
+        self.rope_scaling = rope_scaling
         dtype = self.dtype_policy
         self.attention_norm = normalization(norm, layer_norm_epsilon, "attention_norm", dtype)
         self.attention = CausalSelfAttention(
@@ -200,6 +210,7 @@ class PreNormBlock(layers.Layer):
             output_initializer_range=output_initializer_range,
             fused_qkv=fused_qkv,
             attention_chunk_size=attention_chunk_size,
+            rope_scaling=rope_scaling,
             dtype=dtype,
             name="attention",
         )
@@ -223,16 +234,19 @@ class PreNormBlock(layers.Layer):
         self.mlp.build(input_shape)
 
     def call(
-        self, x, attention_mask=None, positions=None, cache=None, cache_index=None, training=None
+        self, x, attention_mask=None, positions=None, cache=None, cache_index=None, training=None,
+        segment_ids=None,
     ):
-        """``(B, T, D) -> (B, T, D)``; with a cache, also returns the updated cache."""
+        """``(B, T, D) -> (B, T, D)``; with a cache, also returns the updated cache.
+        ``segment_ids (B, T)``: documents of a packed sequence (attention stays in each)."""
         if cache is not None:
             h, cache = self.attention(self.attention_norm(x), cache=cache, cache_index=cache_index)
             return self._mlp_residual(x + h, training), cache
 
         def forward(x):
             h = self.attention(
-                self.attention_norm(x), attention_mask=attention_mask, positions=positions
+                self.attention_norm(x), attention_mask=attention_mask, positions=positions,
+                segment_ids=segment_ids,
             )
             return self._mlp_residual(x + self.attention_dropout(h, training=training), training)
 
@@ -260,6 +274,7 @@ class PreNormBlock(layers.Layer):
             "remat": self.remat,
             "fused_qkv": self.fused_qkv,
             "attention_chunk_size": self.attention_chunk_size,
+            "rope_scaling": self.rope_scaling,
         }
 
 
@@ -270,7 +285,8 @@ class PostNormBlock(layers.Layer):
     Attention is bidirectional (kdist's ``CausalSelfAttention`` with ``causal=False``);
     ``attention_mask`` ``(B, 1, 1, T)`` hides padded keys. Norms compute in float32 under
     mixed precision. ``remat=True`` wraps the block in ``keras.remat``;
-    ``attention_chunk_size`` is ``CausalSelfAttention``'s (probabilities not kept).
+    ``attention_chunk_size`` is ``CausalSelfAttention``'s (probabilities not kept);
+    ``mlp_activation`` is ``MLP``'s ``"gelu"`` (tanh) or ``"gelu_exact"`` (HF BERT's erf).
 
     Example:
         >>> block = PostNormBlock(num_heads=4, head_dim=16, intermediate_dim=128)
@@ -288,6 +304,7 @@ class PostNormBlock(layers.Layer):
         initializer_range: float = 0.02,
         remat: bool = False,
         attention_chunk_size: int | None = None,
+        mlp_activation: str = "gelu",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -299,6 +316,7 @@ class PostNormBlock(layers.Layer):
         self.initializer_range = initializer_range
         self.remat = remat
         self.attention_chunk_size = attention_chunk_size
+        self.mlp_activation = mlp_activation
         dtype = self.dtype_policy
         self.attention = CausalSelfAttention(
             num_heads, head_dim, causal=False, initializer_range=initializer_range,
@@ -306,8 +324,8 @@ class PostNormBlock(layers.Layer):
         )
         self.attention_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="attention_norm")
-        self.mlp = MLP(intermediate_dim, activation="gelu", initializer_range=initializer_range,
-                       dtype=dtype, name="mlp")
+        self.mlp = MLP(intermediate_dim, activation=mlp_activation,
+                       initializer_range=initializer_range, dtype=dtype, name="mlp")
         self.mlp_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="mlp_norm")
         self.attention_dropout = layers.Dropout(dropout, dtype=dtype)
@@ -341,6 +359,7 @@ class PostNormBlock(layers.Layer):
             "initializer_range": self.initializer_range,
             "remat": self.remat,
             "attention_chunk_size": self.attention_chunk_size,
+            "mlp_activation": self.mlp_activation,
         }
 
 
@@ -357,8 +376,25 @@ def document_mask_and_positions(segment_ids):
         [[0, 1, 0]]
     """
     segment_ids = ops.cast(segment_ids, "int32")
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None], document_positions(
+        segment_ids)  # (B, 1, T, T), (B, T)
+
+
+def document_positions(segment_ids):
+    """Per-document positions ``(B, T)`` of packed sequences: each token's position minus
+    that of its document's first token (``segment_ids`` non-decreasing within each row).
+    A sequence split over ``seq`` gets the same from its tokens' true positions
+    (``kdist.parallel.context``).
+
+    Example:
+        >>> pos = document_positions(keras.ops.convert_to_tensor([[0, 0, 1, 1, 1]]))
+        >>> keras.ops.convert_to_numpy(pos).tolist()
+        [[0, 1, 0, 1, 2]]
+    """
+    segment_ids = ops.cast(segment_ids, "int32")
+    layout = context.current_layout(segment_ids.shape[1])
+    if layout is not None:
+        return context.document_positions(segment_ids, layout)
     # Tokens of earlier documents precede the current one: position = t - their count.
     earlier = ops.sum(ops.cast(segment_ids[:, None, :] < segment_ids[:, :, None], "int32"), -1)
-    positions = ops.arange(ops.shape(segment_ids)[1])[None, :] - earlier  # (B, T)
-    return same[:, None], positions
+    return ops.arange(ops.shape(segment_ids)[1])[None, :] - earlier  # (B, T)

@@ -14,11 +14,12 @@ The gradients are computed in the forward pass and kept as the residuals of a
 autodiff's: logits, gradient of the hidden states, gradient of the table — no recompute.
 
 Sharded meshes: under a kdist distribution the function runs in ``jax.shard_map``. The batch
-is split over ``data`` x ``fsdp``; the table's vocabulary rows are split over ``model``
-(Megatron's vocab-parallel cross-entropy: the max and the sum of the softmax and the target
-logit are reduced over ``model``, ``B x Tc`` numbers per chunk); the table's ``fsdp``
-sharding is gathered on entry like any FSDP weight, and its gradient is reduce-scattered
-back over ``fsdp`` and summed over ``data``.
+is split over ``data`` x ``fsdp`` (and the tokens over ``seq``, context parallelism: the
+loss and the table's gradient are then summed over it too); the table's vocabulary rows
+are split over ``model`` (Megatron's vocab-parallel cross-entropy: the max and the sum of
+the softmax and the target logit are reduced over ``model``, ``B x Tc`` numbers per
+chunk); the table's ``fsdp`` sharding is gathered on entry like any FSDP weight, and its
+gradient is reduce-scattered back over ``fsdp`` and summed over ``data``.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 
 def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model_axis,
-                          replica_axes, fsdp_axis, with_grads, vocabulary_size):
+                          replica_axes, fsdp_axis, with_grads, vocabulary_size, seq_axes=()):
     """One device's part: ``hidden (b, T, D)``, ``table (v, D)`` (v = its vocabulary rows),
-    ``labels (b, T)``. Returns the global mean loss and, if asked, the gradients. Table rows
-    from ``vocabulary_size`` on are padding: their logits are left out of the softmax."""
+    ``labels (b, T)`` (T: its tokens, when ``seq_axes`` split the sequence). Returns the
+    global mean loss and, if asked, the gradients. Table rows from ``vocabulary_size`` on
+    are padding: their logits are left out of the softmax."""
     b, t, d = hidden.shape
     v = table.shape[0]
     tc = t // num_chunks
@@ -85,14 +87,14 @@ def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model
     rows = varying_axes(hidden) | varying_axes(labels)
     init = (to_varying(init[0], rows), to_varying(init[1], rows | varying_axes(table)))
     (loss_sum, grad_table), grad_h = jax.lax.scan(body, init, (h_chunks, y_chunks))
-    if replica_axes:
-        loss_sum = jax.lax.psum(loss_sum, replica_axes)
+    if replica_axes + seq_axes:
+        loss_sum = jax.lax.psum(loss_sum, replica_axes + seq_axes)
     loss = loss_sum / total_tokens
     if not with_grads:
         return loss
     grad_h = grad_h.swapaxes(0, 1).reshape(b, t, d)  # (b, T, D), partial over model
     grad_h = reduce_model(grad_h, jax.lax.psum)
-    data_axes = tuple(a for a in replica_axes if a != fsdp_axis)
+    data_axes = tuple(a for a in replica_axes if a != fsdp_axis) + seq_axes
     if data_axes:
         grad_table = jax.lax.psum(grad_table, data_axes)
     if fsdp_axis:  # the table's embed dimension is fsdp-sharded: reduce-scatter into it
@@ -107,13 +109,14 @@ def _run(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size, with_gra
     if mesh_axes is None:
         return _local_loss_and_grads(hidden, table, labels, num_chunks, total, None, (), None,
                                      with_grads, vocabulary_size)
-    mesh, replica_axes, model_axis, fsdp_axis = mesh_axes
+    mesh, replica_axes, model_axis, fsdp_axis, seq_axis = mesh_axes
+    seq_axes = (seq_axis,) if seq_axis else ()
     fn = functools.partial(_local_loss_and_grads, num_chunks=num_chunks, total_tokens=total,
                            model_axis=model_axis, replica_axes=replica_axes,
                            fsdp_axis=fsdp_axis, with_grads=with_grads,
-                           vocabulary_size=vocabulary_size)
-    batch = P(replica_axes or None, None, None)
-    in_specs = (batch, P(model_axis, None), P(replica_axes or None, None))
+                           vocabulary_size=vocabulary_size, seq_axes=seq_axes)
+    batch = P(replica_axes or None, seq_axis, None)  # a split sequence: tokens over seq
+    in_specs = (batch, P(model_axis, None), P(replica_axes or None, seq_axis))
     out_specs = (P(), batch, P(model_axis, fsdp_axis)) if with_grads else P()
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
         hidden, table, labels)
@@ -139,9 +142,9 @@ def _bwd(num_chunks, mesh_axes, vocabulary_size, residuals, g):
 _fused_cross_entropy.defvjp(_fwd, _bwd)
 
 
-def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int):
-    """(jax mesh, replica axes, model axis, fsdp axis) of the active kdist distribution, or
-    None when there is none (one device)."""
+def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int, length: int | None = None):
+    """(jax mesh, replica axes, model axis, fsdp axis, seq axis or None) of the active kdist
+    distribution, or None when there is none (one device)."""
     from kdist.parallel.constraints import in_manual_region
     from kdist.parallel.layout import active
     from kdist.parallel.mesh import REPLICA_AXES
@@ -163,7 +166,14 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int):
             f"({shape['model']}) and the hidden size ({hidden_dim}) by fsdp ({shape['fsdp']}). "
             f"Change the batch or the mesh, or build the model with loss_chunk_size=None."
         )
-    return dist.device_mesh.backend_mesh, replicas, model, fsdp
+    seq = "seq" if shape.get("seq", 1) > 1 and length and length % shape["seq"] == 0 else None
+    return dist.device_mesh.backend_mesh, replicas, model, fsdp, seq
+
+
+def _seq_size() -> int:
+    from kdist.parallel.layout import current_mesh_shape
+
+    return current_mesh_shape().get("seq", 1)
 
 
 # "auto" (GPTCausalLM's default loss_chunk_size): the fused loss where it was measured faster,
@@ -204,7 +214,9 @@ def auto_chunk_size(batch, length, vocabulary_size: int, table_rows: int | None 
     from kdist.parallel.constraints import in_manual_region
     from kdist.parallel.layout import replica_count
 
-    rows = batch * (replica_count() if in_manual_region() else 1)  # the whole step's
+    # The whole step's rows (tokens: a device holds 1/seq of each row's under context
+    # parallelism).
+    rows = batch * (replica_count() * _seq_size() if in_manual_region() else 1)
     per_position = 4 * rows * vocabulary_size
     if platform != "cpu" or vocabulary_size < AUTO_MIN_VOCABULARY \
             or per_position * length < AUTO_MIN_LOGITS_BYTES:
@@ -262,6 +274,7 @@ def chunked_cross_entropy(hidden, table, labels, chunk_size: int = 128,
     if not isinstance(vocabulary_size, int) or not 0 < vocabulary_size <= rows:
         raise ValueError(f"vocabulary_size must be an int in [1, {rows}] (the table's rows); "
                          f"got {vocabulary_size!r}.")
-    num_chunks = length // _largest_divisor_at_most(length, chunk_size)
-    mesh_axes = _mesh_axes(batch, rows, dim)
+    mesh_axes = _mesh_axes(batch, rows, dim, length)
+    local = length // _seq_size() if mesh_axes and mesh_axes[4] else length  # per device
+    num_chunks = local // _largest_divisor_at_most(local, chunk_size)
     return _fused_cross_entropy(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size)

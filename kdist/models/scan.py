@@ -119,7 +119,7 @@ class LayerStack(layers.Layer):
     ``stage`` mesh axis, as a pipeline: :mod:`kdist.parallel.pipeline`).
 
     ``call(x, **kwargs)`` applies layer 0, 1, ... L-1 to ``x`` ``(B, T, D)``; ``kwargs``
-    (e.g. ``attention_mask``, ``positions``) go to every layer. Weights are created by
+    (``attention_mask``, ``positions``, ``segment_ids``) go to every layer. Weights are made by
     ``build`` with the stacked shape ``lead + block_weight_shape``; ``lead`` is ``(L,)``,
     or ``(R, L / R)`` when the distribution asks for ``R`` circular pipeline repeats.
 
@@ -209,11 +209,12 @@ class LayerStack(layers.Layer):
         y, _ = self.block.stateless_call(list(weights), states, x, training=training, **kwargs)
         return y
 
-    def call(self, x, attention_mask=None, positions=None, training=None):
+    def call(self, x, attention_mask=None, positions=None, segment_ids=None, training=None):
         weights = [ops.convert_to_tensor(v) for v in self._parts.stacked]  # lead + shape
         seed = self.seed_generator.next() if self.seed_generator is not None else None
         kwargs = {k: v for k, v in (("attention_mask", attention_mask),
-                                    ("positions", positions)) if v is not None}
+                                    ("positions", positions),
+                                    ("segment_ids", segment_ids)) if v is not None}
 
         def layer(w, h, kw, index, seed):
             return self._layer(w, h, kw, index, seed, training)
@@ -251,7 +252,8 @@ class LayerStack(layers.Layer):
         x, caches = jax.lax.scan(body, x, (weights, jnp.moveaxis(cache, 1, 0)))
         return x, jnp.moveaxis(caches, 0, 1)
 
-    def compute_output_spec(self, x, attention_mask=None, positions=None, training=None):
+    def compute_output_spec(self, x, attention_mask=None, positions=None, segment_ids=None,
+                            training=None):
         return keras.KerasTensor(x.shape, self.compute_dtype)
 
     def get_config(self):

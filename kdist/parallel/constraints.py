@@ -47,7 +47,8 @@ def in_manual_region() -> bool:
 
 
 def shard_batch(x):
-    """Pins an activation's batch dimension to the replica axes (the rest replicated).
+    """Pins an activation's batch dimension to the replica axes, and its sequence dimension
+    (the second) to ``seq`` when that axis divides it (the rest replicated).
 
     Models call this on each block's output. Without it XLA's partitioner propagates the
     weights' fsdp sharding into the activations and reshards them back and forth (measured
@@ -60,8 +61,11 @@ def shard_batch(x):
         return x
     if batch % dist.num_model_replicas:
         return x
-    layout = BatchLayout((REPLICA_AXES,) + (None,) * (len(x.shape) - 1), dist.device_mesh)
-    return keras.distribution.distribute_tensor(x, layout)
+    axes = [REPLICA_AXES] + [None] * (len(x.shape) - 1)
+    seq = dist.mesh_shape.get("seq", 1)
+    if seq > 1 and len(x.shape) > 1 and isinstance(x.shape[1], int) and x.shape[1] % seq == 0:
+        axes[1] = "seq"  # (B, T, ...): each device's tokens (kdist.parallel.context)
+    return keras.distribution.distribute_tensor(x, BatchLayout(tuple(axes), dist.device_mesh))
 
 
 def gathered(x, logical_axes: Sequence[str | None]):

@@ -36,8 +36,9 @@ GRADIENT_REDUCTIONS = (None, "float32", "bfloat16")
 # that builds an axis removes its entry.
 _NOT_BUILT = {
     "replica": "infrequent-sync replica groups (kdist.parallel.replicas)",
-    "seq": "context parallelism (kdist.parallel.context)",
 }
+# How attention crosses a sequence split over `seq` (kdist.parallel.context).
+CONTEXT_PARALLEL = ("all_gather", "ring")
 
 
 class BatchLayout(TensorLayout):
@@ -65,7 +66,8 @@ class KdistDistribution(ModelParallel):
 
     Build it with :func:`distribution`. ``layout_for(path, shape)`` returns the layout a
     weight of that path and shape gets; ``mesh_shape`` gives the axis sizes;
-    ``gradient_reduction`` is the step feature it asks of the model (None: XLA reduces).
+    ``gradient_reduction`` is the step feature it asks of the model (None: XLA reduces);
+    ``context_parallel`` and ``load_balance`` how attention crosses a ``seq`` split.
 
     Example:
         >>> dist = distribution("data=2,model=4", jax.devices())
@@ -76,7 +78,8 @@ class KdistDistribution(ModelParallel):
     def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True,
                  auto_shard: bool = False, allow_replicated: Sequence[str] = (),
                  gradient_reduction: str | None = None,
-                 pipeline_microbatches: int | None = None, pipeline_repeats: int = 1):
+                 pipeline_microbatches: int | None = None, pipeline_repeats: int = 1,
+                 context_parallel: str = "all_gather", load_balance: bool = True):
         # Before Keras' __init__, which reads num_model_replicas when there are several
         # processes.
         self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
@@ -85,6 +88,8 @@ class KdistDistribution(ModelParallel):
         # circular repeats; checked by distribution().
         self.pipeline_microbatches = pipeline_microbatches
         self.pipeline_repeats = pipeline_repeats
+        self.context_parallel = context_parallel
+        self.load_balance = load_balance
         super().__init__(layout_map=LayoutMap(device_mesh), batch_dim_name="data",
                          auto_shard_dataset=auto_shard_dataset)
         # Weights without logical axes: kdist.parallel.auto (structure and shape).
@@ -178,7 +183,9 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                  allow_replicated: Sequence[str] = (),
                  gradient_reduction: str | None = None,
                  pipeline_microbatches: int | None = None,
-                 pipeline_repeats: int = 1) -> KdistDistribution:
+                 pipeline_repeats: int = 1,
+                 context_parallel: str = "all_gather",
+                 load_balance: bool = True) -> KdistDistribution:
     """Builds the Keras distribution for a mesh spec over all (or the given) devices.
 
     Set it before building the model; ``compile`` and ``fit`` then run sharded. With several
@@ -199,6 +206,13 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     and each device holds ``pipeline_repeats`` non-adjacent stages (circular repeats: the
     bubble falls from ``(S-1)/(M+S-1)`` to ``(S-1)/(R M+S-1)``).
 
+    A ``seq`` axis splits every sequence's tokens (context parallelism,
+    :mod:`kdist.parallel.context`): ``context_parallel="all_gather"`` (default) gathers
+    keys and values for each attention layer, ``"ring"`` passes them around the axis
+    (``O(T / seq)`` memory); ``load_balance=True`` gives causal models' devices equal
+    attention work (each holds two of ``2 x seq`` chunks; sequence lengths must divide by
+    ``2 x seq``).
+
     Example:
         >>> import keras, kdist
         >>> keras.distribution.set_distribution(kdist.distribution("auto"))
@@ -213,6 +227,15 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
             raise ValueError(
                 f"Mesh spec {spec!r}: the '{axis}' axis ({what}) is not available in this "
                 f"version of kdist. Put those devices on data, fsdp or model instead.")
+    if context_parallel not in CONTEXT_PARALLEL:
+        raise ValueError(f"context_parallel must be one of {CONTEXT_PARALLEL} (how attention "
+                         f"crosses a sequence split over 'seq'); got {context_parallel!r}.")
+    if not isinstance(load_balance, bool):
+        raise ValueError(f"load_balance must be True or False; got {load_balance!r}.")
+    if sizes["seq"] > 1 and (sizes["stage"] > 1 or sizes["replica"] > 1):
+        raise ValueError(
+            f"Mesh spec {spec!r}: the 'seq' axis has not been built or tested together with "
+            f"'stage' or 'replica'. Use seq with data, fsdp and model.")
     if gradient_reduction and sizes["model"] > 1:
         raise ValueError(
             f"gradient_reduction={gradient_reduction!r} covers the data and fsdp axes; mesh "
@@ -226,7 +249,8 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                              auto_shard=auto_shard, allow_replicated=allow_replicated,
                              gradient_reduction=gradient_reduction,
                              pipeline_microbatches=microbatches,
-                             pipeline_repeats=pipeline_repeats)
+                             pipeline_repeats=pipeline_repeats,
+                             context_parallel=context_parallel, load_balance=load_balance)
 
 
 def _pipeline_settings(spec, sizes, gradient_reduction, microbatches, repeats):
@@ -237,10 +261,9 @@ def _pipeline_settings(spec, sizes, gradient_reduction, microbatches, repeats):
         raise ValueError(f"pipeline_microbatches={microbatches!r} needs a 'stage' mesh axis of "
                          f"size > 1; mesh '{spec}' has none. Add e.g. 'stage=2' to the spec, "
                          f"or leave pipeline_microbatches out.")
-    others = [a for a in ("replica", "seq") if sizes.get(a, 1) > 1]
-    if stages > 1 and others:
+    if stages > 1 and sizes.get("replica", 1) > 1:  # (seq with stage: refused above)
         raise ValueError(
-            f"Mesh '{spec}' combines the 'stage' axis with {others}, a combination the "
+            f"Mesh '{spec}' combines the 'stage' axis with 'replica', a combination the "
             f"pipeline is not built or tested for. Put those devices on data, fsdp or model.")
     if stages > 1 and gradient_reduction:
         raise ValueError(

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
 from kdist.parallel.constraints import manual_region, varying_axes
+from kdist.parallel.context import step as context_step
 from kdist.parallel.layout import active
 from kdist.parallel.mesh import REPLICA_AXES
 
@@ -61,24 +62,28 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
     reduce_dtype = REDUCTIONS[dist.gradient_reduction]
     sizes = dist.mesh_shape
     batch_axes = tuple(a for a in REPLICA_AXES if sizes[a] > 1)
+    # A split sequence (kdist.parallel.context): each device holds its own tokens, so the
+    # loss and every gradient are partial over `seq` too, and summed over it like a replica.
+    summed = batch_axes + context_step.summed_axes()
     specs = [P(*dist.get_variable_layout(v).axes) for v in model.trainable_variables]
     fsdp_dims = [next((i for i, a in enumerate(s) if a == "fsdp"), None) for s in specs]
-    rows = P(batch_axes or None)
 
     def local(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_variables):
-        full = [_use(w, dim, batch_axes, reduce_dtype)
+        full = [_use(w, dim, summed, reduce_dtype)
                 for w, dim in zip(trainable, fsdp_dims)]
         with manual_region():
             loss, (unscaled, y_pred, non_trainable, metrics) = compute(
                 full, non_trainable, metrics, x, y, sample_weight, training=True,
                 optimizer_variables=optimizer_variables)
-        if batch_axes:  # this device's mean over its rows -> the mean over all rows
-            loss, unscaled = jax.lax.pmean((loss, unscaled), batch_axes)
+        if summed:  # this device's mean over its rows (and tokens) -> the mean over all
+            loss, unscaled = jax.lax.pmean((loss, unscaled), summed)
         return loss, (unscaled, y_pred, non_trainable, metrics)
 
     mesh = dist.device_mesh.backend_mesh
-    in_specs = (specs, P(), P(), rows, rows, rows, P())
-    out_specs = (P(), (P(), rows, P(), P()))
+    rows = [jax.tree.map(lambda a: context_step.row_spec(a, batch_axes), t)
+            for t in (x, y, sample_weight)]
+    in_specs = (specs, P(), P(), *rows, P())
+    out_specs = (P(), (P(), context_step.output_spec(batch_axes), P(), P()))
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
         trainable, non_trainable, metrics, x, y, sample_weight, optimizer_variables)
 

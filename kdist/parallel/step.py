@@ -5,12 +5,15 @@ names from :data:`STEP_FEATURES`); the distribution says which it wants. The tas
 :func:`check_compile` from ``compile`` and delegates Keras' ``compute_loss_and_updates``
 to :func:`compute_loss_and_updates`. Nothing here asks for a class by name: a new task
 (or a user's) gets a feature by declaring it, a new feature (a pipeline schedule, ring
-attention) is one more branch here and one more module of :mod:`kdist.parallel`.
+attention) is one more branch here and one more module of :mod:`kdist.parallel`. A ``seq``
+axis (context parallelism) wraps the others: the sequence's layout is set, and its tokens
+reordered, before the loss runs either way.
 """
 
 from __future__ import annotations
 
 from kdist.parallel import reduction, rules
+from kdist.parallel.context import step as context_step
 from kdist.parallel.layout import active
 
 # Name -> what a task declaring it promises.
@@ -19,6 +22,13 @@ STEP_FEATURES = {
                           "cross-device state in the forward pass other than the weights",
     "fused_loss": "it can train from hidden states through the fused cross-entropy "
                   "(kdist.models.losses) without materialising logits",
+    "context_parallel": "its attention layers attend across a sequence split over the 'seq' "
+                        "axis and its positions come from the sequence layout "
+                        "(kdist.parallel.context); its token ids are axis 1 of x (or of "
+                        "x[token_id_inputs[0]])",
+    "token_reordering": "every array of x, y and sample_weight whose axis 1 has the sequence "
+                        "length holds one value per token, and the loss does not depend on "
+                        "their order (load balancing reorders them; a causal model's)",
     "pipeline": "its backbone holds its blocks as a scanned layer stack "
                 "(kdist.models.scan.LayerStack), which a 'stage' mesh axis splits into "
                 "pipeline stages (kdist.parallel.pipeline); nothing else is per layer",
@@ -35,12 +45,14 @@ def supports(model, feature: str) -> bool:
 def requested_features() -> frozenset:
     """The step features the active distribution asks for."""
     dist = active()
-    wanted = set()
+    features = set()
     if dist is not None and dist.gradient_reduction:
-        wanted.add("gradient_reduction")
+        features.add("gradient_reduction")
+    if dist is not None and dist.mesh_shape.get("seq", 1) > 1:
+        features.add("context_parallel")
     if dist is not None and dist.mesh_shape.get("stage", 1) > 1:
-        wanted.add("pipeline")
-    return frozenset(wanted)
+        features.add("pipeline")
+    return frozenset(features)
 
 
 def check_compile(model) -> None:
@@ -52,6 +64,12 @@ def check_compile(model) -> None:
     """
     dist = active()
     for feature in sorted(requested_features()):
+        if feature == "context_parallel" and not supports(model, feature):
+            raise ValueError(
+                f"Mesh {dist.spec} splits every sequence over 'seq' (context parallelism), "
+                f"which {type(model).__name__} does not support (it does not declare the "
+                f"'context_parallel' step feature): each device would compute what its "
+                f"'seq' neighbours compute. Put those devices on data, fsdp or model.")
         if feature == "pipeline" and not supports(model, feature):
             raise ValueError(
                 f"The mesh '{dist.spec}' has a 'stage' axis (a pipeline), which "
@@ -82,10 +100,20 @@ def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_
 
     ``compute`` is Keras' own (``super().compute_loss_and_updates`` of the task).
     """
-    if training and "gradient_reduction" in requested_features() \
-            and supports(model, "gradient_reduction"):
-        return reduction.loss_and_updates(
-            model, compute, trainable_variables, non_trainable_variables, metrics_variables,
-            x, y, sample_weight, optimizer_variables)
-    return compute(trainable_variables, non_trainable_variables, metrics_variables, x, y,
-                   sample_weight, training=training, optimizer_variables=optimizer_variables)
+    features = requested_features()
+
+    def loss_and_updates(x, y, sample_weight):
+        if training and "gradient_reduction" in features \
+                and supports(model, "gradient_reduction"):
+            return reduction.loss_and_updates(
+                model, compute, trainable_variables, non_trainable_variables,
+                metrics_variables, x, y, sample_weight, optimizer_variables)
+        return compute(trainable_variables, non_trainable_variables, metrics_variables, x, y,
+                       sample_weight, training=training,
+                       optimizer_variables=optimizer_variables)
+
+    if "context_parallel" in features and supports(model, "context_parallel"):
+        return context_step.loss_and_updates(
+            model, loss_and_updates, x, y, sample_weight,
+            reorder=supports(model, "token_reordering"))
+    return loss_and_updates(x, y, sample_weight)

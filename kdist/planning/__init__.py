@@ -93,6 +93,8 @@ def plan(
     gradient_reduction: str | None = None,
     pipeline_microbatches: int | None = None,
     pipeline_repeats: int = 1,
+    context_parallel: str = "all_gather",
+    load_balance: bool = True,
 ) -> Plan:
     """Compiles one train step on abstract inputs and reports what it needs per device.
 
@@ -124,6 +126,8 @@ def plan(
             ``stage`` axis (:mod:`kdist.parallel.pipeline`); the plan then also reports the
             bubble, each stage's share and the bytes between stages
             (:mod:`kdist.planning.stages`).
+        context_parallel, load_balance: the distribution's, for a mesh with a ``seq`` axis
+            (``"all_gather"`` or ``"ring"``; load-balanced causal layout).
 
     Example:
         >>> p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=128,
@@ -159,16 +163,22 @@ def plan(
         chosen, _, mesh_choice = choose_mesh(
             cost, len(devices), device_memory, global_batch_size, sequence_length,
             precision=policy, remat=remat, grad_accum=grad_accum,
+            context_parallel=context_parallel,
             pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats)
         mesh = mesh_spec(chosen)
     sizes = _check_mesh(mesh, devices, global_batch_size, grad_accum)
+    if sizes["seq"] > 1 and sequence_length:  # before compiling: the layout's own check
+        from kdist.parallel.context import SequenceLayout
+
+        causal = cost is None or getattr(cost.flops_per_token(sequence_length), "causal", True)
+        SequenceLayout(sequence_length, sizes["seq"], balanced=causal and load_balance)
 
     def run(sizes, remat, grad_accum):
         # A preset is rebuilt with the remat asked for; a model function as it is.
         fn = model_fn(remat) if isinstance(model, str) else model_fn
         return compile_plan(fn, sizes, devices, policy, global_batch_size // grad_accum,
                             sequence_length, grad_accum, optimizer or adamw, batch,
-                            auto_shard, gradient_reduction,
+                            auto_shard, gradient_reduction, context_parallel, load_balance,
                             pipeline=(pipeline_microbatches, pipeline_repeats))
 
     start = time.perf_counter()
@@ -193,7 +203,7 @@ def plan(
         collectives=_collectives(compiled, num, grad_accum),
         theoretical_collectives=_theory(cost, sizes, global_batch_size // grad_accum,
                                         sequence_length, policy, gradient_reduction,
-                                        grad_accum, schedule),
+                                        grad_accum, context_parallel, schedule),
         compile_seconds=seconds,
         mesh_choice=mesh_choice,
         pipeline=(stages.summary(cost, sizes, global_batch_size, sequence_length,
@@ -284,13 +294,15 @@ def _collectives(compiled, num, grad_accum) -> dict:
 
 
 def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, grad_accum,
-            schedule=(None, 1)):
-    if cost is None or ((sizes["model"] > 1 or sizes.get("stage", 1) > 1) and not {
-            "hidden_dim", "num_layers"} <= set(dimensions(cost))):
+            context_parallel="all_gather", schedule=(None, 1)):
+    needs = {"hidden_dim", "num_layers"} | ({"num_heads"} if sizes["seq"] > 1 else set())
+    if cost is None or ((sizes["model"] > 1 or sizes["seq"] > 1 or sizes["stage"] > 1)
+                        and not needs <= set(dimensions(cost))):
         return {}
     theory = theoretical_collective_bytes(
         cost, sizes, micro, sequence_length, compute_bytes(policy),
         gradient_bytes=2 if gradient_reduction == "bfloat16" else None,
+        context_parallel=context_parallel,
         pipeline_microbatches=schedule[0], pipeline_repeats=schedule[1])
     return {k: v * grad_accum for k, v in theory.items()}
 

@@ -154,7 +154,7 @@ def compile_train_step(model: keras.Model, x, y, dist: KdistDistribution | None)
 
 def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length, grad_accum,
                  optimizer_fn, batch, auto_shard=False, gradient_reduction=None,
-                 pipeline=(None, 1)):
+                 context_parallel="all_gather", load_balance=True, pipeline=(None, 1)):
     """Builds ``model_fn()`` abstractly under the mesh ``sizes`` and precision ``policy``,
     compiles it (``optimizer_fn()`` and sparse categorical cross-entropy on logits, unless
     it is compiled already) and compiles its train step on ``batch`` (default:
@@ -170,6 +170,7 @@ def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length,
     num = math.prod(sizes.values())
     dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard,
                          gradient_reduction=gradient_reduction,
+                         context_parallel=context_parallel, load_balance=load_balance,
                          pipeline_microbatches=pipeline[0], pipeline_repeats=pipeline[1])
             if num > 1 else None)
     try:

@@ -125,6 +125,8 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
                                  sequence_length: int, compute_bytes: int = 4,
                                  parameter_bytes: int = 4,
                                  gradient_bytes: int | None = None,
+                                 context_parallel: str = "all_gather",
+                                 activations: bool = True,
                                  pipeline_microbatches: int | None = None,
                                  pipeline_repeats: int = 1) -> dict[str, float]:
     """The minimum ring wire bytes per device per step, by collective kind, for a strategy.
@@ -141,11 +143,22 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
       ``2 ring(m) x B_local T D`` bytes), plus the vocabulary-parallel embedding's forward and
       backward all-reduce (2 more), with ``B_local`` the per-replica batch.
 
-    Gradients are reduced in ``gradient_bytes`` per value (default: ``parameter_bytes``; 2
-    with ``gradient_reduction="bfloat16"``). Small all-reduces (loss, gradient norm, softmax
-    statistics) are not counted. A ``stage`` axis (a pipeline of ``pipeline_microbatches``
-    and ``pipeline_repeats``) is counted by :func:`kdist.planning.stages.collectives`:
-    activations between stages (``collective-permute``), each stage's weights gathered once.
+    * seq (context parallelism, weights replicated over it): the gradient all-reduce runs
+      over ``data x seq``; per layer, the keys and values of ``B_local x T`` tokens
+      (``K/m`` key/value heads) cross the axis — ``"all_gather"``: all-gathered forward and
+      their gradients reduce-scattered backward (``2 ring(s)`` each); ``"ring"``:
+      ``2(s-1)`` blocks of ``T/s`` tokens forward, ``2(s-1)`` again and ``2s`` float32
+      gradient blocks backward (:func:`kdist.parallel.context.cost.ring_bytes`), as
+      collective-permutes. Tensor parallelism's all-reduces carry ``T/s`` tokens.
+    * stage (a pipeline of ``pipeline_microbatches`` and ``pipeline_repeats``): counted by
+      :func:`kdist.planning.stages.collectives` — activations between stages
+      (``collective-permute``), each stage's weights gathered once (``activations`` does
+      not apply).
+
+    ``activations=False`` leaves out the model and seq axes' per-layer activation traffic
+    (the weights' and gradients' only). Gradients are reduced in ``gradient_bytes`` per
+    value (default: ``parameter_bytes``; 2 with ``gradient_reduction="bfloat16"``). Small
+    all-reduces (loss, gradient norm, softmax statistics) are not counted.
 
     Example:
         >>> c = theoretical_collective_bytes("gpt-nano", {"data": 8}, 16, 256)
@@ -160,32 +173,60 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
                                   dims.get("num_layers", 0), pipeline_microbatches,
                                   pipeline_repeats, parameter_bytes, gradient_bytes)
     d, f, m = mesh.get("data", 1), mesh.get("fsdp", 1), mesh.get("model", 1)
+    s = mesh.get("seq", 1)
     p = cost.parameters * parameter_bytes
     g = cost.parameters * (gradient_bytes or parameter_bytes)
     out = {"all-gather": 2 * _ring(f) * p / m, "reduce-scatter": _ring(f) * g / m,
-           "all-reduce": 2 * _ring(d) * g / (f * m)}
-    if m > 1:
+           "all-reduce": 2 * _ring(d * s) * g / (f * m)}
+    local_batch = global_batch_size / (d * f)
+    tensor, context = activations and m > 1, activations and s > 1
+    if tensor or context:
         dims = dimensions(model)
-        if "hidden_dim" not in dims or "num_layers" not in dims:
+        if "hidden_dim" not in dims or "num_layers" not in dims or (
+                context and "num_heads" not in dims):
             raise ValueError(
-                "A model axis needs the model's hidden_dim and num_layers to estimate its "
-                "activation all-reduces; this cost model states neither (give it a config "
-                "with them), or plan a mesh without a model axis.")
-        local_batch = global_batch_size / (d * f)
-        activation = local_batch * sequence_length * dims["hidden_dim"] * compute_bytes
+                "A model or seq axis needs the model's hidden_dim and num_layers (and, for "
+                "seq, num_heads) to estimate its activation traffic; this cost model states "
+                "them not (give it a config with them), or plan a mesh without those axes.")
+    if tensor:
+        activation = local_batch * sequence_length / s * dims["hidden_dim"] * compute_bytes
         out["all-reduce"] += (4 * dims["num_layers"] + 2) * 2 * _ring(m) * activation
+    if context:
+        for kind, n in _context_bytes(dims, s, m, local_batch, sequence_length, compute_bytes,
+                                      context_parallel).items():
+            out[kind] = out.get(kind, 0.0) + n
     return {k: v for k, v in out.items() if v > 0}
+
+
+def _context_bytes(dims, s, m, local_batch, length, value_bytes, variant) -> dict[str, float]:
+    """Keys and values crossing the seq axis per step (all layers), by collective kind."""
+    heads = dims["num_heads"]
+    kv_heads = dims.get("num_key_value_heads") or heads
+    width = kv_heads / m * (dims["hidden_dim"] // heads)  # K/m heads of H per token
+    layers = dims["num_layers"]
+    if variant == "ring":  # kdist.parallel.context.cost.ring_bytes, for every layer
+        block = local_batch * length / s * width
+        return {"collective-permute": layers * (4 * (s - 1) * block * value_bytes
+                                                + 2 * s * block * 4)}
+    gathered = local_batch * length * width * value_bytes  # one layer's keys (or values)
+    return {"all-gather": layers * 2 * _ring(s) * gathered,
+            "reduce-scatter": layers * 2 * _ring(s) * gathered}
 
 
 def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
              *, precision: str = "float32", remat: bool = False, grad_accum: int = 1,
-             pipeline_microbatches: int | None = None, pipeline_repeats: int = 1) -> dict:
+             context_parallel: str = "all_gather", pipeline_microbatches: int | None = None,
+             pipeline_repeats: int = 1) -> dict:
     """Analytic per-device bytes (weights, optimizer, gradients, activations) of a model on
     a mesh. ``model`` is anything :func:`cost_model_of` reads. Weights are float32 (mixed
     precision keeps float32 variables); activations use the compute dtype (the cost
     model's ``activation_bytes_per_token``); gradient accumulation adds a float32
-    accumulator per weight. A ``stage`` axis: :func:`kdist.planning.stages.memory` (blocks
-    split over stages, the schedule's bubble and buffers, the head on every stage).
+    accumulator per weight. A ``seq`` axis keeps ``1/seq`` of each sequence's tokens per
+    device, and no ``T x T`` attention scores (an online softmax: the cost model's bytes at
+    length 1, where its only length-dependent term vanishes), plus, with
+    ``context_parallel="all_gather"``, every layer's gathered keys and values. A ``stage``
+    axis: :func:`kdist.planning.stages.memory` (blocks split over stages, the schedule's
+    bubble and buffers, the head on every stage).
 
     Example:
         >>> e = estimate("gpt2-small", {"data": 1, "fsdp": 8, "model": 1}, 64, 1024)
@@ -201,13 +242,22 @@ def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_
     shards = mesh.get("fsdp", 1) * mesh.get("model", 1)
     weights = cost.parameters * 4 / shards
     micro_batch = global_batch_size / grad_accum / (mesh.get("data", 1) * mesh.get("fsdp", 1))
-    per_token = cost.activation_bytes_per_token(sequence_length, compute_bytes(precision),
+    s, value_bytes = mesh.get("seq", 1), compute_bytes(precision)
+    per_token = cost.activation_bytes_per_token(sequence_length if s == 1 else 1, value_bytes,
                                                 remat)
+    activations = micro_batch * sequence_length / s * per_token / mesh.get("model", 1)
+    if s > 1 and context_parallel == "all_gather":
+        dims = dimensions(model)
+        kv = dims.get("num_key_value_heads") or dims["num_heads"]
+        kept = 1 if remat else dims["num_layers"]
+        head_dim = dims["hidden_dim"] // dims["num_heads"]
+        activations += (kept * micro_batch * sequence_length * 2 * kv / mesh.get("model", 1)
+                        * head_dim * value_bytes)
     out = {
         "parameters": weights,
         "optimizer_state": 2 * weights + (weights if grad_accum > 1 else 0),
         "gradients": weights,
-        "activations": micro_batch * sequence_length * per_token / mesh.get("model", 1),
+        "activations": activations,
     }
     out["total"] = sum(out.values())
     return out

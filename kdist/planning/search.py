@@ -1,4 +1,4 @@
-"""Choosing a mesh: every (data, fsdp, model) mesh a model and batch allow, ranked by the
+"""Choosing a mesh: every (data, fsdp, seq, model) mesh a model and batch allow, ranked by the
 analytic memory and communication of :mod:`.estimate` (``--mesh auto``). Meshes are full
 axis dicts (:func:`kdist.parallel.mesh.full_mesh`); axes not searched have size 1.
 
@@ -45,19 +45,26 @@ def mesh_devices(spec: str, available: int) -> int:
 
 
 def candidate_meshes(num_devices: int, model: Any, global_batch_size: int,
-                     grad_accum: int = 1) -> list[dict[str, int]]:
-    """Every (data, fsdp, model) mesh over ``num_devices`` that the model and batch allow.
+                     grad_accum: int = 1,
+                     sequence_length: int | None = None) -> list[dict[str, int]]:
+    """Every (data, fsdp, seq, model) mesh over ``num_devices`` that the model and batch allow.
 
     ``model`` (anything :func:`~kdist.planning.estimate.cost_model_of` reads, or None for
     no model constraint): the ``model`` axis must divide its heads, MLP width and
     vocabulary, the ``fsdp`` axis its hidden size; a model that states no dimensions gets
-    no ``model`` axis.
+    no ``model`` axis. A ``seq`` axis (context parallelism) is a candidate when
+    ``sequence_length`` is given, the model states its heads, and the axis divides the
+    sequence (``2 x seq`` for causal models, whose layout is load-balanced).
 
     Example:
         >>> [m["model"] for m in candidate_meshes(4, None, 8)]
         [1, 1, 1, 2, 2, 4]
+        >>> [mesh_spec(m) for m in candidate_meshes(8, "gpt-nano", 1, sequence_length=64)]
+        ['seq=8', 'seq=4,model=2', 'seq=2,model=4']
     """
     dims = dimensions(model) if model is not None else None
+    causal = getattr(cost_model_of(model).flops_per_token(sequence_length or 1), "causal",
+                     True) if model is not None else True
     out = []
     for m in range(1, num_devices + 1):
         if num_devices % m:
@@ -66,16 +73,26 @@ def candidate_meshes(num_devices: int, model: Any, global_batch_size: int,
                 "hidden_dim" not in dims or "num_layers" not in dims
                 or any(dims.get(k) and dims[k] % m for k in SPLIT_BY_MODEL_AXIS)):
             continue
-        for f in range(1, num_devices // m + 1):
-            if (num_devices // m) % f:
-                continue
-            d = num_devices // (m * f)
-            if (global_batch_size // grad_accum) % (d * f) or global_batch_size % grad_accum:
-                continue
-            if dims and f > 1 and dims.get("hidden_dim") and dims["hidden_dim"] % f:
-                continue
-            out.append(full_mesh({"data": d, "fsdp": f, "model": m}))
+        for s in _seq_sizes(num_devices // m, dims, sequence_length, causal):
+            rest = num_devices // (m * s)
+            for f in range(1, rest + 1):
+                if rest % f:
+                    continue
+                d = rest // f
+                if (global_batch_size // grad_accum) % (d * f) or global_batch_size % grad_accum:
+                    continue
+                if dims and f > 1 and dims.get("hidden_dim") and dims["hidden_dim"] % f:
+                    continue
+                out.append(full_mesh({"data": d, "fsdp": f, "seq": s, "model": m}))
     return out
+
+
+def _seq_sizes(devices: int, dims, sequence_length, causal) -> list[int]:
+    if not sequence_length or dims is None or not dims.get("num_heads"):
+        return [1]
+    unit = 2 if causal else 1
+    return [s for s in range(1, devices + 1)
+            if devices % s == 0 and sequence_length % (unit * s if s > 1 else 1) == 0]
 
 
 def pipeline_meshes(num_devices: int, model: Any, global_batch_size: int,
@@ -107,16 +124,18 @@ def pipeline_meshes(num_devices: int, model: Any, global_batch_size: int,
 
 def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_size: int,
                 sequence_length: int, *, precision: str = "float32", remat: bool = False,
-                grad_accum: int = 1, pipeline_microbatches: int | None = None,
+                grad_accum: int = 1, context_parallel: str = "all_gather",
+                pipeline_microbatches: int | None = None,
                 pipeline_repeats: int = 1) -> tuple[dict[str, int], list[dict], str]:
     """The mesh that fits in memory with the least communication per step (analytic).
 
     ``model`` is a preset name, a task, a cost model (or a GPT config dict); see
     :func:`~kdist.planning.estimate.cost_model_of`. Returns ``(mesh, table, why)``: the
     table has one row per candidate (estimated bytes, wire bytes, ranking cost, fits).
-    Communication is ranked with tensor parallelism's activation all-reduces counted twice
-    (they sit on the critical path; the gradient all-reduce and the weight all-gathers
-    overlap with compute); ties go to fewer ``model`` shards. Only if no such mesh fits are
+    Communication is ranked with tensor parallelism's activation all-reduces and the keys
+    and values crossing a ``seq`` axis counted twice (they sit on each layer's critical
+    path; the gradient all-reduce and the weight all-gathers overlap with compute); ties go
+    to fewer ``model`` shards, then fewer ``seq`` shards. Only if no such mesh fits are
     pipelines considered (:func:`pipeline_meshes`, with ``pipeline_microbatches`` and
     ``pipeline_repeats``): the one that fits with the smallest bubble, then the least
     communication. If nothing fits, the candidate with the least memory is returned and
@@ -136,27 +155,30 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     schedule = dict(pipeline_microbatches=pipeline_microbatches,
                     pipeline_repeats=pipeline_repeats)
 
-    def wire(mesh):
+    def wire(mesh, activations=True):
         return sum(theoretical_collective_bytes(
-            dims_source, mesh, micro, sequence_length, value_bytes, **schedule).values()
+            dims_source, mesh, micro, sequence_length, value_bytes,
+            context_parallel=context_parallel, activations=activations, **schedule).values()
         ) * grad_accum
 
     def row(mesh):
         memory = estimate(cost, mesh, global_batch_size, sequence_length, precision=precision,
-                          remat=remat, grad_accum=grad_accum, **schedule)["total"]
+                          remat=remat, grad_accum=grad_accum, context_parallel=context_parallel,
+                          **schedule)["total"]
         comm = wire(mesh)
-        # Tensor parallelism's activation all-reduces sit on the critical path (each layer
-        # waits for them); gradient all-reduces and weight all-gathers overlap with compute.
-        # So its bytes weigh double when ranking.
-        tp = comm - wire({**mesh, "model": 1}) / mesh["model"]
-        stages = mesh.get("stage", 1)
+        # Tensor parallelism's activation all-reduces and context parallelism's keys and
+        # values sit on the critical path (each layer waits for them); gradient all-reduces
+        # and weight all-gathers overlap with compute. So their bytes weigh double when
+        # ranking.
+        critical = comm - wire(mesh, activations=False)
+        stages = mesh["stage"]
         bubble = bubble_fraction(stages, pipeline_microbatches or stages, pipeline_repeats)
         return {"mesh": mesh_spec(mesh), "memory": memory, "wire_bytes": comm,
-                "cost": comm + max(0.0, tp), "fits": memory <= budget, "bubble": bubble,
+                "cost": comm + max(0.0, critical), "fits": memory <= budget, "bubble": bubble,
                 "_mesh": mesh}
 
     rows = [row(m) for m in candidate_meshes(num_devices, dims_source, global_batch_size,
-                                             grad_accum)]
+                                             grad_accum, sequence_length)]
     if not any(r["fits"] for r in rows):  # then a pipeline, if one fits
         rows += [row(m) for m in pipeline_meshes(num_devices, dims_source, global_batch_size,
                                                  grad_accum, pipeline_microbatches,
@@ -168,11 +190,13 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
             f"Use a global batch that is a multiple of {num_devices}.")
     fitting = [r for r in rows if r["fits"]]
     if fitting:
-        best = min(fitting, key=lambda r: (r["bubble"], r["cost"], r["_mesh"]["model"]))
+        best = min(fitting, key=lambda r: (r["bubble"], r["cost"], r["_mesh"]["model"],
+                                           r["_mesh"]["seq"]))
         why = (f"{best['mesh']}: fits ({format_bytes(best['memory'])} estimated of "
                f"{format_bytes(budget)} usable per device) with the least communication "
-               f"({format_bytes(best['wire_bytes'])} per device per step; tensor-parallel "
-               f"bytes weigh double) of the {len(fitting)} fitting meshes out of {len(rows)}")
+               f"({format_bytes(best['wire_bytes'])} per device per step; tensor- and "
+               f"context-parallel bytes weigh double) of the {len(fitting)} fitting meshes "
+               f"out of {len(rows)}")
         if best["bubble"]:
             why += (f"; no mesh without a pipeline fits, so it has the smallest bubble "
                     f"({best['bubble']:.0%} of the iterations)")
