@@ -154,9 +154,11 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int, length: int | None 
         return None  # one device, or already per device (kdist.parallel.reduction)
     shape = dist.mesh_shape
     replicas = tuple(a for a in REPLICA_AXES if shape[a] > 1)
-    model = "model" if shape["model"] > 1 else None
+    model = dist.mesh_axis_for("vocab")  # the table's vocabulary axis: model (or stage)
+    if model == "stage" and vocabulary % shape["stage"]:
+        model = None  # the layout's fallback does not apply: the table is replicated
     fsdp = "fsdp" if shape["fsdp"] > 1 else None
-    if batch % dist.num_model_replicas or vocabulary % shape["model"] or (
+    if batch % dist.num_model_replicas or vocabulary % shape[model or "model"] or (
             fsdp and hidden_dim % shape["fsdp"]):
         raise ValueError(
             f"Fused cross-entropy on mesh {dist.spec}: the batch ({batch}) must divide by "

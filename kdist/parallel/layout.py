@@ -22,6 +22,7 @@ from keras.distribution import DeviceMesh, LayoutMap, ModelParallel, TensorLayou
 
 from kdist import _keras_compat
 from kdist.parallel import auto, rules
+from kdist.parallel import stages as stages_lib
 from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, device_grid, mesh_spec, parse_mesh
 
 # Weights with at most this many elements may have no logical axes and are then
@@ -35,7 +36,6 @@ GRADIENT_REDUCTIONS = (None, "float32", "bfloat16")
 # that builds an axis removes its entry.
 _NOT_BUILT = {
     "replica": "infrequent-sync replica groups (kdist.parallel.replicas)",
-    "stage": "pipeline stages (kdist.parallel.pipeline)",
 }
 # How attention crosses a sequence split over `seq` (kdist.parallel.context).
 CONTEXT_PARALLEL = ("all_gather", "ring")
@@ -78,11 +78,16 @@ class KdistDistribution(ModelParallel):
     def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True,
                  auto_shard: bool = False, allow_replicated: Sequence[str] = (),
                  gradient_reduction: str | None = None,
+                 pipeline_microbatches: int | None = None, pipeline_repeats: int = 1,
                  context_parallel: str = "all_gather", load_balance: bool = True):
         # Before Keras' __init__, which reads num_model_replicas when there are several
         # processes.
         self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
         self.gradient_reduction = gradient_reduction
+        # The stage axis' schedule (kdist.parallel.pipeline): microbatches per step and
+        # circular repeats; checked by distribution().
+        self.pipeline_microbatches = pipeline_microbatches
+        self.pipeline_repeats = pipeline_repeats
         self.context_parallel = context_parallel
         self.load_balance = load_balance
         super().__init__(layout_map=LayoutMap(device_mesh), batch_dim_name="data",
@@ -101,8 +106,11 @@ class KdistDistribution(ModelParallel):
         return mesh_spec(self.mesh_shape)
 
     def mesh_axis_for(self, logical_axis: str | None) -> str | None:
-        """The mesh axis a logical axis is sharded over here, or None if replicated."""
+        """The mesh axis a logical axis is sharded over here, or None if replicated (its
+        rule's axis, else its fallback's: ``rules.FALLBACK_MESH``)."""
         mesh_axis = rules.LOGICAL_TO_MESH.get(logical_axis)
+        if mesh_axis is not None and self.mesh_shape[mesh_axis] == 1:
+            mesh_axis = rules.FALLBACK_MESH.get(logical_axis)
         if mesh_axis is None or self.mesh_shape[mesh_axis] == 1:
             return None
         return mesh_axis
@@ -141,6 +149,9 @@ class KdistDistribution(ModelParallel):
         axes = []
         for dim, (logical_axis, size) in enumerate(zip(logical, shape)):
             mesh_axis = self.mesh_axis_for(logical_axis)
+            if mesh_axis is not None and size % self.mesh_shape[mesh_axis] and \
+                    rules.FALLBACK_MESH.get(logical_axis) == mesh_axis:
+                mesh_axis = None  # a fallback that does not divide: replicated, as without
             if mesh_axis is not None and size % self.mesh_shape[mesh_axis]:
                 n = self.mesh_shape[mesh_axis]
                 raise ValueError(
@@ -171,6 +182,8 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                  auto_shard_dataset: bool = False, auto_shard: bool = False,
                  allow_replicated: Sequence[str] = (),
                  gradient_reduction: str | None = None,
+                 pipeline_microbatches: int | None = None,
+                 pipeline_repeats: int = 1,
                  context_parallel: str = "all_gather",
                  load_balance: bool = True) -> KdistDistribution:
     """Builds the Keras distribution for a mesh spec over all (or the given) devices.
@@ -187,6 +200,11 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     as a reduce-scatter over ``fsdp`` and an all-reduce over ``data``, in that type
     (:mod:`kdist.parallel.reduction`; meshes without ``model``, no dropout); None leaves the
     reductions to XLA.
+    ``pipeline_microbatches`` and ``pipeline_repeats`` shape the schedule of a ``stage``
+    axis (``"stage=4,fsdp=2"``: :mod:`kdist.parallel.pipeline`): each replica group's batch
+    is cut into that many microbatches (default: one per stage; at least one per stage),
+    and each device holds ``pipeline_repeats`` non-adjacent stages (circular repeats: the
+    bubble falls from ``(S-1)/(M+S-1)`` to ``(S-1)/(R M+S-1)``).
 
     A ``seq`` axis splits every sequence's tokens (context parallelism,
     :mod:`kdist.parallel.context`): ``context_parallel="all_gather"`` (default) gathers
@@ -223,12 +241,37 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
             f"gradient_reduction={gradient_reduction!r} covers the data and fsdp axes; mesh "
             f"'{spec}' has a model axis of {sizes['model']}. Use a mesh without 'model' or "
             f"gradient_reduction=None (XLA places the reductions).")
+    microbatches = _pipeline_settings(spec, sizes, gradient_reduction, pipeline_microbatches,
+                                      pipeline_repeats)
     grid = device_grid(devices, sizes)
     mesh = DeviceMesh(shape=grid.shape, axis_names=MESH_AXES, devices=grid)
     return KdistDistribution(mesh, auto_shard_dataset=auto_shard_dataset,
                              auto_shard=auto_shard, allow_replicated=allow_replicated,
                              gradient_reduction=gradient_reduction,
+                             pipeline_microbatches=microbatches,
+                             pipeline_repeats=pipeline_repeats,
                              context_parallel=context_parallel, load_balance=load_balance)
+
+
+def _pipeline_settings(spec, sizes, gradient_reduction, microbatches, repeats):
+    """The checked microbatch count of a mesh's ``stage`` axis (the pipeline's own
+    checks), refusing what the pipeline does not combine with."""
+    stages = sizes.get("stage", 1)
+    if stages == 1 and microbatches not in (None, 1):
+        raise ValueError(f"pipeline_microbatches={microbatches!r} needs a 'stage' mesh axis of "
+                         f"size > 1; mesh '{spec}' has none. Add e.g. 'stage=2' to the spec, "
+                         f"or leave pipeline_microbatches out.")
+    if stages > 1 and sizes.get("replica", 1) > 1:  # (seq with stage: refused above)
+        raise ValueError(
+            f"Mesh '{spec}' combines the 'stage' axis with 'replica', a combination the "
+            f"pipeline is not built or tested for. Put those devices on data, fsdp or model.")
+    if stages > 1 and gradient_reduction:
+        raise ValueError(
+            f"gradient_reduction={gradient_reduction!r} is not built for the 'stage' axis of "
+            f"mesh '{spec}' (the pipeline's schedule runs per stage; the explicit reduction "
+            f"runs per data x fsdp device). Use gradient_reduction=None (XLA places the "
+            f"reductions) with a pipeline.")
+    return stages_lib.check_settings(stages, microbatches, repeats)
 
 
 def active() -> KdistDistribution | None:
