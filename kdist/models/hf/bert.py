@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from kdist.models.hf.stacked import StackedMap, stacked_map
 from kdist.models.hf.tensors import Split, TensorMap, Transpose
 
 MODEL_TYPE = "bert"
@@ -115,8 +116,11 @@ def hf_config(config: dict, paths: set[str]) -> dict:
     return out
 
 
-def tensor_map(path: str, config: dict) -> TensorMap | None:
+def tensor_map(path: str, config: dict) -> TensorMap | StackedMap | None:
     """The HF tensor (and steps) a kdist BERT weight path comes from; None if none."""
+    stacked = stacked_map(path, config, tensor_map)  # blocks/...: every layer's tensors
+    if stacked is not None:
+        return stacked
     d, v = config["hidden_dim"], config["vocabulary_size"]
     linear = (Transpose((1, 0)),)
     layer_path, _, param = path.rpartition("/")

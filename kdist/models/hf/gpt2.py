@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 
+from kdist.models.hf.stacked import StackedMap, stacked_map
 from kdist.models.hf.tensors import Pad, Split, TensorMap, Transpose
 
 MODEL_TYPE = "gpt2"
@@ -96,8 +97,11 @@ def hf_config(config: dict) -> dict:
     }
 
 
-def tensor_map(path: str, config: dict) -> TensorMap | None:
+def tensor_map(path: str, config: dict) -> TensorMap | StackedMap | None:
     """The HF tensor (and steps) a kdist GPT weight path comes from; None if none."""
+    stacked = stacked_map(path, config, tensor_map)  # blocks/...: every layer's tensors
+    if stacked is not None:
+        return stacked
     d, v = config["hidden_dim"], config["vocabulary_size"]
     multiple = config["vocabulary_divisible_by"]
     rows = -(-v // multiple) * multiple  # the token table, padded

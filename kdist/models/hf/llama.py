@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+from kdist.models.hf.stacked import StackedMap, stacked_map
 from kdist.models.hf.tensors import Pad, Split, TensorMap, Transpose
 from kdist.models.rope import LLAMA3_FIELDS
 
@@ -112,8 +113,11 @@ def hf_config(config: dict) -> dict:
     }
 
 
-def tensor_map(path: str, config: dict) -> TensorMap | None:
+def tensor_map(path: str, config: dict) -> TensorMap | StackedMap | None:
     """The HF tensor (and steps) a kdist Llama-style GPT weight path comes from."""
+    stacked = stacked_map(path, config, tensor_map)  # blocks/...: every layer's tensors
+    if stacked is not None:
+        return stacked
     d, v = config["hidden_dim"], config["vocabulary_size"]
     multiple = config["vocabulary_divisible_by"]
     rows = -(-v // multiple) * multiple
