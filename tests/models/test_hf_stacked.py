@@ -134,7 +134,7 @@ def test_each_device_reads_only_its_own_layers_boxes(checkpoints):
     keras.distribution.set_distribution(kdist.distribution(mesh, **options))
     lm = GPTCausalLM.from_pretrained(directory, dropout=0.0)  # stacked by default
     assert lm.backbone.scan_layers
-    config = {**lm.backbone.full_config(lm.backbone.get_config())}
+    config = lm.backbone.full_config(lm.backbone.get_config())
     query = next(w for w in lm.weights if w.path == "blocks/attention/query/kernel")
     tensor_map = stacked.fitted(gpt2.tensor_map(query.path, config), query.shape)
     assert isinstance(tensor_map, stacked.StackedMap) and tensor_map.lead == (2, 2)
@@ -178,3 +178,25 @@ def test_stacked_export_writes_per_layer_tensors_and_reloads_unstacked(
     written = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
     layers = [int(k.split(".")[2]) for k in written if k.startswith("transformer.h.")]
     assert layers == sorted(layers) and len(set(layers)) == 4
+
+
+def test_a_stacked_model_names_each_bad_layer_tensor_before_reading(checkpoints, tmp_path,
+                                                                   monkeypatch):
+    _, tensors = checkpoints["gpt2"]
+    bad = dict(tensors)
+    del bad["transformer.h.3.mlp.c_fc.bias"]
+    bad["transformer.h.2.attn.c_proj.weight"] = np.zeros((64, 32), "float32")
+    write_checkpoint(tmp_path, "gpt2", tensors=bad, **LAYERS["gpt2"])
+    keras.distribution.set_distribution(kdist.distribution(*PIPELINE_REPEATS[:1],
+                                                           **PIPELINE_REPEATS[1]))
+    with counting_reads(monkeypatch) as counts, pytest.raises(ValueError) as error:
+        GPTCausalLM.from_pretrained(tmp_path)
+    message = str(error.value)
+    assert "tensor 'transformer.h.3.mlp.c_fc.bias' (256,) (for 'blocks/mlp/up/bias') is " \
+           "missing" in message
+    assert "tensor 'transformer.h.2.attn.c_proj.weight' has shape (64, 32) in the checkpoint " \
+           "but this model needs (64, 64) (for 'blocks/attention/attention_output/kernel' " \
+           "(2, 2, 4, 16, 64))" in message
+    assert not counts  # refused before a value was read
+    with pytest.raises(ValueError, match="has no gpt2 tensor .* fused_qkv=True"):
+        GPTCausalLM.from_pretrained(checkpoints["gpt2"][0], fused_qkv=True)  # still refused
