@@ -200,3 +200,15 @@ def test_a_stacked_model_names_each_bad_layer_tensor_before_reading(checkpoints,
     assert not counts  # refused before a value was read
     with pytest.raises(ValueError, match="has no gpt2 tensor .* fused_qkv=True"):
         GPTCausalLM.from_pretrained(checkpoints["gpt2"][0], fused_qkv=True)  # still refused
+
+
+@pytest.mark.slow  # a pipelined training step compiles: ~29 s on 2 busy cores
+def test_hf_weights_fine_tune_under_a_pipeline(checkpoints):
+    # The user's path: a stage mesh, the model stacked by default, the checkpoint's dropout.
+    keras.distribution.set_distribution(kdist.distribution("stage=2,fsdp=4"))
+    lm = GPTCausalLM.from_pretrained(checkpoints["gpt2"][0])
+    assert lm.backbone.scan_layers and lm.backbone.dropout == 0.1
+    lm.compile(optimizer=kdist.optim.adamw(1e-3, warmup_steps=1, decay_steps=4))
+    x = np.random.default_rng(0).integers(0, 300, (8, 17)).astype("int32")
+    losses = [float(lm.train_on_batch(x[:, :-1], x[:, 1:])) for _ in range(3)]
+    assert np.isfinite(losses).all() and losses[2] < losses[0]
