@@ -13,6 +13,9 @@ their TensorFlow-era names ``gamma``/``beta``. The pooler and the task heads may
 (``BertForMaskedLM`` saves no pooler): those kdist weights then keep their initialisation,
 with a warning. Tensors of heads kdist does not build (next-sentence prediction) and the
 tied decoder copies are left unread.
+
+A stacked weight (``scan_layers=True``) maps to every layer's tensor through
+:func:`~kdist.models.hf.stacked.stacked_map` and :func:`block_tensor_map`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ input and are cut from the logits, and export drops them again. The output head 
 
 Keys are read with or without the ``transformer.`` prefix (``GPT2LMHeadModel`` writes it,
 the original ``gpt2`` upload and ``GPT2Model`` do not).
+
+A stacked weight (``scan_layers=True``) maps to every layer's tensor through
+:func:`~kdist.models.hf.stacked.stacked_map` and :func:`block_tensor_map`.
 """
 
 from __future__ import annotations

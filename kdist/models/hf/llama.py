@@ -9,6 +9,9 @@ needed. ``rope_scaling`` of type ``llama3`` (3.1, 3.2) becomes kdist's ``rope_sc
 ``rms_norm_eps`` the norms' epsilon; ``tie_word_embeddings`` whether ``lm_head.weight`` is
 read. Keys are read with or without the ``model.`` prefix (``LlamaForCausalLM`` /
 ``LlamaModel``).
+
+A stacked weight (``scan_layers=True``) maps to every layer's tensor through
+:func:`~kdist.models.hf.stacked.stacked_map` and :func:`block_tensor_map`.
 """
 
 from __future__ import annotations
