@@ -45,6 +45,9 @@ RUNS = [
     ("gpt2-medium", "batch 64", {}, {}, 64),
     ("gpt2-small", "table unpadded (50257 rows)", {"vocabulary_divisible_by": 1}, {}, 32),
     ("gpt2-medium", "table unpadded (50257 rows)", {"vocabulary_divisible_by": 1}, {}, 16),
+    # Scanned layer stack (one block compiled, lax.scan over stacked weights): tokens/s and
+    # wall_s (compile included) against the default row. Figure still to take on a GPU.
+    ("gpt2-medium", "scan_layers", {"scan_layers": True}, {}, 16),
 ]
 # Context parallelism (--context; needs 2 or more GPUs): one long sequence split over all
 # of them, both attention variants. Figure still to take: tokens/s, MFU and peak memory of

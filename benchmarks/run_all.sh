@@ -27,6 +27,8 @@ run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/mesh_step_time.py --out
 run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/communication.py
 run env XLA_FLAGS="$HOST8" NPROC=32 "$PYTHON" benchmarks/memory.py
 run "$PYTHON" benchmarks/gradient_reduction.py
+run "$PYTHON" benchmarks/pipeline.py bubble
+run "$PYTHON" benchmarks/pipeline.py compile   # gpt2-xl: minutes, ~7 GB peak
 run "$PYTHON" benchmarks/context_length.py
 run "$PYTHON" benchmarks/context_length.py --step-time 4096 --rounds 5
 run "$PYTHON" benchmarks/hf_loading.py

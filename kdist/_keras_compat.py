@@ -304,3 +304,24 @@ def step_function(model, step):
     ``fit``: ``(state, iterator)``, ``steps_per_execution`` steps per call
     (``JAXTrainer._make_function``)."""
     return model._make_function(step)
+
+
+def forget_uninitialized(variables) -> None:
+    """Drops ``variables`` from the list of variables a ``StatelessScope(
+    initialize_variables=False)`` left to initialise later (``global_state`` attribute
+    ``uninitialized_variables``), so they are never allocated; any other pending variable
+    stays. For a layer built only as a template (``kdist.models.scan.LayerStack``)."""
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError as e:
+        raise _missing("keras.src.backend.common.global_state", e) from e
+    ids = {id(v) for v in variables}
+    pending = global_state.get_global_attribute("uninitialized_variables") or []
+    global_state.set_global_attribute("uninitialized_variables",
+                                      [v for v in pending if id(v) not in ids])
+
+
+def variable_initializer(variable):
+    """The initializer a variable was (or will be) initialised with (``Variable.
+    _initializer``; None once a Keras variable holds its value and drops it)."""
+    return getattr(variable, "_initializer", None)

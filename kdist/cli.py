@@ -73,7 +73,9 @@ def _run_plan(args: argparse.Namespace) -> int:
                   device_memory=args.device_memory, devices=jax.devices()[:wanted],
                   verify=not args.no_verify, model_overrides=overrides,
                   context_parallel=args.context_parallel,
-                  load_balance=not args.no_load_balance)
+                  load_balance=not args.no_load_balance,
+                  pipeline_microbatches=args.pipeline_microbatches,
+                  pipeline_repeats=args.pipeline_repeats)
     print(result.report())
     if args.json:
         Path(args.json).write_text(json.dumps(result.as_dict(), indent=2, default=str))
@@ -99,6 +101,10 @@ def add_plan_parser(subparsers) -> None:
                    choices=["float32", "f32", "bf16", "bfloat16"])
     p.add_argument("--remat", default="none", choices=["none", "block"])
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--pipeline-microbatches", type=int, default=None,
+                   help="with a stage axis: microbatches per step (default: one per stage)")
+    p.add_argument("--pipeline-repeats", type=int, default=1,
+                   help="with a stage axis: circular repeats (stages per device)")
     p.add_argument("--device-memory", default=None,
                    help="per device, e.g. 80GiB (default: the device's own)")
     p.add_argument("--devices", type=int, default=None,

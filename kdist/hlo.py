@@ -18,10 +18,13 @@ execution of the instruction:
   This is the figure to compare strategies with, and the one
   :func:`kdist.planning.theoretical_collective_bytes` predicts.
 
-A collective inside a loop body runs once per iteration: each instruction carries
-``executions``, the product of the ``known_trip_count`` of the ``while`` loops around it
-(1 outside any loop, or when XLA did not infer the count), and the summary counts and adds
-every execution (``lax.scan`` over layers, or over ring-attention steps).
+A collective inside a loop body runs once per iteration: :func:`executions` reads how
+often each computation runs (a ``while`` body: its ``known_trip_count``; nested loops
+multiply), and each :class:`Collective` carries that count, which
+:func:`summarize_collectives` multiplies in — a scanned layer stack's per-layer all-gathers,
+a pipeline's per-iteration ``collective-permute``, a ring attention's per-step key/value
+blocks. :func:`matmul_flops` counts the program's matmul FLOPs the same way: XLA's own
+``cost_analysis()`` counts a loop body once.
 """
 
 from __future__ import annotations
@@ -147,51 +150,6 @@ def replica_groups(line: str, num_devices: int | None = None) -> tuple | None:
     return None
 
 
-# A computation's header: `%name (params) -> shape {` (`ENTRY %name ...` for the entry).
-_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$",
-                          re.MULTILINE)
-_CALLEE = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation"
-                     r"|branch_computations)=\{?%?([\w.\-]+)")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-
-
-def loop_executions(hlo_text: str) -> list[tuple[int, int, int]]:
-    r"""``(start, end, executions)`` of every computation in HLO text: how many times it runs
-    per run of the entry computation (a ``while`` body its trip count times its caller's).
-
-    Example:
-        >>> text = ('%body (p: f32[]) -> f32[] {\n}\n'
-        ...         'ENTRY %main (x: f32[]) -> f32[] {\n'
-        ...         '  %w = f32[] while(%x), body=%body, '
-        ...         'backend_config={"known_trip_count":{"n":"7"}}\n}')
-        >>> [n for _, _, n in loop_executions(text)]
-        [7, 1]
-    """
-    headers = list(_COMPUTATION.finditer(hlo_text))
-    spans, calls, entry = {}, {}, None
-    for i, m in enumerate(headers):
-        end = headers[i + 1].start() if i + 1 < len(headers) else len(hlo_text)
-        spans[m.group("name")] = (m.start(), end)
-        entry = m.group("name") if m.group("entry") else entry
-        for line in hlo_text[m.end():end].splitlines():
-            trips = _TRIP_COUNT.search(line) if " while(" in line else None
-            for callee in _CALLEE.findall(line):
-                is_body = trips and f"body=%{callee}" in line or f"body={callee}" in line
-                calls.setdefault(callee, []).append(
-                    (m.group("name"), int(trips.group(1)) if trips and is_body else 1))
-    memo: dict[str, int] = {}
-
-    def executions(name: str, seen=()) -> int:
-        if name == entry or name not in calls or name in seen:
-            return 1
-        if name not in memo:
-            memo[name] = sum(executions(caller, (*seen, name)) * n
-                             for caller, n in calls[name])
-        return memo[name]
-
-    return [(start, end, executions(name)) for name, (start, end) in spans.items()]
-
-
 def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
     """Every collective instruction in optimized HLO text, with its bytes per device.
 
@@ -204,7 +162,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         ('all-gather', 128.0, 4, 96.0)
     """
     found = []
-    spans = loop_executions(hlo_text)
+    runs, headers = executions(hlo_text), _headers(hlo_text)
     for m in _INSTRUCTION.finditer(hlo_text):
         line_end = hlo_text.find("\n", m.end())
         line = hlo_text[m.start(): line_end if line_end >= 0 else len(hlo_text)]
@@ -227,15 +185,15 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         else:
             wire = (n - 1) / n * size
         op = re.search(r'op_name="([^"]*)"', line)
-        runs = next((k for start, end, k in spans if start <= m.start() < end), 1)
         found.append(Collective(m.group("name"), kind, size, n, wire, op.group(1) if op else "",
-                                runs, replica_groups(line, num_devices)))
+                                runs.get(_computation_at(headers, m.start()), 1),
+                                replica_groups(line, num_devices)))
     return found
 
 
 def summarize_collectives(collectives: Iterable[Collective]) -> dict[str, dict[str, float]]:
-    """Executions, logical bytes and ring wire bytes per collective kind (kinds with none
-    omitted), every execution of an instruction in a loop counted.
+    """Count, logical bytes and ring wire bytes per collective kind (kinds with none
+    omitted), each instruction counted as often as it runs (``executions``).
 
     Example:
         >>> text = "%ar = f32[10]{0} all-reduce(%x), replica_groups=[1,2]<=[2], to_apply=%add"
@@ -249,3 +207,119 @@ def summarize_collectives(collectives: Iterable[Collective]) -> dict[str, dict[s
         row["bytes"] += c.bytes * c.executions
         row["wire_bytes"] += c.wire_bytes * c.executions
     return {k: out[k] for k in COLLECTIVE_KINDS if k in out}
+
+
+# --- Computations, loops and matmul FLOPs ------------------------------------------------
+
+_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\((?P<params>.*)\)\s+->"
+                     r".*\{\s*$", re.MULTILINE)
+_CALLS = re.compile(r"\b(?P<how>calls|to_apply|body|condition|true_computation|"
+                    r"false_computation)=%?(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[a-z][a-z0-9]*"
+                         r"\[[\d,]*\])", re.MULTILINE)
+_PARAM = re.compile(r"(?P<name>[\w.\-]+):\s*(?P<shape>[a-z][a-z0-9]*\[[\d,]*\])")
+_DOT = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*[a-z][a-z0-9]*\[(?P<dims>[\d,]*)\]\S*\s+"
+                  r"dot\(%?(?P<lhs>[\w.\-]+),", re.MULTILINE)
+
+
+def _headers(text: str) -> list[tuple[int, str, bool]]:
+    """``(offset, name, is_entry)`` of every computation header, in order."""
+    return [(m.start(), m.group("name"), bool(m.group("entry"))) for m in _HEADER.finditer(text)]
+
+
+def _computation_at(headers, offset: int) -> str | None:
+    name = None
+    for start, header, _ in headers:
+        if start > offset:
+            break
+        name = header
+    return name
+
+
+def _bodies(text: str, headers) -> dict[str, str]:
+    ends = [start for start, _, _ in headers[1:]] + [len(text)]
+    return {name: text[start:end] for (start, name, _), end in zip(headers, ends)}
+
+
+def executions(hlo_text: str) -> dict[str, int]:
+    """How many times each computation of an HLO module runs per execution of its entry:
+    a ``while`` body its trip count (``known_trip_count``, which XLA records for ``scan``
+    loops; 1 if unknown) times its caller's; fusions, reductions and branches their
+    caller's count (a branch as if taken: an upper bound).
+
+    Example:
+        >>> text = ('ENTRY %main (p: f32[]) -> f32[] {\\n  %w = (s32[]) while(%t), condition=%c, '
+        ...         'body=%b, backend_config={"known_trip_count":{"n":"7"}}\\n}\\n'
+        ...         '%b (q: (s32[])) -> (s32[]) {\\n}\\n')
+        >>> executions(text)["b"]
+        7
+    """
+    headers = _headers(hlo_text)
+    bodies = _bodies(hlo_text, headers)
+    callers: dict[str, list[tuple[str, int]]] = {}
+    for caller, body in bodies.items():
+        for line in body.splitlines()[1:]:
+            trip = _TRIP.search(line)
+            for m in _CALLS.finditer(line):
+                weight = int(trip.group(1)) if (trip and m.group("how") == "body") else 1
+                callers.setdefault(m.group("name"), []).append((caller, weight))
+            for m in _BRANCHES.finditer(line):
+                for name in re.findall(r"%?([\w.\-]+)", m.group("names")):
+                    callers.setdefault(name, []).append((caller, 1))
+    entry = next((name for _, name, is_entry in headers if is_entry), None)
+    memo: dict[str, int] = {}
+
+    def count(name, seen=()):
+        if name not in memo:
+            if name == entry or name not in callers:
+                memo[name] = 1
+            else:
+                memo[name] = sum(count(c, seen + (name,)) * w
+                                 for c, w in callers[name] if c not in seen)
+        return memo[name]
+
+    return {name: count(name) for name in bodies}
+
+
+def matmul_flops(hlo_text: str, in_loops_only: bool = False, per_iteration: bool = True
+                 ) -> float:
+    """The matmul FLOPs of an optimized HLO module (``dot`` instructions: ``2 x result
+    elements x contracted size``), each counted as often as it runs (:func:`executions`).
+    On a CPU-compiled program this is every matmul; a GPU program's cuBLAS calls are
+    ``custom-call``\\ s, not counted here. ``in_loops_only``: only those in computations
+    that run more than once (a scanned layer stack, a pipeline's schedule);
+    ``per_iteration=False``: each counted once, as XLA's ``cost_analysis()`` does.
+
+    Example:
+        >>> text = ("ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {\\n"
+        ...         "  ROOT %d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, "
+        ...         "rhs_contracting_dims={0}\\n}\\n")
+        >>> matmul_flops(text)
+        128.0
+    """
+    headers = _headers(hlo_text)
+    runs = executions(hlo_text)
+    total = 0.0
+    for name, body in _bodies(hlo_text, headers).items():
+        if in_loops_only and runs.get(name, 1) <= 1:
+            continue
+        shapes = {m.group("name"): m.group("shape") for m in _PARAM.finditer(
+            body.splitlines()[0])}
+        shapes.update({m.group("name"): m.group("shape") for m in _DEFINITION.finditer(body)})
+        for m in _DOT.finditer(body):
+            line = body[m.start(): body.find("\n", m.end())]
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+            lhs = _dims(shapes.get(m.group("lhs"), ""))
+            if lhs is None or contracting is None:
+                continue
+            k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
+            result = math.prod(int(d) for d in m.group("dims").split(",") if d)
+            total += 2.0 * result * k * (runs.get(name, 1) if per_iteration else 1)
+    return total
+
+
+def _dims(shape: str) -> list[int] | None:
+    m = re.match(r"[a-z][a-z0-9]*\[([\d,]*)\]", shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else None

@@ -24,6 +24,7 @@ import numbers
 import keras
 
 from kdist import _keras_compat
+from kdist.models import stacking
 
 # Variable names (the last path component) that get no weight decay.
 NO_DECAY_NAMES = ("bias", "gamma", "beta", "embeddings")
@@ -34,9 +35,19 @@ NO_DECAY_NAMES = ("bias", "gamma", "beta", "embeddings")
 class AdamW(keras.optimizers.AdamW):
     """``keras.optimizers.AdamW`` whose schedule counts optimizer updates, not micro-batches.
 
+    Its slots of a scanned layer stack load from a ``.keras`` file saved under other
+    circular pipeline repeats (``(L, ...)`` vs ``(R, L / R, ...)``): the same values, viewed
+    with the stack's current shape.
+
     Example:
         >>> opt = AdamW(learning_rate=warmup_cosine(1.0, 10, 100), gradient_accumulation_steps=4)
     """
+
+    def load_own_variables(self, store):
+        if len(store.keys()) == len(self.variables):
+            store = {str(i): stacking.reviewed(store[str(i)], v.shape)
+                     for i, v in enumerate(self.variables)}
+        super().load_own_variables(store)
 
 
 def _check_number(name: str, value, low: float, high: float = math.inf,

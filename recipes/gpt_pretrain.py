@@ -14,6 +14,7 @@ With --grad-accum N, each step is N micro-batches of 16 / N sequences: same toke
     python recipes/gpt_pretrain.py --mesh data=2,fsdp=2,model=2 --steps 100
     python recipes/gpt_pretrain.py --mesh replica=2,data=4 --sync-every 50   # DiLoCo
     python recipes/gpt_pretrain.py --gradient-reduction float8 --error-feedback
+    python recipes/gpt_pretrain.py --mesh stage=4,fsdp=2 --pipeline-microbatches 8
     python recipes/gpt_pretrain.py --preset llama-nano --document-mask
     python recipes/gpt_pretrain.py --preset gpt2-small --sequence-length 1024 --precision bfloat16
     python recipes/gpt_pretrain.py --mesh seq=8 --context-parallel ring --global-batch-size 1 \
@@ -107,6 +108,12 @@ def parse_args(argv=None):
                    help="DiLoCo's outer Nesterov momentum, in [0, 1) (paper: 0.9)")
     p.add_argument("--grad-accum", type=positive_int("--grad-accum", 2), default=1,
                    help="micro-batches per step")
+    p.add_argument("--pipeline-microbatches",
+                   type=positive_int("--pipeline-microbatches", 8), default=None,
+                   help="with a stage axis in --mesh: microbatches each step's batch is cut "
+                        "into (default: one per stage)")
+    p.add_argument("--pipeline-repeats", type=positive_int("--pipeline-repeats", 2), default=1,
+                   help="with a stage axis: circular repeats (non-adjacent stages per device)")
     p.add_argument("--learning-rate", type=positive_float("--learning-rate", 2e-3),
                    default=2e-3, help="peak, after warmup")
     p.add_argument("--warmup-steps", type=nonnegative_int("--warmup-steps", 30), default=30,
@@ -215,7 +222,9 @@ def main(argv=None):
             config, jax.device_count(), kdist.plan.default_device_memory(),
             args.global_batch_size, args.sequence_length, precision=precision,
             remat=args.remat, grad_accum=args.grad_accum,
-            context_parallel=args.context_parallel)
+            context_parallel=args.context_parallel,
+            pipeline_microbatches=args.pipeline_microbatches,
+            pipeline_repeats=args.pipeline_repeats)
         mesh = kdist.plan.mesh_spec(chosen)
         print(f"mesh auto: {why}")
     check_context(args, mesh, jax.device_count())
@@ -223,7 +232,8 @@ def main(argv=None):
         mesh, gradient_reduction=args.gradient_reduction, error_feedback=args.error_feedback,
         sync_every=args.sync_every, outer_learning_rate=args.outer_learning_rate,
         outer_momentum=args.outer_momentum, context_parallel=args.context_parallel,
-        load_balance=not args.no_load_balance))
+        load_balance=not args.no_load_balance, pipeline_microbatches=args.pipeline_microbatches,
+        pipeline_repeats=args.pipeline_repeats))
     keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
 
     micro_batch = args.global_batch_size // args.grad_accum

@@ -13,7 +13,7 @@ import pytest
 import kdist
 from kdist import hlo
 from kdist.models import BertBackbone, BertMaskedLM, GPTBackbone, GPTCausalLM
-from kdist.parallel import layout as layout_module
+from kdist.models.stacking import match_layer_layout, unstack_layer_weights
 from kdist.parallel.context import SequenceLayout
 from kdist.parallel.context import layer as context_layer
 from kdist.parallel.context.cost import ring_bytes
@@ -90,6 +90,31 @@ def _assert_same_training(model, batches, reference):
 def test_float32_parity(mesh, config, variant, reduction, references):
     model = _gpt(mesh, config, variant, gradient_reduction=reduction)
     _assert_same_training(model, _batches(config), references[config])
+
+
+def test_scanned_layer_stack_under_seq(references):
+    """A scanned stack (``scan_layers=True``: one block in a ``lax.scan``) splits the
+    sequence as unstacked blocks do: the split attention runs in the scan body, and the
+    losses and (unstacked) weights equal 1-device training of the unstacked model, started
+    from its initial weights (stacked by the converter)."""
+    initial = weights(_gpt(None, "llama-documents"))
+    keras.distribution.set_distribution(kdist.distribution("seq=4,data=2",
+                                                           context_parallel="ring"))
+    model = GPTCausalLM(GPTBackbone(**CONFIGS["llama-documents"], scan_layers=True))
+    values = match_layer_layout(initial, {w.path: w.shape for w in model.weights})
+    for w in model.weights:
+        w.assign(values[w.path])
+    ref_losses, ref_weights = references["llama-documents"]
+    split = mock.patch.object(context_layer, "local_attention",
+                              wraps=context_layer.local_attention)
+    with split as spy:
+        losses = train(model, _batches("llama-documents"))
+    assert spy.call_count >= 1  # traced once, in the scan body
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6, atol=0)
+    unstacked = unstack_layer_weights(weights(model))
+    assert sorted(unstacked) == sorted(ref_weights)
+    for path, value in ref_weights.items():
+        np.testing.assert_allclose(unstacked[path], value, rtol=0, atol=2e-6, err_msg=path)
 
 
 def test_bfloat16_parity():
@@ -208,12 +233,11 @@ def test_unsupported_combinations_are_refused():
         kdist.distribution("seq=8", context_parallel="ulysses")
     with pytest.raises(ValueError, match="load_balance must be True or False"):
         kdist.distribution("seq=8", load_balance="yes")
-    # Once stage and replica have transforms (out of _NOT_BUILT), seq with them is refused
-    # until the combination is built and tested.
-    with mock.patch.dict(layout_module._NOT_BUILT, clear=True):
-        for spec in ("seq=2,stage=2,fsdp=2", "seq=2,replica=2,fsdp=2"):
-            with pytest.raises(ValueError, match="'seq' axis has not been built or tested"):
-                kdist.distribution(spec)
+    # seq with stage or replica is refused until the combination is built and tested.
+    for spec, options in (("seq=2,stage=2,fsdp=2", {}),
+                          ("seq=2,replica=2,fsdp=2", {"sync_every": 10})):
+        with pytest.raises(ValueError, match="'seq' axis has not been built or tested"):
+            kdist.distribution(spec, **options)
 
     class Unsplit(GPTCausalLM):  # a task whose attention knows nothing of the split
         step_features = frozenset({"fused_loss"})

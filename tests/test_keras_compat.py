@@ -75,6 +75,23 @@ def test_abstract_variables_and_layouts():
     assert compat.variable_layout(layer.kernel) == "a layout"
 
 
+def test_forget_uninitialized_keeps_the_others_pending():
+    with keras.StatelessScope(initialize_variables=False):
+        template = keras.layers.Dense(4)
+        template.build((None, 3))
+        kept = keras.layers.Dense(2)
+        kept.build((None, 3))
+    assert isinstance(compat.variable_initializer(template.kernel),
+                      keras.initializers.GlorotUniform)
+    compat.forget_uninitialized(template.weights)
+    with keras.StatelessScope():  # its exit initialises what is still pending
+        pass
+    # Initialising drops the initializer; the forgotten variable still has it (never
+    # initialised, no memory).
+    assert compat.variable_initializer(kept.kernel) is None
+    assert compat.variable_initializer(template.kernel) is not None
+
+
 def test_pending_variables_are_initialised_once():
     with keras.StatelessScope(initialize_variables=False):
         layer = keras.layers.Dense(4, kernel_initializer="ones")

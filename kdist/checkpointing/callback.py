@@ -193,8 +193,8 @@ class Checkpoint(keras.callbacks.Callback):
             return 0
         step_dir, meta, values = newest_intact(self.directory, variables, candidates,
                                                explicit=step is not None)
-        for key, v in variables.items():
-            v.assign(values[key])
+        for key in values.keys() & variables.keys():  # seeds may not convert (layer_layout)
+            variables[key].assign(values[key])
         self._restored_metrics = {k: values[k] for k in variables if k.startswith("metrics.")}
         self.step = self.restored_step = int(meta["step"])
         data_step = meta.get("data_step")  # None: saved with data="restart"

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from kdist.checkpointing import layer_layout
 from kdist.checkpointing.format import ITEM_DIR, read_metadata
 
 
@@ -78,8 +79,21 @@ def all_finite(variables: dict[str, keras.Variable]) -> bool:
 
 
 def check_compatible(meta, variables, step_dir, keys=None) -> None:
-    """ValueError naming every variable whose shape differs, is missing or is extra."""
+    """ValueError naming every variable whose shape differs, is missing or is extra — other
+    than blocks stacked in one and unstacked in the other (``scan_layers``, pipelines),
+    which :mod:`.layer_layout` converts exactly."""
     saved = meta.get("variables", {})
+    try:
+        conversion = layer_layout.plan(saved, variables, keys or variables)
+    except ValueError:
+        conversion = None  # not a layout difference: the problems below say what
+    if conversion:
+        used = layer_layout.used_keys(conversion)
+        unread = [saved[k]["path"] for k in saved if k not in variables and k not in used
+                  and not k.startswith("rng.") and (keys is None or k.split(".")[0] in {
+                      x.split(".")[0] for x in keys})]
+        if not unread:
+            return
     problems = []
     for key in keys or variables:
         v = variables[key]
@@ -111,7 +125,15 @@ def read_arrays(step_dir, variables, keys):
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
     saved = read_metadata(step_dir)["variables"]
-    return restore_tree(step_dir, {k: target(variables[k]) for k in saved if k in keys})
+    direct = [k for k in keys if k in saved
+              and tuple(saved[k]["shape"]) == tuple(variables[k].shape)]
+    out = restore_tree(step_dir, {k: target(variables[k]) for k in direct}) if direct else {}
+    conversion = layer_layout.plan(saved, variables, keys)
+    if conversion:  # stacked <-> unstacked blocks (check_compatible allowed it)
+        layer_layout.warn_rng(saved, {k: variables[k] for k in keys})
+        out.update(layer_layout.read_converted(step_dir, saved, variables, conversion,
+                                               restore_tree))
+    return out
 
 
 def restore_tree(step_dir, tree):

@@ -14,7 +14,8 @@ from kdist.models.bert import (
     BertMaskedLM,
 )
 from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEmbedding
-from kdist.models.gpt import GPTBackbone, GPTCausalLM, GPTCostModel
+from kdist.models.gpt import GPTBackbone, GPTCausalLM
+from kdist.models.gpt_cost import GPTCostModel
 from kdist.models.presets import BERT_PRESETS, GPT_PRESETS
 from kdist.models.pretrained import load_backbone_weights
 

@@ -4,10 +4,10 @@
   ``get_config`` is Keras' own (name, trainable, dtype) plus every constructor argument,
   ``from_config`` its inverse, ``from_preset`` a shape from the family's ``presets`` table.
 * :class:`Task` — a backbone with a head and a loss. It *declares* the training-step
-  features it supports (``step_features``: ``"gradient_reduction"``, ``"fused_loss"``, read
-  by :mod:`kdist.parallel.step`, which never asks for a class), routes ``compile`` and
-  ``compute_loss_and_updates`` through that module, checks NumPy token ids before they
-  reach the device, and gives the family's :class:`CostModel`.
+  features it supports (``step_features``: ``"gradient_reduction"``, ``"fused_loss"``,
+  ``"pipeline"``, read by :mod:`kdist.parallel.step`, which never asks for a class), routes
+  ``compile`` and ``compute_loss_and_updates`` through that module, checks NumPy token ids
+  before they reach the device, and gives the family's :class:`CostModel`.
 * :class:`CostModel` — parameters, FLOPs per token and activation bytes per token of one
   family, for ``kdist.plan``, ``kdist.flops`` and the ``Throughput`` callback.
 """
@@ -172,7 +172,7 @@ class Task:
         >>> from kdist.models import GPTCausalLM
         >>> lm = GPTCausalLM.from_preset("gpt-nano", vocabulary_size=64, num_layers=1)
         >>> sorted(lm.step_features)
-        ['context_parallel', 'fused_loss', 'gradient_reduction', 'token_reordering']
+        ['context_parallel', 'fused_loss', 'gradient_reduction', 'pipeline', 'token_reordering']
     """
 
     backbone_class: ClassVar[type[Backbone]] = Backbone

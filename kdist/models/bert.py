@@ -27,6 +27,7 @@ from kdist.models.base import Backbone, CostModel, Task
 from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEmbedding
 from kdist.models.layers import NORM_AXES, PostNormBlock
 from kdist.models.presets import BERT_PRESETS
+from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import check_divisible
 from kdist.parallel.rules import add_weight, build_with_axes
@@ -73,6 +74,9 @@ class BertBackbone(Backbone, keras.Model):
             attention probabilities for the backward pass (``CausalSelfAttention``).
         mlp_activation: the encoder MLP's GELU: ``"gelu"`` (tanh approximation, kdist's
             default) or ``"gelu_exact"`` (erf: the original BERT and Hugging Face's).
+        scan_layers: the encoder blocks as one stacked, scanned ``LayerStack``
+            (``encoder_blocks/...``); None: when the distribution has a ``stage`` axis
+            (see ``GPTBackbone``).
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -104,6 +108,7 @@ class BertBackbone(Backbone, keras.Model):
         remat: bool = False,
         attention_chunk_size: int | None = None,
         mlp_activation: str = "gelu",
+        scan_layers: bool | None = None,
         **kwargs,
     ):
         if mlp_activation not in ("gelu", "gelu_exact"):
@@ -136,8 +141,10 @@ class BertBackbone(Backbone, keras.Model):
         self.embeddings_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="embeddings_norm")
         self.embeddings_dropout = Dropout(dropout, dtype=dtype, name="embeddings_dropout")
-        self.blocks = [
-            PostNormBlock(
+        scan_layers = stacking_default() if scan_layers is None else bool(scan_layers)
+
+        def block(name):
+            return PostNormBlock(
                 num_heads,
                 hidden_dim // num_heads,
                 intermediate_dim,
@@ -148,10 +155,12 @@ class BertBackbone(Backbone, keras.Model):
                 attention_chunk_size=attention_chunk_size,
                 mlp_activation=mlp_activation,
                 dtype=dtype,
-                name=f"encoder_block_{i}",
+                name=name,
             )
-            for i in range(num_layers)
-        ]
+
+        self.blocks = (
+            LayerStack(block("encoder_block"), num_layers, dtype=dtype, name="encoder_blocks")
+            if scan_layers else [block(f"encoder_block_{i}") for i in range(num_layers)])
         self.pooler = layers.Dense(hidden_dim, activation="tanh",
                                    kernel_initializer=_normal(initializer_range),
                                    dtype=dtype, name="pooler")
@@ -168,7 +177,7 @@ class BertBackbone(Backbone, keras.Model):
         x = x + self.segment_embedding(inputs["segment_ids"])  # + (B, T, D)
         x = self.embeddings_dropout(self.embeddings_norm(x))
         mask = PaddingMask(name="padding_attention_mask")(inputs["padding_mask"])  # (B,1,1,T)
-        for block in self.blocks:
+        for block in ([self.blocks] if scan_layers else self.blocks):
             x = block(x, attention_mask=mask)
         pooled = self.pooler(x[:, 0, :])  # (B, D): the [CLS] position
         super().__init__(
@@ -192,6 +201,7 @@ class BertBackbone(Backbone, keras.Model):
         self.remat = remat
         self.attention_chunk_size = attention_chunk_size
         self.mlp_activation = mlp_activation
+        self.scan_layers = scan_layers
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -249,8 +259,9 @@ class BertMaskedLM(Task, keras.Model):
 
     backbone_class = BertBackbone
     # No fused loss (the head is not tied-only); sequences split over seq (not reordered:
-    # attention is bidirectional, and mask_positions index the sequence).
-    step_features = frozenset({"gradient_reduction", "context_parallel"})
+    # attention is bidirectional, and mask_positions index the sequence); a pipelined
+    # encoder.
+    step_features = frozenset({"gradient_reduction", "context_parallel", "pipeline"})
     token_id_labels = True  # mask_ids are token ids
 
     def __init__(self, backbone: BertBackbone, check_token_ids: bool = False, **kwargs):
@@ -322,7 +333,7 @@ class BertClassifier(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    step_features = frozenset({"gradient_reduction", "context_parallel"})
+    step_features = frozenset({"gradient_reduction", "context_parallel", "pipeline"})
 
     def __init__(self, backbone: BertBackbone, num_classes: int,
                  classifier_dropout: float = 0.1, check_token_ids: bool = False, **kwargs):

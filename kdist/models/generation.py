@@ -33,6 +33,10 @@ class CachedGeneration:
         """
         b = self.backbone
         x = b.embed(token_ids, start_index=cache_index)
+        if getattr(b, "scan_layers", False):  # one scan over the stacked blocks
+            x, cache = b.blocks.call_with_cache(x, cache, cache_index)
+            logits = b.token_embedding(b.final_norm(x), reverse=True)
+            return ops.cast(logits, "float32"), cache
         caches = []
         for i, block in enumerate(b.blocks):
             x, layer_cache = block(x, cache=cache[:, i], cache_index=cache_index)

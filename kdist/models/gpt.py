@@ -3,7 +3,7 @@
 One model, configured: learned or rotary positions, LayerNorm or RMSNorm, GELU or SwiGLU
 MLP, multi-head or grouped-query attention, tied or untied output embedding, with or
 without biases, and optional document-aware attention over packed sequences. Its cost
-model is :class:`GPTCostModel`; generation is :mod:`kdist.models.generation`.
+model is :class:`~kdist.models.gpt_cost.GPTCostModel`; generation is :mod:`kdist.models.generation`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import keras
 import numpy as np
 from keras import layers, ops
 
-from kdist import _keras_compat, flops
+from kdist import _keras_compat
 from kdist.models import losses
-from kdist.models.base import Backbone, CostModel, Task
+from kdist.models.base import Backbone, Task
 from kdist.models.embeddings import PositionEmbedding, TokenEmbedding
 from kdist.models.generation import CachedGeneration
+from kdist.models.gpt_cost import GPTCostModel
 from kdist.models.layers import (
     NORM_AXES,
     PreNormBlock,
@@ -24,6 +25,7 @@ from kdist.models.layers import (
     normalization,
 )
 from kdist.models.presets import GPT_PRESETS
+from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import check_divisible, current_mesh_shape
 from kdist.parallel.rules import build_with_axes
@@ -88,6 +90,12 @@ class GPTBackbone(Backbone, keras.Model):
             50257 -> 50304: +10-19% tokens/s on an H200, ``benchmarks/README.md``), and a
             vocabulary with no divisor for the ``model`` axis can be sharded over it (use
             a multiple of that axis).
+        scan_layers: hold the blocks as one :class:`kdist.models.scan.LayerStack`: each
+            block weight stacked on a leading layer axis (``blocks/...`` of shape ``(L,
+            ...)`` instead of ``block_<i>/...``), the forward pass one ``lax.scan`` (XLA
+            compiles one block, not L), and the layers splittable into pipeline stages
+            (the ``stage`` mesh axis). None (default): stacked when the distribution has
+            a ``stage`` axis. ``kdist.models.stacking`` converts weights between the two.
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -127,6 +135,7 @@ class GPTBackbone(Backbone, keras.Model):
         vocabulary_divisible_by: int = 1,
         attention_chunk_size: int | None = None,
         rope_scaling: dict | None = None,
+        scan_layers: bool | None = None,
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -178,8 +187,10 @@ class GPTBackbone(Backbone, keras.Model):
             max_sequence_length, initializer_range, dtype=dtype, name="position_embedding"
         )
         self.embedding_dropout = Dropout(dropout, dtype=dtype, name="embedding_dropout")
-        self.blocks = [
-            PreNormBlock(
+        scan_layers = stacking_default() if scan_layers is None else bool(scan_layers)
+
+        def block(name):
+            return PreNormBlock(
                 num_heads,
                 head_dim,
                 intermediate_dim,
@@ -197,10 +208,11 @@ class GPTBackbone(Backbone, keras.Model):
                 attention_chunk_size=attention_chunk_size,
                 rope_scaling=rope_scaling if rotary else None,
                 dtype=dtype,
-                name=f"block_{i}",
+                name=name,
             )
-            for i in range(num_layers)
-        ]
+
+        self.blocks = (LayerStack(block("block"), num_layers, dtype=dtype, name="blocks")
+                       if scan_layers else [block(f"block_{i}") for i in range(num_layers)])
         self.final_norm = normalization(norm, layer_norm_epsilon, "final_norm", dtype)
         build_with_axes(self.final_norm, (None, None, hidden_dim), **NORM_AXES)
 
@@ -214,7 +226,7 @@ class GPTBackbone(Backbone, keras.Model):
         else:
             inputs = token_ids
         x = self.embed(token_ids, positions=positions)
-        for block in self.blocks:
+        for block in ([self.blocks] if scan_layers else self.blocks):
             x = block(x, segment_ids=segments, positions=positions if rotary else None)
         outputs = self.final_norm(x)
         super().__init__(inputs=inputs, outputs=outputs, dtype=dtype, **kwargs)
@@ -242,6 +254,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.vocabulary_divisible_by = vocabulary_divisible_by
         self.attention_chunk_size = attention_chunk_size
         self.rope_scaling = rope_scaling
+        self.scan_layers = scan_layers
 
     @property
     def head_dim(self) -> int:
@@ -299,7 +312,7 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
 
     backbone_class = GPTBackbone
     step_features = frozenset({"gradient_reduction", "fused_loss", "context_parallel",
-                               "token_reordering"})
+                               "token_reordering", "pipeline"})
     token_id_labels = True
 
     def __init__(self, backbone: GPTBackbone, loss_chunk_size: int | str | None = "auto",
@@ -383,68 +396,7 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
             >>> GPTCausalLM.cost_model_for(GPT_PRESETS["gpt2-small"]).parameters
             124475904
         """
-        return GPTCostModel(backbone_config)
-
-
-class GPTCostModel(CostModel):
-    """Parameters, FLOPs and activation bytes per token of a GPT (GPT-2 or Llama-style).
-
-    FLOPs: :func:`kdist.flops.transformer_flops_per_token` with causal attention
-    (``causal_half``: MaxText's half of ``T x T``, or nanoGPT's full matrix), the output
-    projection over the real vocabulary (padding rows not counted), a third MLP matmul for
-    SwiGLU, fewer key/value FLOPs for grouped-query attention.
-
-    Example:
-        >>> cost = GPTCostModel(GPT_PRESETS["gpt-nano"])
-        >>> round(cost.flops_per_token(256).training / 1e6, 1)
-        33.0
-    """
-
-    def __init__(self, backbone_config):
-        self.config = GPTBackbone.full_config(backbone_config)
-
-    @property
-    def parameters(self) -> int:
-        """Trainable parameters (exact), padding rows of the token table included."""
-        c = self.config
-        d, f, n = c["hidden_dim"], c["intermediate_dim"], c["num_heads"]
-        multiple = c["vocabulary_divisible_by"]
-        v = -(-c["vocabulary_size"] // multiple) * multiple  # token table rows
-        k = c["num_key_value_heads"] or n
-        h = d // n
-        bias = c["use_bias"]
-        gated = c["mlp_activation"] == "swiglu"
-        norm = 2 * d if c["norm"] == "layer_norm" else d
-        attention = d * (n + 2 * k) * h + n * h * d + (bias and (n + 2 * k) * h + d)
-        mlp = d * f * (3 if gated else 2) + (bias and f * (2 if gated else 1) + d)
-        blocks = c["num_layers"] * (attention + mlp + 2 * norm)
-        embeddings = v * d * (1 if c["tie_embeddings"] else 2)
-        positions = 0 if c["position_embedding"] == "rotary" else c["max_sequence_length"] * d
-        return int(blocks + embeddings + positions + norm)
-
-    def flops_per_token(self, sequence_length: int, causal_half: bool = True):
-        c = self.config
-        return flops.transformer_flops_per_token(
-            c["num_layers"], c["hidden_dim"], c["num_heads"], c["intermediate_dim"],
-            c["vocabulary_size"], sequence_length, num_kv_heads=c["num_key_value_heads"],
-            causal=True, causal_half=causal_half, gated_mlp=c["mlp_activation"] == "swiglu",
-            remat=bool(c["remat"]))
-
-    def activation_bytes_per_token(self, sequence_length: int, bytes_per_value: int = 4,
-                                   remat: bool = False) -> float:
-        """Per layer and token: block input and two norm outputs (3D), q/k/v (3D), attention
-        scores and probabilities (2NT; 2N with ``attention_chunk_size``), attention output
-        and projection (2D), MLP up and activation (2F, 3F gated), down (D). Once: float32
-        logits and their gradient (2V x 4). ``remat``: block inputs plus one block's."""
-        c = self.config
-        d, f, n, v = c["hidden_dim"], c["intermediate_dim"], c["num_heads"], c["vocabulary_size"]
-        gated = c["mlp_activation"] == "swiglu"
-        attention = 2 * n * (1 if c["attention_chunk_size"] else sequence_length)
-        per_layer = bytes_per_value * (9 * d + attention + (3 if gated else 2) * f)
-        logits = 2 * v * 4
-        if remat:
-            return c["num_layers"] * bytes_per_value * d + per_layer + logits
-        return c["num_layers"] * per_layer + logits
+        return GPTCostModel(GPTBackbone.full_config(backbone_config))
 
 
 def _is_default_loss(loss) -> bool:

@@ -163,16 +163,19 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int, length: int | None 
         return None  # already per device (kdist.parallel.reduction): model left to XLA
     # In a replica group's region (kdist.parallel.replicas) the others axes are its own.
     replicas = tuple(a for a in REPLICA_AXES if shape[a] > 1 and a not in manual)
-    model = "model" if shape["model"] > 1 else None
+    model = dist.mesh_axis_for("vocab")  # the table's vocabulary axis: model (or stage)
+    if model == "stage" and vocabulary % shape["stage"]:
+        model = None  # the layout's fallback does not apply: the table is replicated
     fsdp = "fsdp" if shape["fsdp"] > 1 else None
     rows = math.prod(shape[a] for a in replicas)
-    if batch % rows or vocabulary % shape["model"] or (fsdp and hidden_dim % shape["fsdp"]):
+    if batch % rows or vocabulary % shape[model or "model"] or (
+            fsdp and hidden_dim % shape["fsdp"]):
         raise ValueError(
             f"Fused cross-entropy on mesh {dist.spec}: the batch ({batch}) must divide by "
             f"{' x '.join(replicas) or 'one device'} ({rows}), the vocabulary ({vocabulary}) "
-            f"by model ({shape['model']}) and the hidden size ({hidden_dim}) by fsdp "
-            f"({shape['fsdp']}). Change the batch or the mesh, or build the model with "
-            f"loss_chunk_size=None."
+            f"by {model or 'model'} ({shape[model or 'model']}) and the hidden size "
+            f"({hidden_dim}) by fsdp ({shape['fsdp']}). Change the batch or the mesh, or build "
+            f"the model with loss_chunk_size=None."
         )
     seq = "seq" if shape.get("seq", 1) > 1 and length and length % shape["seq"] == 0 else None
     mesh = None if in_manual_region() else dist.device_mesh.backend_mesh  # None: context's

@@ -20,6 +20,8 @@ from pathlib import Path
 import keras
 import numpy as np
 
+from kdist.models.stacking import match_layer_layout
+
 
 def _source_weights(source: Path) -> dict[str, np.ndarray]:
     """``{weight path relative to the backbone: value}`` of the backbone saved at ``source``."""
@@ -52,6 +54,8 @@ def load_backbone_weights(model, source: str | os.PathLike) -> list[str]:
     """Copies the pretrained backbone weights at ``source`` into ``model.backbone``, exactly.
 
     ``model`` is a task model with a ``backbone`` (e.g. ``BertClassifier``) or a backbone.
+    Its blocks may be stacked (``scan_layers=True``, a pipeline) where the source's are not,
+    or the other way round: :mod:`kdist.models.stacking` converts them exactly.
     ``source`` is a ``.keras`` file of a model with a backbone of the same shape (e.g. a
     ``BertMaskedLM`` saved by ``recipes/bert_pretrain.py``) or the directory holding it as
     ``model.keras``. Every weight of the target backbone is matched by path; a missing weight
@@ -70,6 +74,10 @@ def load_backbone_weights(model, source: str | os.PathLike) -> list[str]:
     """
     backbone = getattr(model, "backbone", model)
     saved = _source_weights(Path(source))
+    try:  # blocks stacked in one and unstacked in the other (scan_layers): converted
+        saved = match_layer_layout(saved, {w.path: tuple(w.shape) for w in backbone.weights})
+    except ValueError:
+        pass  # another difference: named weight by weight below
     problems = []
     for weight in backbone.weights:
         if weight.path not in saved:

@@ -6,14 +6,17 @@
 ``layout``         the Keras distribution: a checked layout for every weight and the batch
 ``constraints``    activation sharding, gathered weights, the per-device (shard_map) region
 ``reduction``      explicit gradient reduction (one collective per weight)
+``pipeline``       the stage axis: a scanned layer stack's GPipe schedule, circular repeats
+``stages``         the pipeline's settings, checks and bubble (no JAX)
 ``step``           which step features run, asked of the model's declaration
 ``auto``           sharding by structure and shape for models without declarations
 ``report``         the coverage report
 ``devices``        forcing N host (CPU) devices, explicitly
 =================  ===========================================================================
 
-Dependencies point one way: mesh, rules <- auto <- layout <- constraints <- reduction <-
-step; report and devices on the side.
+Dependencies point one way: mesh, rules, stages <- auto <- layout <- constraints <-
+reduction <- step, and constraints <- pipeline (called by ``kdist.models.scan``); report and
+devices on the side.
 """
 
 from kdist.parallel.devices import force_host_devices

@@ -23,6 +23,7 @@ from keras.distribution import DeviceMesh, LayoutMap, ModelParallel, TensorLayou
 
 from kdist import _keras_compat
 from kdist.parallel import auto, rules
+from kdist.parallel import stages as stages_lib
 from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, device_grid, mesh_spec, parse_mesh
 
 # Weights with at most this many elements may have no logical axes and are then
@@ -31,12 +32,6 @@ REPLICATE_BELOW = 4096
 
 GRADIENT_REDUCTIONS = (None, "float32", "bfloat16", "float8", "int8")
 
-# Axes registered in kdist.parallel.mesh whose transform is not built yet: a size above 1
-# is refused (each device would silently compute what its neighbours compute). The module
-# that builds an axis removes its entry.
-_NOT_BUILT = {
-    "stage": "pipeline stages (kdist.parallel.pipeline)",
-}
 # How attention crosses a sequence split over `seq` (kdist.parallel.context).
 CONTEXT_PARALLEL = ("all_gather", "ring")
 
@@ -80,6 +75,7 @@ class KdistDistribution(ModelParallel):
                  gradient_reduction: str | None = None, error_feedback: bool = False,
                  sync_every: int | None = None, outer_learning_rate: float = 0.7,
                  outer_momentum: float = 0.9, outer_nesterov: bool = True,
+                 pipeline_microbatches: int | None = None, pipeline_repeats: int = 1,
                  context_parallel: str = "all_gather", load_balance: bool = True):
         # Before Keras' __init__, which reads num_model_replicas when there are several
         # processes.
@@ -91,6 +87,10 @@ class KdistDistribution(ModelParallel):
         self.outer_learning_rate = outer_learning_rate
         self.outer_momentum = outer_momentum
         self.outer_nesterov = outer_nesterov
+        # The stage axis' schedule (kdist.parallel.pipeline): microbatches per step and
+        # circular repeats; checked by distribution().
+        self.pipeline_microbatches = pipeline_microbatches
+        self.pipeline_repeats = pipeline_repeats
         self.context_parallel = context_parallel
         self.load_balance = load_balance
         super().__init__(layout_map=LayoutMap(device_mesh), batch_dim_name="data",
@@ -109,8 +109,11 @@ class KdistDistribution(ModelParallel):
         return mesh_spec(self.mesh_shape)
 
     def mesh_axis_for(self, logical_axis: str | None) -> str | None:
-        """The mesh axis a logical axis is sharded over here, or None if replicated."""
+        """The mesh axis a logical axis is sharded over here, or None if replicated (its
+        rule's axis, else its fallback's: ``rules.FALLBACK_MESH``)."""
         mesh_axis = rules.LOGICAL_TO_MESH.get(logical_axis)
+        if mesh_axis is not None and self.mesh_shape[mesh_axis] == 1:
+            mesh_axis = rules.FALLBACK_MESH.get(logical_axis)
         if mesh_axis is None or self.mesh_shape[mesh_axis] == 1:
             return None
         return mesh_axis
@@ -149,6 +152,9 @@ class KdistDistribution(ModelParallel):
         axes = []
         for dim, (logical_axis, size) in enumerate(zip(logical, shape)):
             mesh_axis = self.mesh_axis_for(logical_axis)
+            if mesh_axis is not None and size % self.mesh_shape[mesh_axis] and \
+                    rules.FALLBACK_MESH.get(logical_axis) == mesh_axis:
+                mesh_axis = None  # a fallback that does not divide: replicated, as without
             if mesh_axis is not None and size % self.mesh_shape[mesh_axis]:
                 n = self.mesh_shape[mesh_axis]
                 raise ValueError(
@@ -181,7 +187,8 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                  gradient_reduction: str | None = None,
                  error_feedback: bool = False, sync_every: int | None = None,
                  outer_learning_rate: float = 0.7, outer_momentum: float = 0.9,
-                 outer_nesterov: bool = True, context_parallel: str = "all_gather",
+                 outer_nesterov: bool = True, pipeline_microbatches: int | None = None,
+                 pipeline_repeats: int = 1, context_parallel: str = "all_gather",
                  load_balance: bool = True) -> KdistDistribution:
     """Builds the Keras distribution for a mesh spec over all (or the given) devices.
 
@@ -206,6 +213,12 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     communicating, then the groups average their parameter change and an outer SGD
     (``outer_learning_rate``, ``outer_momentum``, ``outer_nesterov``; the paper's 0.7, 0.9,
     Nesterov) moves the shared weights. A ``replica`` axis needs ``sync_every``.
+
+    ``pipeline_microbatches`` and ``pipeline_repeats`` shape the schedule of a ``stage``
+    axis (``"stage=4,fsdp=2"``: :mod:`kdist.parallel.pipeline`): each replica group's batch
+    is cut into that many microbatches (default: one per stage; at least one per stage),
+    and each device holds ``pipeline_repeats`` non-adjacent stages (circular repeats: the
+    bubble falls from ``(S-1)/(M+S-1)`` to ``(S-1)/(R M+S-1)``).
 
     A ``seq`` axis splits every sequence's tokens (context parallelism,
     :mod:`kdist.parallel.context`): ``context_parallel="all_gather"`` (default) gathers
@@ -242,11 +255,8 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     _check_replica_settings(spec, sizes, sync_every, outer_learning_rate, outer_momentum,
                             outer_nesterov)
     _check_untested_combinations(spec, sizes, gradient_reduction, sync_every)
-    for axis, what in _NOT_BUILT.items():
-        if sizes[axis] > 1:
-            raise ValueError(
-                f"Mesh spec {spec!r}: the '{axis}' axis ({what}) is not available in this "
-                f"version of kdist. Put those devices on data, fsdp or model instead.")
+    microbatches = _pipeline_settings(spec, sizes, gradient_reduction, pipeline_microbatches,
+                                      pipeline_repeats)
     grid = device_grid(devices, sizes)
     mesh = DeviceMesh(shape=grid.shape, axis_names=MESH_AXES, devices=grid)
     return KdistDistribution(mesh, auto_shard_dataset=auto_shard_dataset,
@@ -255,6 +265,8 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                              error_feedback=error_feedback, sync_every=sync_every,
                              outer_learning_rate=outer_learning_rate,
                              outer_momentum=outer_momentum, outer_nesterov=outer_nesterov,
+                             pipeline_microbatches=microbatches,
+                             pipeline_repeats=pipeline_repeats,
                              context_parallel=context_parallel, load_balance=load_balance)
 
 
@@ -293,6 +305,27 @@ def _check_replica_settings(spec, sizes, sync_every, learning_rate, momentum, ne
                          f"{momentum!r}.")
     if not isinstance(nesterov, bool):
         raise TypeError(f"outer_nesterov must be True or False; got {nesterov!r}.")
+
+
+def _pipeline_settings(spec, sizes, gradient_reduction, microbatches, repeats):
+    """The checked microbatch count of a mesh's ``stage`` axis (the pipeline's own
+    checks), refusing what the pipeline does not combine with."""
+    stages = sizes.get("stage", 1)
+    if stages == 1 and microbatches not in (None, 1):
+        raise ValueError(f"pipeline_microbatches={microbatches!r} needs a 'stage' mesh axis of "
+                         f"size > 1; mesh '{spec}' has none. Add e.g. 'stage=2' to the spec, "
+                         f"or leave pipeline_microbatches out.")
+    if stages > 1 and sizes.get("replica", 1) > 1:  # (seq with stage: refused above)
+        raise ValueError(
+            f"Mesh '{spec}' combines the 'stage' axis with 'replica', a combination the "
+            f"pipeline is not built or tested for. Put those devices on data, fsdp or model.")
+    if stages > 1 and gradient_reduction:
+        raise ValueError(
+            f"gradient_reduction={gradient_reduction!r} is not built for the 'stage' axis of "
+            f"mesh '{spec}' (the pipeline's schedule runs per stage; the explicit reduction "
+            f"runs per data x fsdp device). Use gradient_reduction=None (XLA places the "
+            f"reductions) with a pipeline.")
+    return stages_lib.check_settings(stages, microbatches, repeats)
 
 
 def active() -> KdistDistribution | None:

@@ -30,8 +30,16 @@ LOGICAL_TO_MESH: dict[str, str] = {
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
+    "layers": "stage",  # a scanned stack's layers: contiguous pipeline stages
 }
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "position", "norm")
+# "layers": the leading layer axis of a scanned stack's weights (kdist.models.scan).
+# Where a logical axis goes when its mesh axis above has size 1 (and the dimension divides):
+# without tensor parallelism the vocabulary (token table, output head) is split over the
+# pipeline stages, which all run the embedding and the head (kdist.parallel.pipeline): each
+# computes 1/S of the logits, and only activations cross between stages.
+FALLBACK_MESH: dict[str, str] = {"vocab": "stage"}
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "position", "norm",
+                "layers")
 
 Axes = tuple[str | None, ...]
 

@@ -12,7 +12,7 @@ reordered, before the loss runs either way.
 
 from __future__ import annotations
 
-from kdist.parallel import reduction, replicas
+from kdist.parallel import reduction, replicas, rules
 from kdist.parallel import train_step as stateful
 from kdist.parallel.context import step as context_step
 from kdist.parallel.layout import active
@@ -30,6 +30,9 @@ STEP_FEATURES = {
     "token_reordering": "every array of x, y and sample_weight whose axis 1 has the sequence "
                         "length holds one value per token, and the loss does not depend on "
                         "their order (load balancing reorders them; a causal model's)",
+    "pipeline": "its backbone holds its blocks as a scanned layer stack "
+                "(kdist.models.scan.LayerStack), which a 'stage' mesh axis splits into "
+                "pipeline stages (kdist.parallel.pipeline); nothing else is per layer",
 }
 
 
@@ -48,6 +51,8 @@ def requested_features() -> frozenset:
         features.add("gradient_reduction")
     if dist is not None and dist.mesh_shape.get("seq", 1) > 1:
         features.add("context_parallel")
+    if dist is not None and dist.mesh_shape.get("stage", 1) > 1:
+        features.add("pipeline")
     return frozenset(features)
 
 
@@ -66,6 +71,12 @@ def check_compile(model) -> None:
                 f"which {type(model).__name__} does not support (it does not declare the "
                 f"'context_parallel' step feature): each device would compute what its "
                 f"'seq' neighbours compute. Put those devices on data, fsdp or model.")
+        if feature == "pipeline" and not supports(model, feature):
+            raise ValueError(
+                f"The mesh '{dist.spec}' has a 'stage' axis (a pipeline), which "
+                f"{type(model).__name__} does not support (it does not declare the "
+                f"'pipeline' step feature): its layers would not be split into stages. Use a "
+                f"mesh without 'stage', or a kdist GPT or BERT task.")
         if not supports(model, feature):
             raise ValueError(
                 f"The distribution asks for {feature}={getattr(dist, feature)!r}, which "
@@ -90,6 +101,13 @@ def prepare(model) -> None:
         return
     if "gradient_reduction" in requested_features():
         reduction.check(dist, model)
+    if "pipeline" in requested_features() and not any(
+            "layers" in (rules.declared_axes(w) or ()) for w in model.weights):
+        raise ValueError(
+            f"The mesh '{dist.spec}' has a 'stage' axis, but no weight of "
+            f"{type(model).__name__} is stacked over layers, so nothing would be split into "
+            f"stages. Build the model after setting this distribution with scan_layers=True "
+            f"(or the default None, which stacks under a 'stage' axis).")
     if isinstance(model.optimizer, replicas.DiLoCo):
         if not model.optimizer.built:  # adds the residuals to its inner optimizer
             model.optimizer.build(model.trainable_variables)

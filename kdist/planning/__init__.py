@@ -34,6 +34,7 @@ import keras
 from kdist import hlo
 from kdist.parallel.mesh import mesh_spec, parse_mesh
 from kdist.planning import report as _report
+from kdist.planning import stages
 from kdist.planning.compile import (
     abstract_batch,
     build_abstract,
@@ -90,6 +91,8 @@ def plan(
     model_overrides: dict | None = None,
     auto_shard: bool = False,
     gradient_reduction: str | None = None,
+    pipeline_microbatches: int | None = None,
+    pipeline_repeats: int = 1,
     context_parallel: str = "all_gather",
     load_balance: bool = True,
 ) -> Plan:
@@ -120,6 +123,10 @@ def plan(
         gradient_reduction: the distribution's (``kdist.distribution``): None, ``"float32"``,
             ``"bfloat16"``, ``"float8"`` or ``"int8"`` (the theoretical minimum then counts
             one byte per gradient value, whatever the collectives' kinds).
+        pipeline_microbatches, pipeline_repeats: the distribution's, for a mesh with a
+            ``stage`` axis (:mod:`kdist.parallel.pipeline`); the plan then also reports the
+            bubble, each stage's share and the bytes between stages
+            (:mod:`kdist.planning.stages`).
         context_parallel, load_balance: the distribution's, for a mesh with a ``seq`` axis
             (``"all_gather"`` or ``"ring"``; load-balanced causal layout).
 
@@ -157,7 +164,8 @@ def plan(
         chosen, _, mesh_choice = choose_mesh(
             cost, len(devices), device_memory, global_batch_size, sequence_length,
             precision=policy, remat=remat, grad_accum=grad_accum,
-            context_parallel=context_parallel)
+            context_parallel=context_parallel,
+            pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats)
         mesh = mesh_spec(chosen)
     sizes = _check_mesh(mesh, devices, global_batch_size, grad_accum)
     if sizes["seq"] > 1 and sequence_length:  # before compiling: the layout's own check
@@ -171,7 +179,8 @@ def plan(
         fn = model_fn(remat) if isinstance(model, str) else model_fn
         return compile_plan(fn, sizes, devices, policy, global_batch_size // grad_accum,
                             sequence_length, grad_accum, optimizer or adamw, batch,
-                            auto_shard, gradient_reduction, context_parallel, load_balance)
+                            auto_shard, gradient_reduction, context_parallel, load_balance,
+                            pipeline=(pipeline_microbatches, pipeline_repeats))
 
     start = time.perf_counter()
     compiled, state, model_obj = run(sizes, remat, grad_accum)
@@ -179,6 +188,7 @@ def plan(
     if cost is None:
         cost = _task_cost_model(model_obj)
     num = math.prod(sizes.values())
+    schedule = (pipeline_microbatches, pipeline_repeats)
     result = Plan(
         config=dict(model=model_name, mesh=mesh, global_batch_size=global_batch_size,
                     sequence_length=sequence_length, precision=policy, remat=remat,
@@ -189,13 +199,17 @@ def plan(
         xla_memory=xla_memory(compiled),
         device_memory=device_memory,
         flops={"xla": xla_flops(compiled) * num * grad_accum,
+               "program": hlo.matmul_flops(compiled.as_text()) * num * grad_accum,
                "formula": _formula_flops(cost, global_batch_size, sequence_length, remat)},
         collectives=_collectives(compiled, num, grad_accum),
         theoretical_collectives=_theory(cost, sizes, global_batch_size // grad_accum,
                                         sequence_length, policy, gradient_reduction,
-                                        grad_accum, context_parallel),
+                                        grad_accum, context_parallel, schedule),
         compile_seconds=seconds,
         mesh_choice=mesh_choice,
+        pipeline=(stages.summary(cost, sizes, global_batch_size, sequence_length,
+                                 *schedule, compute_bytes(policy), grad_accum)
+                  if sizes.get("stage", 1) > 1 and cost is not None else None),
     )
     if suggest and not result.fits:
         result.suggestion = _report.suggest(
@@ -281,15 +295,16 @@ def _collectives(compiled, num, grad_accum) -> dict:
 
 
 def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, grad_accum,
-            context_parallel="all_gather"):
+            context_parallel="all_gather", schedule=(None, 1)):
     needs = {"hidden_dim", "num_layers"} | ({"num_heads"} if sizes["seq"] > 1 else set())
-    if cost is None or ((sizes["model"] > 1 or sizes["seq"] > 1)
+    if cost is None or ((sizes["model"] > 1 or sizes["seq"] > 1 or sizes["stage"] > 1)
                         and not needs <= set(dimensions(cost))):
         return {}
     theory = theoretical_collective_bytes(
         cost, sizes, micro, sequence_length, compute_bytes(policy),
         gradient_bytes={"bfloat16": 2, "float8": 1, "int8": 1}.get(gradient_reduction),
-        context_parallel=context_parallel)
+        context_parallel=context_parallel,
+        pipeline_microbatches=schedule[0], pipeline_repeats=schedule[1])
     return {k: v * grad_accum for k, v in theory.items()}
 
 

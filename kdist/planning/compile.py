@@ -154,11 +154,12 @@ def compile_train_step(model: keras.Model, x, y, dist: KdistDistribution | None)
 
 def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length, grad_accum,
                  optimizer_fn, batch, auto_shard=False, gradient_reduction=None,
-                 context_parallel="all_gather", load_balance=True):
+                 context_parallel="all_gather", load_balance=True, pipeline=(None, 1)):
     """Builds ``model_fn()`` abstractly under the mesh ``sizes`` and precision ``policy``,
     compiles it (``optimizer_fn()`` and sparse categorical cross-entropy on logits, unless
     it is compiled already) and compiles its train step on ``batch`` (default:
-    :func:`abstract_batch`). Returns ``(compiled, abstract_state, model)``.
+    :func:`abstract_batch`). ``pipeline``: the distribution's ``(pipeline_microbatches,
+    pipeline_repeats)``. Returns ``(compiled, abstract_state, model)``.
 
     A fresh Keras session is used (stable variable paths, the abstract model dropped
     afterwards); the caller's distribution and dtype policy are put back.
@@ -169,7 +170,8 @@ def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length,
     num = math.prod(sizes.values())
     dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard,
                          gradient_reduction=gradient_reduction,
-                         context_parallel=context_parallel, load_balance=load_balance)
+                         context_parallel=context_parallel, load_balance=load_balance,
+                         pipeline_microbatches=pipeline[0], pipeline_repeats=pipeline[1])
             if num > 1 else None)
     try:
         keras.config.set_dtype_policy(policy)
@@ -200,11 +202,18 @@ def xla_memory(compiled) -> dict[str, int]:
 
 
 def xla_flops(compiled) -> float:
-    """``cost_analysis()["flops"]`` of a compiled (per-device) program."""
+    """``cost_analysis()["flops"]`` of a compiled (per-device) program, with the matmuls of
+    loop bodies counted once per iteration: XLA counts a ``while`` body once, which for a
+    scanned layer stack or a pipeline's schedule leaves out most of the step
+    (``kdist.hlo.matmul_flops``; the loops' element-wise ops stay counted once)."""
+    from kdist import hlo
+
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
         cost = cost[0]
-    return float(cost.get("flops", 0.0))
+    text = compiled.as_text()
+    loops = hlo.matmul_flops(text) - hlo.matmul_flops(text, per_iteration=False)
+    return float(cost.get("flops", 0.0)) + loops
 
 
 def memory_breakdown(compiled, state) -> dict[str, float]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kdist.planning import stages
+
 # Transformer dimensions the tensor-parallel (``model``) axis splits; a cost model that
 # states them (through its ``config``) gets model-axis meshes in the search.
 SPLIT_BY_MODEL_AXIS = ("num_heads", "num_key_value_heads", "intermediate_dim",
@@ -124,7 +126,9 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
                                  parameter_bytes: int = 4,
                                  gradient_bytes: int | None = None,
                                  context_parallel: str = "all_gather",
-                                 activations: bool = True) -> dict[str, float]:
+                                 activations: bool = True,
+                                 pipeline_microbatches: int | None = None,
+                                 pipeline_repeats: int = 1) -> dict[str, float]:
     """The minimum ring wire bytes per device per step, by collective kind, for a strategy.
 
     ``model`` is anything :func:`cost_model_of` reads. With P the parameter bytes, d/f/m
@@ -146,12 +150,15 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
       ``2(s-1)`` blocks of ``T/s`` tokens forward, ``2(s-1)`` again and ``2s`` float32
       gradient blocks backward (:func:`kdist.parallel.context.cost.ring_bytes`), as
       collective-permutes. Tensor parallelism's all-reduces carry ``T/s`` tokens.
+    * stage (a pipeline of ``pipeline_microbatches`` and ``pipeline_repeats``): counted by
+      :func:`kdist.planning.stages.collectives` — activations between stages
+      (``collective-permute``), each stage's weights gathered once (``activations`` does
+      not apply).
 
     ``activations=False`` leaves out the model and seq axes' per-layer activation traffic
     (the weights' and gradients' only). Gradients are reduced in ``gradient_bytes`` per
     value (default: ``parameter_bytes``; 2 with ``gradient_reduction="bfloat16"``). Small
-    all-reduces (loss, gradient norm, softmax
-    statistics) are not counted.
+    all-reduces (loss, gradient norm, softmax statistics) are not counted.
 
     Example:
         >>> c = theoretical_collective_bytes("gpt-nano", {"data": 8}, 16, 256)
@@ -159,6 +166,12 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
         True
     """
     cost = cost_model_of(model)
+    if mesh.get("stage", 1) > 1:
+        dims = dimensions(model)
+        return stages.collectives(cost, mesh, global_batch_size, sequence_length,
+                                  compute_bytes, dims.get("hidden_dim", 0),
+                                  dims.get("num_layers", 0), pipeline_microbatches,
+                                  pipeline_repeats, parameter_bytes, gradient_bytes)
     d, f, m = mesh.get("data", 1), mesh.get("fsdp", 1), mesh.get("model", 1)
     s = mesh.get("seq", 1)
     p = cost.parameters * parameter_bytes
@@ -202,7 +215,8 @@ def _context_bytes(dims, s, m, local_batch, length, value_bytes, variant) -> dic
 
 def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
              *, precision: str = "float32", remat: bool = False, grad_accum: int = 1,
-             context_parallel: str = "all_gather") -> dict:
+             context_parallel: str = "all_gather", pipeline_microbatches: int | None = None,
+             pipeline_repeats: int = 1) -> dict:
     """Analytic per-device bytes (weights, optimizer, gradients, activations) of a model on
     a mesh. ``model`` is anything :func:`cost_model_of` reads. Weights are float32 (mixed
     precision keeps float32 variables); activations use the compute dtype (the cost
@@ -210,7 +224,9 @@ def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_
     accumulator per weight. A ``seq`` axis keeps ``1/seq`` of each sequence's tokens per
     device, and no ``T x T`` attention scores (an online softmax: the cost model's bytes at
     length 1, where its only length-dependent term vanishes), plus, with
-    ``context_parallel="all_gather"``, every layer's gathered keys and values.
+    ``context_parallel="all_gather"``, every layer's gathered keys and values. A ``stage``
+    axis: :func:`kdist.planning.stages.memory` (blocks split over stages, the schedule's
+    bubble and buffers, the head on every stage).
 
     Example:
         >>> e = estimate("gpt2-small", {"data": 1, "fsdp": 8, "model": 1}, 64, 1024)
@@ -218,6 +234,11 @@ def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_
         True
     """
     cost = cost_model_of(model)
+    if mesh.get("stage", 1) > 1:
+        return stages.memory(cost, mesh, global_batch_size, sequence_length,
+                             compute_bytes(precision), remat, grad_accum,
+                             pipeline_microbatches, pipeline_repeats,
+                             dimensions(model).get("hidden_dim"))
     shards = mesh.get("fsdp", 1) * mesh.get("model", 1)
     weights = cost.parameters * 4 / shards
     micro_batch = global_batch_size / grad_accum / (mesh.get("data", 1) * mesh.get("fsdp", 1))

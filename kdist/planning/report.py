@@ -19,6 +19,7 @@ from typing import Any
 
 from kdist import hlo
 from kdist.parallel.mesh import mesh_spec, parse_mesh
+from kdist.planning import stages
 from kdist.planning.compile import memory_breakdown
 from kdist.planning.units import USABLE_FRACTION, format_bytes
 
@@ -40,6 +41,7 @@ class Plan:
     compile_seconds: float
     mesh_choice: str | None = None
     suggestion: dict[str, Any] | None = None
+    pipeline: dict[str, Any] | None = None  # kdist.planning.stages.summary, with a stage axis
 
     @property
     def total(self) -> float:
@@ -67,6 +69,8 @@ class Plan:
         if self.mesh_choice:
             lines.append(f"mesh auto: {self.mesh_choice}")
         lines += self._memory_lines() + self._flops_lines() + self._collective_lines()
+        if self.pipeline:
+            lines += stages.report_lines(self.pipeline, format_bytes)
         lines.append(f"compile: {self.compile_seconds:.1f} s")
         return "\n".join(lines + self._verdict_lines())
 
@@ -86,8 +90,15 @@ class Plan:
 
     def _flops_lines(self) -> list[str]:
         f = self.flops
-        return [f"FLOPs per optimizer step: XLA {f['xla']:.4g}, formula {f['formula']:.4g} "
-                f"(XLA / formula {f['xla'] / f['formula']:.3f})"]
+        lines = [f"FLOPs per optimizer step: XLA {f['xla']:.4g}, formula {f['formula']:.4g} "
+                 f"(XLA / formula {f['xla'] / f['formula']:.3f}; loop bodies' matmuls counted "
+                 f"per iteration)"]
+        if f.get("program") and self.mesh.get("stage", 1) > 1:
+            lines.append(
+                f"  the pipelined program's matmuls: {f['program']:.4g} "
+                f"({f['program'] / f['formula']:.3f} x formula: the bubble computes on zeros). "
+                f"MFU uses the formula, the model's FLOPs")
+        return lines
 
     def _collective_lines(self) -> list[str]:
         if not self.collectives:

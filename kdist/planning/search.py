@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kdist.parallel.mesh import full_mesh, mesh_spec
+from kdist.parallel.stages import bubble_fraction
 from kdist.planning.estimate import (
     SPLIT_BY_MODEL_AXIS,
     compute_bytes,
@@ -94,10 +95,38 @@ def _seq_sizes(devices: int, dims, sequence_length, causal) -> list[int]:
             if devices % s == 0 and sequence_length % (unit * s if s > 1 else 1) == 0]
 
 
+def pipeline_meshes(num_devices: int, model: Any, global_batch_size: int,
+                    grad_accum: int = 1, microbatches: int | None = None,
+                    repeats: int = 1) -> list[dict[str, int]]:
+    """Every mesh with a ``stage`` axis (> 1) over ``num_devices`` that the model's layers
+    and the batch allow: stages divide the layers (x repeats), and each replica group's
+    micro-batch divides into the microbatches (default: one per stage).
+
+    Example:
+        >>> sorted({m["stage"] for m in pipeline_meshes(8, "gpt-nano", 16)})
+        [2, 4]
+    """
+    layers = dimensions(model).get("num_layers") if model is not None else None
+    out = []
+    for stages in range(2, num_devices + 1):
+        if num_devices % stages or not layers or layers % (stages * repeats):
+            continue
+        micro = microbatches or stages
+        if micro < stages:
+            continue
+        for mesh in candidate_meshes(num_devices // stages, model, global_batch_size,
+                                     grad_accum):
+            if (global_batch_size // grad_accum) % (mesh["data"] * mesh["fsdp"] * micro):
+                continue
+            out.append(full_mesh({**mesh, "stage": stages}))
+    return out
+
+
 def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_size: int,
                 sequence_length: int, *, precision: str = "float32", remat: bool = False,
-                grad_accum: int = 1,
-                context_parallel: str = "all_gather") -> tuple[dict[str, int], list[dict], str]:
+                grad_accum: int = 1, context_parallel: str = "all_gather",
+                pipeline_microbatches: int | None = None,
+                pipeline_repeats: int = 1) -> tuple[dict[str, int], list[dict], str]:
     """The mesh that fits in memory with the least communication per step (analytic).
 
     ``model`` is a preset name, a task, a cost model (or a GPT config dict); see
@@ -106,8 +135,11 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     Communication is ranked with tensor parallelism's activation all-reduces and the keys
     and values crossing a ``seq`` axis counted twice (they sit on each layer's critical
     path; the gradient all-reduce and the weight all-gathers overlap with compute); ties go
-    to fewer ``model`` shards, then fewer ``seq`` shards. If nothing fits, the
-    candidate with the least memory is returned and ``why`` says so.
+    to fewer ``model`` shards, then fewer ``seq`` shards. Only if no such mesh fits are
+    pipelines considered (:func:`pipeline_meshes`, with ``pipeline_microbatches`` and
+    ``pipeline_repeats``): the one that fits with the smallest bubble, then the least
+    communication. If nothing fits, the candidate with the least memory is returned and
+    ``why`` says so.
 
     Example:
         >>> mesh, _, why = choose_mesh("gpt-nano", 8, 2**34, 16, 256)
@@ -120,25 +152,37 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     value_bytes = compute_bytes(precision)
     micro = global_batch_size // grad_accum
 
+    schedule = dict(pipeline_microbatches=pipeline_microbatches,
+                    pipeline_repeats=pipeline_repeats)
+
     def wire(mesh, activations=True):
         return sum(theoretical_collective_bytes(
             dims_source, mesh, micro, sequence_length, value_bytes,
-            context_parallel=context_parallel, activations=activations).values()) * grad_accum
+            context_parallel=context_parallel, activations=activations, **schedule).values()
+        ) * grad_accum
 
-    rows = []
-    for mesh in candidate_meshes(num_devices, dims_source, global_batch_size, grad_accum,
-                                 sequence_length):
-        memory = estimate(cost, mesh, global_batch_size, sequence_length,
-                          precision=precision, remat=remat, grad_accum=grad_accum,
-                          context_parallel=context_parallel)["total"]
+    def row(mesh):
+        memory = estimate(cost, mesh, global_batch_size, sequence_length, precision=precision,
+                          remat=remat, grad_accum=grad_accum, context_parallel=context_parallel,
+                          **schedule)["total"]
         comm = wire(mesh)
         # Tensor parallelism's activation all-reduces and context parallelism's keys and
         # values sit on the critical path (each layer waits for them); gradient all-reduces
         # and weight all-gathers overlap with compute. So their bytes weigh double when
         # ranking.
-        tp = comm - wire(mesh, activations=False)
-        rows.append({"mesh": mesh_spec(mesh), "memory": memory, "wire_bytes": comm,
-                     "cost": comm + max(0.0, tp), "fits": memory <= budget, "_mesh": mesh})
+        critical = comm - wire(mesh, activations=False)
+        stages = mesh["stage"]
+        bubble = bubble_fraction(stages, pipeline_microbatches or stages, pipeline_repeats)
+        return {"mesh": mesh_spec(mesh), "memory": memory, "wire_bytes": comm,
+                "cost": comm + max(0.0, critical), "fits": memory <= budget, "bubble": bubble,
+                "_mesh": mesh}
+
+    rows = [row(m) for m in candidate_meshes(num_devices, dims_source, global_batch_size,
+                                             grad_accum, sequence_length)]
+    if not any(r["fits"] for r in rows):  # then a pipeline, if one fits
+        rows += [row(m) for m in pipeline_meshes(num_devices, dims_source, global_batch_size,
+                                                 grad_accum, pipeline_microbatches,
+                                                 pipeline_repeats)]
     if not rows:
         raise ValueError(
             f"No mesh over {num_devices} devices suits this model and a global batch of "
@@ -146,12 +190,16 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
             f"Use a global batch that is a multiple of {num_devices}.")
     fitting = [r for r in rows if r["fits"]]
     if fitting:
-        best = min(fitting, key=lambda r: (r["cost"], r["_mesh"]["model"], r["_mesh"]["seq"]))
+        best = min(fitting, key=lambda r: (r["bubble"], r["cost"], r["_mesh"]["model"],
+                                           r["_mesh"]["seq"]))
         why = (f"{best['mesh']}: fits ({format_bytes(best['memory'])} estimated of "
                f"{format_bytes(budget)} usable per device) with the least communication "
                f"({format_bytes(best['wire_bytes'])} per device per step; tensor- and "
                f"context-parallel bytes weigh double) of the {len(fitting)} fitting meshes "
                f"out of {len(rows)}")
+        if best["bubble"]:
+            why += (f"; no mesh without a pipeline fits, so it has the smallest bubble "
+                    f"({best['bubble']:.0%} of the iterations)")
     else:
         best = min(rows, key=lambda r: r["memory"])
         why = (f"no mesh fits {format_bytes(budget)} usable per device; {best['mesh']} needs "

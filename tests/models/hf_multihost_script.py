@@ -21,7 +21,7 @@ import keras
 import numpy as np
 from safetensors.numpy import load_file
 
-from kdist.models.hf import checkpoint
+from kdist.models.hf import checkpoint, stacked
 
 
 def main():
@@ -29,11 +29,12 @@ def main():
     p.add_argument("--mesh", required=True)
     p.add_argument("--source", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--scan-layers", action="store_true", help="load into a stacked model")
     args = p.parse_args()
     info = kdist.initialize(timeout=60)
     keras.distribution.set_distribution(kdist.distribution(args.mesh))
 
-    read = {"bytes": 0}
+    read = {"bytes": 0, "tensors": {}}
     original = checkpoint.HFCheckpoint.opened
 
     @contextlib.contextmanager
@@ -42,15 +43,17 @@ def main():
             def read_box(box):
                 values = reader(box)
                 read["bytes"] += values.nbytes
+                read["tensors"][name] = read["tensors"].get(name, 0) + values.nbytes
                 return values
             yield read_box
 
     checkpoint.HFCheckpoint.opened = counting
-    lm = kdist.models.GPTCausalLM.from_pretrained(args.source)
+    lm = kdist.models.GPTCausalLM.from_pretrained(args.source, scan_layers=args.scan_layers)
     stored = load_file(str(Path(args.source) / "model.safetensors"))
     worst = 0.0
     for weight in lm.weights:  # local shards against the stored tensors, exactly
-        tensor_map = kdist.models.hf.gpt2.tensor_map(weight.path, lm.backbone.get_config())
+        tensor_map = stacked.fitted(
+            kdist.models.hf.gpt2.tensor_map(weight.path, lm.backbone.get_config()), weight.shape)
         full = tensor_map.read(lambda key, box: stored[key][box])
         for shard in weight.value.addressable_shards:
             worst = max(worst, float(np.abs(np.asarray(shard.data) - full[shard.index]).max()))
@@ -58,7 +61,8 @@ def main():
     total = sum(v.nbytes for v in stored.values())
     (Path(args.out) / f"rank{info.process_index}.json").write_text(json.dumps(
         {"process_index": info.process_index, "local_devices": info.local_device_count,
-         "bytes_read": read["bytes"], "checkpoint_bytes": total, "worst_shard_error": worst}))
+         "bytes_read": read["bytes"], "tensors_read": read["tensors"],
+         "checkpoint_bytes": total, "worst_shard_error": worst}))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import itertools
 
 import numpy as np
 
+from kdist.models.hf.stacked import StackedMap
 from kdist.models.hf.tensors import Pad, Split, TensorMap, Transpose, assemble
 
 rng = np.random.default_rng(0)
@@ -71,3 +72,27 @@ def test_padded_tables_tied_and_untied():
     assert not full[7:].any() and full.shape == (16, 4)
     np.testing.assert_array_equal(check(head, wte), full.T)
     np.testing.assert_array_equal(head.to_hf(full.T), wte)
+
+
+def test_stacked_layers_read_box_by_box_in_the_stacks_order():
+    # (R, L / R, D, N, H) from L = 6 per-layer (N*H, D) tensors: layer r * 3 + j at [r, j].
+    hf = {f"h.{i}": rng.normal(size=(4 * 2, 5)) for i in range(6)}
+    layers = tuple(TensorMap(f"h.{i}", (8, 5), steps=(Transpose((1, 0)), Split(1, (4, 2))))
+                   for i in range(6))
+    for lead in ((6,), (2, 3)):
+        m = StackedMap(layers, lead)
+        want = np.stack([hf[f"h.{i}"].T.reshape(5, 4, 2) for i in range(6)]).reshape(
+            lead + (5, 4, 2))
+        np.testing.assert_array_equal(m.read(lambda key, box: hf[key][box]), want)
+        for box in boxes(m.shape, count=20) + [(slice(1, 1),) * len(lead)]:
+            reads = []
+
+            def reader(key, b, reads=reads):
+                reads.append(hf[key][b].size)
+                return np.array(hf[key][b])
+
+            np.testing.assert_array_equal(m.read(reader, box), want[box])
+            assert sum(reads) == want[box].size  # only the box, of only its layers
+        assert [a.tobytes() for a in m.to_hf(want)] == [hf[f"h.{i}"].tobytes() for i in range(6)]
+        assert m.layer_index(4) == ((4,) if lead == (6,) else (1, 1))
+    assert StackedMap(layers).viewed((2, 3, 5, 4, 2)).lead == (2, 3)

@@ -13,12 +13,16 @@ their TensorFlow-era names ``gamma``/``beta``. The pooler and the task heads may
 (``BertForMaskedLM`` saves no pooler): those kdist weights then keep their initialisation,
 with a warning. Tensors of heads kdist does not build (next-sentence prediction) and the
 tied decoder copies are left unread.
+
+A stacked weight (``scan_layers=True``) maps to every layer's tensor through
+:func:`~kdist.models.hf.stacked.stacked_map` and :func:`block_tensor_map`.
 """
 
 from __future__ import annotations
 
 import re
 
+from kdist.models.hf.stacked import StackedMap, stacked_map
 from kdist.models.hf.tensors import Split, TensorMap, Transpose
 
 MODEL_TYPE = "bert"
@@ -115,8 +119,11 @@ def hf_config(config: dict, paths: set[str]) -> dict:
     return out
 
 
-def tensor_map(path: str, config: dict) -> TensorMap | None:
+def tensor_map(path: str, config: dict) -> TensorMap | StackedMap | None:
     """The HF tensor (and steps) a kdist BERT weight path comes from; None if none."""
+    stacked = stacked_map(path, config, tensor_map)  # blocks/...: every layer's tensors
+    if stacked is not None:
+        return stacked
     d, v = config["hidden_dim"], config["vocabulary_size"]
     linear = (Transpose((1, 0)),)
     layer_path, _, param = path.rpartition("/")

@@ -11,11 +11,13 @@ Every header is known before any value (shapes and dtypes come from the variable
 file is streamed: its header first, then each tensor as it is gathered. A tensor is built
 from the kdist weights that map to it (GPT-2's ``c_attn`` from query, key and value),
 gathered from their shards; the host holds one HF tensor (and its parts) at a time, never
-the model. The safetensors package's writers take a complete ``{name: array}`` dict —
-the whole model in memory — which is why kdist writes the (documented, simple) format
-itself; files are written under temporary names and renamed when complete, the index and
-config last. With several processes every process takes part in each gather
-(``process_allgather``) and process 0 writes.
+the model. A stacked (``scan_layers``) weight is written as its layers' own tensors
+(``h.<i>...``), each gathered from its slice of the stack. The safetensors package's
+writers take a complete ``{name: array}`` dict — the whole model in memory — which is
+why kdist writes the (documented, simple) format itself; files are written under
+temporary names and renamed when complete, the index and config last. With several
+processes every process takes part in each gather (``process_allgather``) and process 0
+writes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kdist.models.hf import loading
+from kdist.models.hf import loading, stacked
 from kdist.models.hf.checkpoint import CONFIG, INDEX, WEIGHTS
 from kdist.models.hf.tensors import TensorMap, assemble
 
@@ -78,15 +80,26 @@ def _gather(value) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
-def _plan(model, family, config) -> dict[str, list[tuple[TensorMap, object]]]:
-    """``{HF key: [(TensorMap, variable), ...]}`` in the model's weight order."""
-    groups: dict[str, list] = {}
-    for variable in model.weights:
-        tensor_map = family.tensor_map(variable.path, config)
+def _plan(model, family, config) -> dict[str, list[tuple[TensorMap, object, tuple | None]]]:
+    """``{HF key: [(TensorMap, variable, layer index or None), ...]}`` in the model's weight
+    order; a stacked weight (``scan_layers``) is one entry per layer, under each layer's
+    own key, with the leading index of its layer in the stack — ordered layer by layer
+    where the stack stands, as an unstacked model's blocks are."""
+    entries, stack_at = [], None
+    for n, variable in enumerate(model.weights):
+        tensor_map = stacked.fitted(family.tensor_map(variable.path, config), variable.shape)
         if tensor_map is None or tensor_map.shape != tuple(variable.shape):
             raise ValueError(f"kdist weight '{variable.path}' {tuple(variable.shape)} has no "
                              f"{family.MODEL_TYPE} tensor: this model cannot be exported.")
-        groups.setdefault(tensor_map.key, []).append((tensor_map, variable))
+        if isinstance(tensor_map, stacked.StackedMap):
+            stack_at = n if stack_at is None else stack_at
+            entries += [((stack_at, i, n), layer, variable, tensor_map.layer_index(i))
+                        for i, layer in enumerate(tensor_map.layers)]
+        else:
+            entries.append(((n, 0, 0), tensor_map, variable, None))
+    groups: dict[str, list] = {}
+    for _, tensor_map, variable, layer in sorted(entries, key=lambda e: e[0]):
+        groups.setdefault(tensor_map.key, []).append((tensor_map, variable, layer))
     return groups
 
 
@@ -198,8 +211,9 @@ def _write_file(path: Path, keys, groups, shapes, dtype: str, writer: bool) -> N
         if out:
             out.write(_header(keys, shapes, dtype, {"format": "pt"}))
         for key in keys:  # one HF tensor on the host at a time
-            parts = [(tensor_map, _gather(variable.value)) for tensor_map, variable in
-                     groups[key]]
+            parts = [(tensor_map, _gather(variable.value if layer is None else
+                                          variable.value[layer]))  # one layer of a stack
+                     for tensor_map, variable, layer in groups[key]]
             values = np.ascontiguousarray(assemble(parts).astype(target))
             del parts
             if out:

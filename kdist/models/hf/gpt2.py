@@ -11,12 +11,16 @@ input and are cut from the logits, and export drops them again. The output head 
 
 Keys are read with or without the ``transformer.`` prefix (``GPT2LMHeadModel`` writes it,
 the original ``gpt2`` upload and ``GPT2Model`` do not).
+
+A stacked weight (``scan_layers=True``) maps to every layer's tensor through
+:func:`~kdist.models.hf.stacked.stacked_map` and :func:`block_tensor_map`.
 """
 
 from __future__ import annotations
 
 import re
 
+from kdist.models.hf.stacked import StackedMap, stacked_map
 from kdist.models.hf.tensors import Pad, Split, TensorMap, Transpose
 
 MODEL_TYPE = "gpt2"
@@ -96,8 +100,11 @@ def hf_config(config: dict) -> dict:
     }
 
 
-def tensor_map(path: str, config: dict) -> TensorMap | None:
+def tensor_map(path: str, config: dict) -> TensorMap | StackedMap | None:
     """The HF tensor (and steps) a kdist GPT weight path comes from; None if none."""
+    stacked = stacked_map(path, config, tensor_map)  # blocks/...: every layer's tensors
+    if stacked is not None:
+        return stacked
     d, v = config["hidden_dim"], config["vocabulary_size"]
     multiple = config["vocabulary_divisible_by"]
     rows = -(-v // multiple) * multiple  # the token table, padded

@@ -9,12 +9,16 @@ needed. ``rope_scaling`` of type ``llama3`` (3.1, 3.2) becomes kdist's ``rope_sc
 ``rms_norm_eps`` the norms' epsilon; ``tie_word_embeddings`` whether ``lm_head.weight`` is
 read. Keys are read with or without the ``model.`` prefix (``LlamaForCausalLM`` /
 ``LlamaModel``).
+
+A stacked weight (``scan_layers=True``) maps to every layer's tensor through
+:func:`~kdist.models.hf.stacked.stacked_map` and :func:`block_tensor_map`.
 """
 
 from __future__ import annotations
 
 import re
 
+from kdist.models.hf.stacked import StackedMap, stacked_map
 from kdist.models.hf.tensors import Pad, Split, TensorMap, Transpose
 from kdist.models.rope import LLAMA3_FIELDS
 
@@ -112,8 +116,11 @@ def hf_config(config: dict) -> dict:
     }
 
 
-def tensor_map(path: str, config: dict) -> TensorMap | None:
+def tensor_map(path: str, config: dict) -> TensorMap | StackedMap | None:
     """The HF tensor (and steps) a kdist Llama-style GPT weight path comes from."""
+    stacked = stacked_map(path, config, tensor_map)  # blocks/...: every layer's tensors
+    if stacked is not None:
+        return stacked
     d, v = config["hidden_dim"], config["vocabulary_size"]
     multiple = config["vocabulary_divisible_by"]
     rows = -(-v // multiple) * multiple

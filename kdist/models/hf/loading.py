@@ -9,13 +9,16 @@ The order of events (``load_pretrained``):
    (under the active distribution) layouts but **no values** — nothing is allocated and no
    random initialiser runs;
 3. every weight is matched to its HF tensor (a :class:`~kdist.models.hf.tensors.TensorMap`
-   per weight path) and every shape checked; missing, unexpected or misshapen tensors are
-   one ``ValueError`` naming each, before a single value is read;
+   per weight path; for a stacked ``scan_layers`` weight a
+   :class:`~kdist.models.hf.stacked.StackedMap` of every layer's tensor) and every shape
+   checked; missing, unexpected or misshapen tensors are one ``ValueError`` naming each,
+   before a single value is read;
 4. weight by weight, each device's shard is read from the memory-mapped file — only the box
-   of the HF tensor that shard needs — put on its device, and the shards assembled into the
-   variable's sharded array (``jax.make_array_from_single_device_arrays``). A process reads
-   only the shards of its own devices; host memory holds one shard at a time (plus the
-   pages of the one tensor being read).
+   of the HF tensor that shard needs (of a stack: only the layers the shard holds, a box of
+   each) — put on its device, and the shards assembled into the variable's sharded array
+   (``jax.make_array_from_single_device_arrays``). A process reads only the shards of its
+   own devices; host memory holds one shard at a time (plus the pages of the one tensor
+   being read).
 
 The whole model never exists on one device or in one host buffer: the answer to Keras
 issue 21634 (a preset is loaded whole on one device before it is sharded).
@@ -23,6 +26,7 @@ issue 21634 (a preset is loaded whole on one device before it is sharded).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -33,7 +37,7 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
-from kdist.models.hf import bert, gpt2, llama
+from kdist.models.hf import bert, gpt2, llama, stacked
 from kdist.models.hf.checkpoint import HFCheckpoint, read_config
 from kdist.models.hf.tensors import TensorMap
 from kdist.parallel.layout import current_mesh_shape, divisors
@@ -110,36 +114,41 @@ def _check_mesh(config: dict, family) -> None:
 
 
 def plan_load(model, family, config: dict, ckpt: HFCheckpoint):
-    """``[(variable, TensorMap, stored name or None)]`` for every weight, or one ValueError
-    naming every missing, unexpected and misshapen tensor. None: an optional weight (a head
-    or pooler) absent from the checkpoint, which keeps its initialisation."""
+    """``[(variable, map, stored names or None)]`` for every weight, or one ValueError
+    naming every missing, unexpected and misshapen tensor. The map is a ``TensorMap``, or a
+    ``StackedMap`` for a stacked (``scan_layers``) weight, whose every layer's tensor is
+    checked; the names are those of its tensors in the checkpoint. None: an optional weight
+    (a head or pooler) absent from the checkpoint, which keeps its initialisation."""
     names = _Names(ckpt.tensors, family)
     plan, problems, used = [], [], set()
     for variable in model.weights:
         path = variable.path
-        tensor_map = family.tensor_map(path, config)
+        tensor_map = stacked.fitted(family.tensor_map(path, config), variable.shape)
         if tensor_map is None:
             problems.append(f"kdist weight '{path}' {tuple(variable.shape)} has no "
                             f"{family.MODEL_TYPE} tensor (an option kdist cannot load yet, "
-                            f"e.g. fused_qkv=True or stacked layers?)")
+                            f"e.g. fused_qkv=True?)")
             continue
         if tensor_map.shape != tuple(variable.shape):
             problems.append(f"kdist weight '{path}' has shape {tuple(variable.shape)} but "
-                            f"'{tensor_map.key}' maps to {tensor_map.shape}")
+                            f"'{stacked.parts(tensor_map)[0].key}' maps to {tensor_map.shape}")
             continue
-        stored = names.resolve(tensor_map.key)
-        if stored is None:
-            if not path.startswith(family.OPTIONAL):
-                problems.append(f"tensor '{tensor_map.key}' {tensor_map.hf_shape} (for "
-                                f"'{path}') is missing")
+        found = []
+        for part in stacked.parts(tensor_map):
+            name = names.resolve(part.key)
+            if name is not None and ckpt.shape(name) != part.hf_shape:
+                problems.append(f"tensor '{name}' has shape {ckpt.shape(name)} in the "
+                                f"checkpoint but this model needs {part.hf_shape} (for "
+                                f"'{path}' {tuple(variable.shape)})")
+            found.append(name)
+        missing = [part for part, name in zip(stacked.parts(tensor_map), found) if name is None]
+        if len(missing) == len(found) and path.startswith(family.OPTIONAL):
             plan.append((variable, tensor_map, None))
             continue
-        if ckpt.shape(stored) != tensor_map.hf_shape:
-            problems.append(f"tensor '{stored}' has shape {ckpt.shape(stored)} in the "
-                            f"checkpoint but this model needs {tensor_map.hf_shape} (for "
-                            f"'{path}' {tuple(variable.shape)})")
-        used.add(stored)
-        plan.append((variable, tensor_map, stored))
+        problems += [f"tensor '{part.key}' {part.hf_shape} (for '{path}') is missing"
+                     for part in missing]
+        used.update(name for name in found if name is not None)
+        plan.append((variable, tensor_map, tuple(found)))
     ignorable = [getattr(family, "IGNORED", None), getattr(family, "HEADS", None)]
     tied = names.resolve("lm_head.weight") if config.get("tie_embeddings") else None
     unexpected = sorted(k for k in ckpt.tensors if k not in used and k != tied
@@ -156,6 +165,31 @@ def plan_load(model, family, config: dict, ckpt: HFCheckpoint):
     return plan
 
 
+class _TensorReader:
+    """``reader(key, box)`` over a checkpoint: opens (memory-maps) the tensor each read
+    names, keeping the last one open, so a weight read from one tensor maps it once and a
+    stacked weight maps each layer's tensor in turn; everything is unmapped on exit."""
+
+    def __init__(self, ckpt: HFCheckpoint, names: _Names):
+        self.ckpt, self.names = ckpt, names
+        self.stack = contextlib.ExitStack()
+        self.name, self.read = None, None
+
+    def __enter__(self):
+        return self
+
+    def __call__(self, key: str, box: tuple[slice, ...]) -> np.ndarray:
+        name = self.names.resolve(key)
+        if name != self.name:  # the previous tensor's pages are released
+            self.stack.close()
+            self.name, self.read = name, self.stack.enter_context(self.ckpt.opened(name))
+        return self.read(box)
+
+    def __exit__(self, *exc):
+        self.stack.close()
+        return False
+
+
 def shard_boxes(shape: tuple[int, ...], sharding) -> dict[tuple, list]:
     """``{box: [devices]}`` for this process's devices (a box held by several devices —
     replicated over an axis — is read once)."""
@@ -166,7 +200,8 @@ def shard_boxes(shape: tuple[int, ...], sharding) -> dict[tuple, list]:
     return boxes
 
 
-def place(tensor_map: TensorMap, reader, shape: Sequence[int], dtype, sharding):
+def place(tensor_map: TensorMap | stacked.StackedMap, reader, shape: Sequence[int], dtype,
+          sharding):
     """The variable's value as a sharded ``jax.Array``, read one device shard at a time."""
     import jax
 
@@ -217,14 +252,15 @@ def load_pretrained(cls, directory: str | os.PathLike, **kwargs):
             if distribution is not None:
                 _keras_compat.set_variable_layout(
                     variable, distribution.get_variable_layout(variable))
+        names = _Names(ckpt.tensors, family)
         for variable, tensor_map, stored in plan:
             if stored is None:
                 continue
             layout = _keras_compat.variable_layout(variable)
             sharding = getattr(layout, "backend_layout", layout)
-            with ckpt.opened(stored) as read:
-                variable.assign(place(tensor_map, lambda _key, box, r=read: r(box),
-                                      variable.shape, variable.dtype, sharding))
+            with _TensorReader(ckpt, names) as read:
+                variable.assign(place(tensor_map, read, variable.shape, variable.dtype,
+                                      sharding))
     except BaseException:  # refused: nothing was allocated, and nothing is left pending
         _keras_compat.forget_pending_variables(pending)
         raise

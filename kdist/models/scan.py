@@ -1,0 +1,289 @@
+"""Scanned layer stacks: one block definition, its weights stacked on a leading layer axis,
+the forward pass one ``lax.scan`` (``GPTBackbone(scan_layers=True)``, ``BertBackbone``).
+
+:class:`LayerStack` holds ``num_layers`` copies of a block as a single set of weights of
+shape ``(L, ...)``, each with the logical axis ``"layers"`` first (mapped to the ``stage``
+mesh axis, so a pipeline's stages each hold their own contiguous layers); under a pipeline
+with ``R`` circular repeats the shape is ``(R, L / R, ...)`` — the same layers in the same
+order, viewed so that one plain sharding of the second dimension over ``stage`` gives every
+device its non-adjacent layers (:mod:`kdist.parallel.pipeline`). Weight paths mirror the
+unstacked ones, ``blocks/attention/query/kernel`` for ``block_<i>/attention/query/kernel``
+(:mod:`kdist.models.stacking` converts between the two, exactly).
+
+The block is built once as a *template* with no memory of its own (its variables are never
+initialised) and applied to each layer's slice with ``stateless_call``, so the compiled
+program holds one copy of the block's computation instead of L: XLA compiles it once.
+The block's own options work inside the scan body: remat policies wrap its forward pass,
+and dropout draws a fresh mask per layer and step (each layer's seed is the stack's seed
+generator folded with the layer index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np  # noqa: F401 (used by the docstring examples)
+from keras import layers, ops
+
+from kdist import _keras_compat
+from kdist.models import stacking
+from kdist.parallel import pipeline, rules
+from kdist.parallel.constraints import shard_batch
+
+# Initializers that draw every element independently of the shape: one call with the
+# stacked shape gives independent layers.
+_ELEMENTWISE = (keras.initializers.RandomNormal, keras.initializers.TruncatedNormal,
+                keras.initializers.RandomUniform, keras.initializers.Zeros,
+                keras.initializers.Ones, keras.initializers.Constant)
+
+
+class StackedInitializer(keras.initializers.Initializer):
+    """Initialises a stacked weight as ``prod(lead)`` independent layers of ``initializer``.
+
+    An element-wise initializer (normal, uniform, constants) is called once with the whole
+    shape; one whose values depend on the shape (Glorot, He, orthogonal: fan-in and
+    fan-out) is called per layer on the layer's shape, each with its own seed.
+
+    Example:
+        >>> init = StackedInitializer(keras.initializers.GlorotUniform(seed=1), (3,))
+        >>> init((3, 4, 5)).shape
+        (3, 4, 5)
+    """
+
+    def __init__(self, initializer, lead: tuple[int, ...]):
+        self.initializer = keras.initializers.get(initializer)
+        self.lead = tuple(lead)
+
+    def __call__(self, shape, dtype=None):
+        if isinstance(self.initializer, _ELEMENTWISE):
+            return self.initializer(shape, dtype=dtype)
+        per_layer = tuple(shape[len(self.lead):])
+        config = self.initializer.get_config()
+        layers_ = []
+        for i in range(math.prod(self.lead)):
+            if "seed" in config:
+                seed = config["seed"]
+                init = type(self.initializer).from_config(
+                    {**config, "seed": None if seed is None else int(seed) + i})
+            else:
+                init = self.initializer
+            layers_.append(init(per_layer, dtype=dtype))
+        return ops.reshape(ops.stack(layers_), shape)
+
+    def get_config(self):
+        return {"initializer": keras.initializers.serialize(self.initializer),
+                "lead": list(self.lead)}
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class StackedWeights(layers.Layer):
+    """The stacked weights of one sublayer of the block (e.g. ``attention/query``): a
+    holder that is never called, so the stack's weight paths mirror the block's.
+
+    A ``.keras`` file loads into another leading shape of the same layers (``(L, ...)`` <->
+    ``(R, L / R, ...)``, another pipeline's repeats) by a reshape, which keeps the order.
+    """
+
+    def call(self, *args, **kwargs):
+        raise TypeError("StackedWeights only holds a LayerStack's weights; call the stack.")
+
+    def load_own_variables(self, store):
+        if len(store.keys()) != len(self.weights):
+            raise ValueError(f"Layer '{self.name}' expects {len(self.weights)} variables, but "
+                             f"the file holds {len(store.keys())}.")
+        for i, variable in enumerate(self.weights):
+            value = stacking.reviewed(store[str(i)], variable.shape)
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(f"'{variable.path}' has shape {tuple(variable.shape)}; the file "
+                                 f"holds {tuple(value.shape)}.")
+            variable.assign(value)
+
+
+@dataclasses.dataclass
+class _Untracked:
+    """What the stack keeps out of Keras' tracking (a layer or variables assigned to a layer
+    attribute would become its own weights): the template block and the stacked variables
+    in the order of the block's trainable variables."""
+
+    block: layers.Layer
+    stacked: list = dataclasses.field(default_factory=list)
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class LayerStack(layers.Layer):
+    """``num_layers`` copies of ``block`` with stacked weights, run as one scan (or, under a
+    ``stage`` mesh axis, as a pipeline: :mod:`kdist.parallel.pipeline`).
+
+    ``call(x, **kwargs)`` applies layer 0, 1, ... L-1 to ``x`` ``(B, T, D)``; ``kwargs``
+    (``attention_mask``, ``positions``, ``segment_ids``) go to every layer. Weights are made by
+    ``build`` with the stacked shape ``lead + block_weight_shape``; ``lead`` is ``(L,)``,
+    or ``(R, L / R)`` when the distribution asks for ``R`` circular pipeline repeats.
+
+    Args:
+        block: the block layer (unbuilt; its config is this stack's config), e.g. a
+            ``PreNormBlock``. Its non-trainable weights may only be dropout seed states.
+        num_layers: L.
+
+    Example:
+        >>> from kdist.models.layers import PreNormBlock
+        >>> stack = LayerStack(PreNormBlock(num_heads=2, head_dim=8, intermediate_dim=32),
+        ...                    num_layers=3)
+        >>> stack(keras.ops.ones((2, 4, 16))).shape
+        (2, 4, 16)
+        >>> [tuple(w.shape) for w in stack.weights][:1]
+        [(3, 16)]
+    """
+
+    def __init__(self, block, num_layers: int, **kwargs):
+        # Variables are read unconverted (float32 under mixed precision) and passed to the
+        # block, which casts them as an unstacked block would.
+        kwargs["autocast"] = False
+        super().__init__(**kwargs)
+        if isinstance(block, dict):
+            block = keras.saving.deserialize_keras_object(block)
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int; got {num_layers!r}.")
+        seeds = [v for v in block.non_trainable_variables
+                 if not v.path.endswith("seed_generator_state")]
+        if seeds:
+            raise ValueError(f"LayerStack cannot stack a block with non-trainable state other "
+                             f"than dropout seeds ({[v.path for v in seeds]}).")
+        self.num_layers = num_layers
+        self.lead = pipeline.stack_shape(num_layers)  # (L,) or (R, L/R); checks the mesh
+        self._parts = _Untracked(block)
+        self.seed_count = len(block.non_trainable_variables)
+        self.seed_generator = keras.random.SeedGenerator(name="layer_seeds") \
+            if self.seed_count else None
+
+    @property
+    def block(self) -> layers.Layer:
+        """The template block (its variables hold no values: use the stack's weights)."""
+        return self._parts.block
+
+    def build(self, input_shape):
+        block = self.block
+        with keras.StatelessScope(initialize_variables=False):  # no memory for the template
+            block.build(input_shape)
+        _keras_compat.forget_uninitialized(block.weights)
+        lead_axes = ("layers",) if len(self.lead) == 1 else (None, "layers")
+        groups: dict[str, StackedWeights] = {}
+        for v in block.trainable_variables:
+            relative = v.path.split(f"{block.name}/", 1)[-1]  # attention/query/kernel
+            group, _, name = relative.rpartition("/")
+            axes = rules.declared_axes(v)
+            if axes is None:
+                raise ValueError(f"Block weight '{relative}' declares no logical axes; "
+                                 f"LayerStack needs them to lay out its stack.")
+            if group not in groups:
+                groups[group] = StackedWeights(name=group.rpartition("/")[-1] or "weights",
+                                               dtype=self.dtype_policy)
+            scopes = [keras.name_scope(p) for p in group.split("/")[:-1] if p]
+            for scope in scopes:
+                scope.__enter__()
+            try:
+                stacked = rules.add_weight(
+                    groups[group], name, self.lead + tuple(v.shape), lead_axes + tuple(axes),
+                    initializer=StackedInitializer(_keras_compat.variable_initializer(v),
+                                                   self.lead),
+                    dtype=v.dtype, trainable=v.trainable)
+            finally:
+                for scope in reversed(scopes):
+                    scope.__exit__(None, None, None)
+            self._parts.stacked.append(stacked)
+        for holder in groups.values():
+            holder.built = True
+        self.weight_groups = list(groups.values())
+
+    # === Forward ===
+
+    def _layer(self, weights, x, kwargs, index, seed, training):
+        """Layer ``index`` (a traced int) with its weight slices: ``(B, T, D) -> (B, T, D)``."""
+        states = []
+        if seed is not None:  # each layer and dropout its own mask
+            key = jax.random.fold_in(seed, index)
+            states = [jax.random.fold_in(key, d) for d in range(self.seed_count)]
+        y, _ = self.block.stateless_call(list(weights), states, x, training=training, **kwargs)
+        return y
+
+    def call(self, x, attention_mask=None, positions=None, segment_ids=None, training=None):
+        weights = [ops.convert_to_tensor(v) for v in self._parts.stacked]  # lead + shape
+        seed = self.seed_generator.next() if self.seed_generator is not None else None
+        kwargs = {k: v for k, v in (("attention_mask", attention_mask),
+                                    ("positions", positions),
+                                    ("segment_ids", segment_ids)) if v is not None}
+
+        def layer(w, h, kw, index, seed):
+            return self._layer(w, h, kw, index, seed, training)
+
+        schedule = pipeline.schedule_for(x.shape[0], self.num_layers, training=training)
+        if schedule is not None and len(self.lead) != (1 if schedule.repeats == 1 else 2):
+            raise ValueError(
+                f"{self.name} was built with its layers stacked as {self.lead}, for another "
+                f"pipeline_repeats than the distribution's {schedule.repeats}. Build the model "
+                f"after setting the distribution (or load it under it: kdist.models.stacking "
+                f"converts the weights).")
+        if schedule is not None:
+            layouts = [pipeline.layout_axes(v) for v in self._parts.stacked]
+            x = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule, layouts)
+        else:
+            x = scan_layers(layer, self._flat(weights), x, kwargs, seed)
+        return shard_batch(x)  # (B, T, D), B split over the replica axes
+
+    def _flat(self, weights):
+        lead = len(self.lead)
+        return [ops.reshape(w, (self.num_layers,) + tuple(w.shape[lead:])) for w in weights]
+
+    def call_with_cache(self, x, cache, cache_index):
+        """Cached decoding (``kdist.models.generation``): ``x`` ``(B, T, D)``, ``cache``
+        ``(B, L, 2, S, K, H)``; returns ``(x, updated cache)``."""
+        weights = self._flat([ops.convert_to_tensor(v) for v in self._parts.stacked])
+        states = [jnp.zeros((2,), "uint32")] * self.seed_count  # no dropout at inference
+
+        def body(h, xs):
+            w, layer_cache = xs
+            (h, layer_cache), _ = self.block.stateless_call(
+                list(w), states, h, cache=layer_cache, cache_index=cache_index)
+            return h, layer_cache
+
+        x, caches = jax.lax.scan(body, x, (weights, jnp.moveaxis(cache, 1, 0)))
+        return x, jnp.moveaxis(caches, 0, 1)
+
+    def compute_output_spec(self, x, attention_mask=None, positions=None, segment_ids=None,
+                            training=None):
+        return keras.KerasTensor(x.shape, self.compute_dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "num_layers": self.num_layers,
+                "block": keras.saving.serialize_keras_object(self.block)}
+
+
+def stacking_default() -> bool:
+    """What ``scan_layers=None`` means for a backbone built now: stacked when the active
+    distribution has a ``stage`` (pipeline) axis, which needs stacked weights.
+
+    Example:
+        >>> stacking_default()  # no distribution
+        False
+    """
+    return pipeline.stages() > 1
+
+
+def scan_layers(layer, weights, x, kwargs, seed=None):
+    """``x`` through L layers: ``layer(w, h, kwargs, i, seed)`` for the slices ``w`` of the
+    ``(L, ...)`` ``weights``, as one ``lax.scan`` (the block is traced and compiled once).
+
+    Example:
+        >>> scan_layers(lambda w, h, kw, i, s: h * w[0], [jnp.full((3,), 2.0)], jnp.ones(()), {})
+        Array(8., dtype=float32)
+    """
+    def body(h, xs):
+        w, index = xs
+        return layer(w, h, kwargs, index, seed), None
+
+    count = weights[0].shape[0]
+    x, _ = jax.lax.scan(body, x, (list(weights), jnp.arange(count)))
+    return x

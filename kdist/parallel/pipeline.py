@@ -1,0 +1,294 @@
+"""The ``stage`` mesh axis: a layer stack split into pipeline stages, microbatches flowing
+through them (GPipe), optionally in circular repeats.
+
+A scanned layer stack (:class:`kdist.models.scan.LayerStack`) holds its L layers as weights
+of shape ``(L, ...)`` whose first dimension is sharded over ``stage``: stage ``s`` of S
+holds layers ``s K ... (s + 1) K - 1`` (``K = L / S``). With ``R`` circular repeats the
+weights are ``(R, L / R, ...)``, sharded on the second dimension, so stage ``s`` holds
+``K = L / (R S)`` layers of each repeat ``r``: layers ``(r S + s) K ...`` — non-adjacent
+stages of the model on one device, and a microbatch goes round the ring of stages R times.
+
+Only the stack runs in the pipeline; the embedding and the head (and the loss) run
+outside, on every stage, over that stage group's rows (``stage`` does not split the
+batch), with the vocabulary split over the stages when there is no ``model`` axis
+(``kdist.parallel.rules.FALLBACK_MESH``: each stage computes a ``1 / S`` slice of the
+logits): nothing but activations crosses between stages, and the head does not lengthen
+every pipeline iteration as it would on the last stage.
+
+The schedule (:func:`pipelined`) runs inside a ``jax.shard_map`` over ``stage`` only — the
+``data``, ``fsdp`` and ``model`` axes stay with XLA's partitioner inside every stage. The
+batch of each replica group is cut into M microbatches; one ``lax.scan`` runs
+``R M + S - 1`` iterations, in each of which every stage applies its K layers to the
+activation it holds and sends the result to the next stage with one ``ppermute``. Stage
+``s`` at iteration ``t`` works on virtual microbatch ``v = t - s`` (microbatch ``v mod M`` of
+repeat ``v div M``); outside ``0 <= v < R M`` it is in the bubble and computes on zeros — never
+on a leftover value, whose NaN a discarding ``where`` would still pass to the gradient.
+The backward pass is the scan's gradient: the same schedule in reverse. The idle share of
+the iterations, the *bubble*, is ``(S - 1) / (R M + S - 1)`` (:func:`bubble_fraction`).
+
+The user changes only the distribution: ``kdist.distribution("stage=4,fsdp=2",
+pipeline_microbatches=8, pipeline_repeats=2)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from kdist.parallel.constraints import manual_region, to_varying
+from kdist.parallel.layout import active, divisors
+from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.stages import Schedule, bubble_fraction, check_settings  # noqa: F401
+
+AXIS = "stage"
+
+
+def _settings():
+    """``(stages, repeats, microbatches)`` of the active distribution (1, 1, 1 without)."""
+    dist = active()
+    if dist is None:
+        return 1, 1, 1
+    stages = dist.mesh_shape.get(AXIS, 1)
+    return (stages, getattr(dist, "pipeline_repeats", 1),
+            getattr(dist, "pipeline_microbatches", None) or stages)
+
+
+def stages() -> int:
+    """The size of the active distribution's ``stage`` axis (1 without a pipeline)."""
+    return _settings()[0]
+
+
+def stack_shape(num_layers: int) -> tuple[int, ...]:
+    """The leading (layer) dimensions of a stacked weight under the active distribution:
+    ``(L,)``, or ``(R, L / R)`` with R circular repeats. Raises ``ValueError`` if the layers
+    do not divide into equal stages (x repeats), naming the valid values.
+
+    Example:
+        >>> stack_shape(12)  # no pipeline
+        (12,)
+    """
+    stages, repeats, _ = _settings()
+    if stages > 1 and num_layers % (stages * repeats):
+        valid_stages = [d for d in divisors(num_layers) if d > 1
+                        and num_layers % (d * repeats) == 0]
+        valid_repeats = [r for r in divisors(num_layers) if num_layers % (r * stages) == 0]
+        fixes = []
+        if valid_stages:
+            fixes.append(f"a 'stage' mesh axis among {valid_stages} with "
+                         f"pipeline_repeats={repeats}")
+        if valid_repeats:
+            fixes.append(f"pipeline_repeats among {valid_repeats} with stage={stages}")
+        fixes.append(f"a layer count that is a multiple of {stages * repeats}")
+        raise ValueError(
+            f"num_layers={num_layers} does not divide into {stages} pipeline stages x "
+            f"{repeats} repeats (stages get equal block counts). Use "
+            + ", or ".join(fixes) + ".")
+    return (num_layers,) if repeats == 1 else (repeats, num_layers // repeats)
+
+
+def schedule_for(batch, num_layers: int, training=None) -> Schedule | None:
+    """The schedule a stack of ``num_layers`` runs with for a batch of ``batch`` rows, or
+    None when it runs unpipelined (no ``stage`` axis; or, outside training, a batch that
+    does not divide into microbatches — e.g. generating one sequence). In training such a
+    batch is a ``ValueError`` listing the batch sizes and microbatch counts that fit.
+
+    Example:
+        >>> schedule_for(8, 4) is None  # no distribution: no pipeline
+        True
+    """
+    stages, repeats, microbatches = _settings()
+    if stages == 1:
+        return None
+    dist = active()
+    replicas = math.prod(dist.mesh_shape.get(a, 1) for a in REPLICA_AXES)
+    if not isinstance(batch, int) or batch % (replicas * microbatches):
+        if not training:
+            return None
+        per_replica = batch // replicas if isinstance(batch, int) and batch % replicas == 0 \
+            else None
+        counts = [m for m in divisors(per_replica, 4096) if m >= stages] if per_replica else []
+        raise ValueError(
+            f"The batch of {batch} rows does not divide into pipeline_microbatches="
+            f"{microbatches} for each of the {replicas} replicas of mesh '{dist.spec}' "
+            f"(it must be a multiple of {replicas} x {microbatches} = "
+            f"{replicas * microbatches}). Use a global batch that is a multiple of "
+            f"{replicas * microbatches}"
+            + (f", or pipeline_microbatches among {counts}" if counts else "") + ".")
+    return Schedule(stages, repeats, microbatches, replicas, num_layers,
+                    dist.device_mesh.backend_mesh)
+
+
+def layout_axes(variable) -> tuple:
+    """A weight's mesh axes per dimension under the active distribution (its layout)."""
+    return tuple(active().get_variable_layout(variable).axes)
+
+
+def _to_microbatches(a, schedule: Schedule):
+    """``(B, ...)`` -> ``(M, B / M, ...)``: each replica group's rows cut into M, so every
+    microbatch keeps the batch's sharding over the replica axes (no data moves)."""
+    g, m = schedule.replicas, schedule.microbatches
+    rows = a.shape[0] // (g * m)
+    a = jnp.swapaxes(a.reshape((g, m, rows) + a.shape[1:]), 0, 1)
+    return a.reshape((m, g * rows) + a.shape[3:])
+
+
+def _from_microbatches(a, schedule: Schedule):
+    """The inverse of :func:`_to_microbatches`."""
+    g, m = schedule.replicas, schedule.microbatches
+    rows = a.shape[1] // g
+    a = jnp.swapaxes(a.reshape((m, g, rows) + a.shape[2:]), 0, 1)
+    return a.reshape((g * m * rows,) + a.shape[3:])
+
+
+def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None):
+    """``x`` ``(B, T, D)`` through the stacked layers with the pipeline ``schedule``.
+
+    ``layer(w, h, kwargs, index, seed)`` applies the layer of global index ``index`` with
+    weight slices ``w`` to ``h``; ``weights`` are the stacked arrays (``(L, ...)`` or
+    ``(R, L / R, ...)``, layers sharded over ``stage``); ``kwargs`` go to every layer —
+    those with one row per batch row (masks, positions) are cut into microbatches like
+    ``x``; ``seed`` (a dropout seed, or None) is folded with each device's batch shard;
+    ``layouts``: each weight's mesh axes per dimension (its variable's layout; default:
+    only the layer dimension over ``stage``). Returns ``(B, T, D)`` on every stage.
+
+    The replica axes (``data``, ``fsdp``) are manual here too, each device working on its
+    own rows: each stage's weights are all-gathered over ``fsdp`` once per step (not once
+    per iteration), and their gradient, accumulated on the device over the schedule's
+    iterations, leaves through one reduce-scatter over ``fsdp`` and one all-reduce of the
+    shard over ``data`` — where XLA's partitioner would reduce every iteration's partial
+    gradient. The price: the stage's weights and their gradient unsharded over ``fsdp``
+    during the step. ``model`` stays with XLA (tensor parallelism inside each stage).
+    """
+    batch = x.shape[0]
+    per_row = {k for k, v in kwargs.items() if v.ndim and v.shape[0] == batch}
+    xm = _to_microbatches(x, schedule)  # (M, b, T, D), b split over the replica axes
+    kwm = {k: _to_microbatches(v, schedule) if k in per_row else v for k, v in kwargs.items()}
+    lead = 1 if schedule.repeats == 1 else 2
+    # Every axis but model is manual: seq has size 1 here (refused with a pipeline), and
+    # JAX's partial-auto lowering of debug callbacks handles only one automatic axis.
+    manual = frozenset(a for a in schedule.mesh.axis_names if a != "model")
+    if layouts is None:
+        layouts = [(None,) * (lead - 1) + (AXIS,) for _ in weights]
+    layouts = [tuple(a if a in manual else None for a in axes) for axes in layouts]
+    w_specs = [P(*axes) for axes in layouts]
+    fsdp_dims = tuple(axes.index("fsdp") if "fsdp" in axes else None for axes in layouts)
+    rows = P(None, REPLICA_AXES)
+    program = functools.partial(_stage_program, layer, schedule, lead, frozenset(per_row),
+                                fsdp_dims)
+    out = jax.shard_map(
+        program, mesh=schedule.mesh, axis_names=manual,
+        in_specs=(w_specs, rows, {k: rows if k in per_row else P() for k in kwm},
+                  None if seed is None else P()),
+        out_specs=rows)(list(weights), xm, kwm, seed)
+    return _from_microbatches(out, schedule)
+
+
+def _stage_program(layer, schedule: Schedule, lead, per_row, fsdp_dims, weights, xm, kwargs,
+                   seed):
+    """One device's program (inside ``shard_map``): its stage's part of the schedule, on its
+    rows."""
+    if seed is not None:  # each device's rows their own dropout masks
+        seed = jax.random.fold_in(seed, jax.lax.axis_index(REPLICA_AXES))
+    weights = [_whole(w, dim) for w, dim in zip(weights, fsdp_dims)]
+    with manual_region():
+        return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _whole(weight, fsdp_dim):
+    """This device's stage weight whole over ``fsdp``, typed varying over the rows' axes (it
+    meets this device's rows): its gradient is reduced only by the backward pass below,
+    once, after the schedule (kdist.parallel.reduction does the same for a whole step)."""
+    if fsdp_dim is not None:
+        weight = jax.lax.all_gather(weight, "fsdp", axis=fsdp_dim, tiled=True)
+    return to_varying(weight, set(REPLICA_AXES))
+
+
+def _whole_fwd(weight, fsdp_dim):
+    return _whole(weight, fsdp_dim), None
+
+
+def _whole_bwd(fsdp_dim, _, grad):
+    if fsdp_dim is not None:  # into this device's shard: a reduce-scatter
+        grad = jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=fsdp_dim, tiled=True)
+    rest = tuple(a for a in REPLICA_AXES if a != "fsdp" or fsdp_dim is None)
+    return (jax.lax.psum(grad, rest),)  # over the replicas holding the same shard
+
+
+_whole.defvjp(_whole_fwd, _whole_bwd)
+
+
+def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
+    stages, repeats, micro = schedule.stages, schedule.repeats, schedule.microbatches
+    per_stage = schedule.layers_per_stage
+    s = jax.lax.axis_index(AXIS)
+    # This stage's layers as (R, K, ...): repeat r, local layer k is global layer
+    # (r S + s) K + k.
+    weights = [w[None] for w in weights] if lead == 1 else weights
+    zeros = jnp.zeros(xm.shape[1:], xm.dtype)
+    # The inputs reach only stage 0: typed varying over stages once here, so the backward
+    # pass sums their cotangent over stages once, not in every iteration.
+    wire = _wire_dtype(xm.dtype)
+    xm = to_varying(xm.astype(wire), {AXIS}).astype(xm.dtype)
+
+    def apply_layers(r, h, kw):
+        ws = [jax.lax.dynamic_index_in_dim(w, r, keepdims=False) for w in weights]
+        first = (r * stages + s) * per_stage
+
+        def body(h, xs):
+            w, k = xs
+            return layer(w, h, kw, first + k, seed), None
+
+        h, _ = jax.lax.scan(body, h, (ws, jnp.arange(per_stage)))
+        return h
+
+    # Send to the next stage; round the ring only when a microbatch goes round again.
+    perm = [(i, (i + 1) % stages) for i in range(stages if repeats > 1 else stages - 1)]
+
+    def step(carry, t):
+        shift, circ, out = carry
+        v = t - s  # this stage's virtual microbatch
+        valid = (v >= 0) & (v < repeats * micro)
+        v = jnp.clip(v, 0, repeats * micro - 1)
+        m, r = v % micro, v // micro
+        fresh = jax.lax.dynamic_index_in_dim(xm, jnp.minimum(t, micro - 1), keepdims=False)
+        if repeats > 1:
+            # Stage 0 keeps what comes back round the ring until its next repeat is due:
+            # microbatch (t - S) mod M, back from the last stage after its repeat.
+            back = t - stages
+            keep = (s == 0) & (back >= 0) & (back < (repeats - 1) * micro)
+            slot = jnp.maximum(back, 0) % micro
+            kept = jax.lax.dynamic_index_in_dim(circ, slot, keepdims=False)
+            circ = jax.lax.dynamic_update_index_in_dim(circ, jnp.where(keep, shift, kept),
+                                                       slot, 0)
+            again = jax.lax.dynamic_index_in_dim(circ, t % micro, keepdims=False)
+            fresh = jnp.where(t < micro, fresh, again)
+        h = jnp.where(s == 0, fresh, shift)
+        h = jnp.where(valid, h, zeros)  # a bubble computes on zeros
+        kw = {k: jax.lax.dynamic_index_in_dim(a, m, keepdims=False) if k in per_row else a
+              for k, a in kwargs.items()}
+        y = apply_layers(r, h, kw)
+        done = (s == stages - 1) & valid & (r == repeats - 1)
+        written = jax.lax.dynamic_index_in_dim(out, m, keepdims=False)
+        out = jax.lax.dynamic_update_index_in_dim(
+            out, jnp.where(done, y.astype(wire), written), m, 0)
+        shift = jax.lax.ppermute(y, AXIS, perm)
+        return (shift, circ, out), None
+
+    init = (zeros, jnp.zeros_like(xm) if repeats > 1 else jnp.zeros((), xm.dtype),
+            jnp.zeros(xm.shape, wire))
+    init = tuple(to_varying(c, {AXIS, *REPLICA_AXES}) for c in init)
+    (_, _, out), _ = jax.lax.scan(step, init, jnp.arange(schedule.iterations))
+    # Only the last stage wrote: the sum over stages is its outputs, now on every stage.
+    return jax.lax.psum(out, AXIS).astype(xm.dtype)
+
+
+def _wire_dtype(dtype):
+    """The type of the two cross-stage sums (outputs, and the inputs' cotangent): float32
+    on XLA:CPU, whose all-reduce promotion pass aborts on these bfloat16 all-reduces (jax
+    0.10.2; it would promote them to float32 anyway), else the activations' own."""
+    return jnp.float32 if jax.default_backend() == "cpu" else dtype

@@ -1,0 +1,206 @@
+"""Planning a pipeline (a ``stage`` mesh axis): per-device memory, bytes between stages,
+the bubble and what each stage computes — analytic, from the model's cost model.
+
+The arithmetic follows :mod:`kdist.parallel.pipeline`: stage ``s`` of S holds ``L / S``
+blocks (with R circular repeats, ``L / (R S)`` of each repeat); the embedding, the head
+and the loss run outside the pipeline, on every stage, over the stage group's rows.
+With ``d``, ``f``, ``m`` the data, fsdp and model axes, ``n`` a device's tokens per
+micro-step (``B / g / (d f) x T``) and ``D`` the width:
+
+* the vocabulary: without a ``model`` axis the token table and the head are split over the
+  stages (``kdist.parallel.rules.FALLBACK_MESH``): each stage computes ``1 / S`` of the
+  logits, at the price of two activation all-reduces over stages (the embedding's output,
+  the head's input gradient);
+* memory: block weights (and their optimizer state and gradients) ``/ (S f m)``; the token
+  table ``/ (S f)`` (``/ (f m)`` with a model axis); the other weights ``/ (f m)``; with
+  ``f > 1`` the stage's block weights and their gradient whole over fsdp during the step
+  (gathered once); the blocks' activations ``/ S``, times ``(R M + S - 1) / (R M)`` (bubble
+  iterations keep theirs too); the head's ``/ S`` (or ``/ m``); the schedule's buffers
+  (inputs, outputs, circular store) ``~ n D x 4`` each;
+* bytes: one microbatch activation ``n / M x D`` per iteration to the next stage, forward
+  and backward (``collective-permute``); the outputs' and the inputs' cotangent summed over
+  stages once (``all-reduce``); the stage's weights gathered over fsdp once and their
+  gradient reduced once.
+
+Example:
+    >>> from kdist.models import GPTCausalLM, GPT_PRESETS
+    >>> cost = GPTCausalLM.cost_model_for(GPT_PRESETS["gpt2-xl"])
+    >>> s = summary(cost, {"stage": 8}, 8, 1024, microbatches=8)
+    >>> round(s["bubble"], 3), s["blocks_per_stage"]
+    (0.467, 6)
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from kdist.parallel.stages import bubble_fraction
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def _sizes(mesh: dict[str, int]) -> tuple[int, int, int, int]:
+    return (mesh.get("data", 1), mesh.get("stage", 1), mesh.get("fsdp", 1),
+            mesh.get("model", 1))
+
+
+def without_blocks(cost: Any) -> Any | None:
+    """The cost model with no blocks (``num_layers=0``: embeddings, head, final norm), or
+    None for a cost model without a ``config`` naming ``num_layers``."""
+    config = getattr(cost, "config", None)
+    if not isinstance(config, dict) or "num_layers" not in config:
+        return None
+    other = copy.copy(cost)
+    other.config = {**config, "num_layers": 0}
+    return other
+
+
+def vocab_stages(mesh: dict[str, int]) -> int:
+    """Over how many stages the vocabulary (token table, head) is split: S without a
+    ``model`` axis, else 1 (it is split over ``model``)."""
+    return mesh.get("stage", 1) if mesh.get("model", 1) == 1 else 1
+
+
+def split(cost: Any, sequence_length: int, value_bytes: int, remat: bool) -> dict[str, float]:
+    """Parameters and activation bytes per token of the blocks, of the token table(s) and
+    of the rest (the head's activations are counted with the table)."""
+    rest = without_blocks(cost)
+    if rest is None:  # no per-layer figures: treat everything as blocks
+        return {"block_parameters": float(cost.parameters), "table_parameters": 0.0,
+                "other_parameters": 0.0, "block_activations": cost.activation_bytes_per_token(
+                    sequence_length, value_bytes, remat), "other_activations": 0.0}
+    total = cost.activation_bytes_per_token(sequence_length, value_bytes, remat)
+    other = rest.activation_bytes_per_token(sequence_length, value_bytes, remat)
+    c = cost.config
+    rows = c.get("vocabulary_size", 0)
+    multiple = c.get("vocabulary_divisible_by") or 1
+    rows = -(-rows // multiple) * multiple
+    table = rows * c.get("hidden_dim", 0) * (1 if c.get("tie_embeddings", True) else 2)
+    table = min(table, rest.parameters)
+    return {"block_parameters": float(cost.parameters - rest.parameters),
+            "table_parameters": float(table),
+            "other_parameters": float(rest.parameters - table),
+            "block_activations": total - other, "other_activations": other}
+
+
+def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
+           value_bytes: int, remat: bool = False, grad_accum: int = 1,
+           microbatches: int | None = None, repeats: int = 1,
+           hidden_dim: int | None = None) -> dict[str, float]:
+    """Per-device bytes of a pipelined step (see the module docstring)."""
+    d, s, f, m = _sizes(mesh)
+    micro = microbatches or s
+    parts = split(cost, sequence_length, value_bytes, remat)
+    v = vocab_stages(mesh)
+    weights = 4 * (parts["block_parameters"] / (s * f * m) + parts["table_parameters"]
+                   / (v * f * m) + parts["other_parameters"] / (f * m))
+    tokens = global_batch_size / grad_accum / (d * f) * sequence_length
+    stretch = (repeats * micro + s - 1) / (repeats * micro)
+    activations = (parts["block_activations"] / s * stretch + parts["other_activations"] / v) \
+        * tokens / m
+    gathered = 2 * 4 * parts["block_parameters"] / (s * m) if f > 1 else 0.0
+    buffers = (3 if repeats > 1 else 2) * tokens * (hidden_dim or 0) * 4
+    out = {"parameters": weights,
+           "optimizer_state": 2 * weights + (weights if grad_accum > 1 else 0),
+           "gradients": weights, "activations": activations,
+           "pipeline": gathered + buffers}
+    out["total"] = sum(out.values())
+    return out
+
+
+def collectives(cost: Any, mesh: dict[str, int], micro_batch: int, sequence_length: int,
+                value_bytes: int, hidden_dim: int, num_layers: int,
+                microbatches: int | None = None, repeats: int = 1,
+                parameter_bytes: int = 4, gradient_bytes: int | None = None
+                ) -> dict[str, float]:
+    """Theoretical ring wire bytes per device of one pipelined micro-step, by kind."""
+    d, s, f, m = _sizes(mesh)
+    micro = microbatches or s
+    parts = split(cost, sequence_length, value_bytes, False)
+    v = vocab_stages(mesh)
+    pb = parts["block_parameters"]
+    po = parts["other_parameters"] + parts["table_parameters"] / v
+    g = gradient_bytes or parameter_bytes
+    tokens = micro_batch / (d * f) * sequence_length
+    iterations = repeats * micro + s - 1
+    activation = tokens / micro * hidden_dim * value_bytes  # one microbatch, one device
+    out = {
+        "all-gather": _ring(f) * parameter_bytes * (pb / (s * m) + 2 * po / m),
+        "reduce-scatter": _ring(f) * g * (pb / (s * m) + po / m),
+        # gradients over data; the outputs and the inputs' cotangent over stages; with the
+        # vocabulary over stages the embedding's output and the head's input gradient too.
+        "all-reduce": 2 * _ring(d) * g * (pb / (s * f * m) + po / (f * m))
+        + (2 + 2 * (v > 1)) * 2 * _ring(s) * tokens * hidden_dim * value_bytes,
+        "collective-permute": 2 * iterations * activation,
+    }
+    if m > 1:  # tensor parallel inside each stage, as kdist.planning.estimate counts it
+        per_stage = num_layers // (repeats * s)  # blocks a stage applies per iteration
+        out["all-reduce"] += 4 * 2 * _ring(m) * activation * iterations * per_stage \
+            + 2 * 2 * _ring(m) * tokens * hidden_dim * value_bytes
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def summary(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
+            microbatches: int | None = None, repeats: int = 1, value_bytes: int = 4,
+            grad_accum: int = 1) -> dict[str, Any]:
+    """The schedule and each stage's share: bubble, blocks per stage, the layers each
+    stage holds, per-device training FLOPs of its blocks (useful and in the bubble) and of
+    the embedding and head it runs, and the bytes it sends to the next stage per step.
+
+    FLOPs are the cost model's (matmuls, training = 3 x forward); a device's share of its
+    stage group's work: ``/ (d f m)``.
+    """
+    d, s, f, m = _sizes(mesh)
+    micro = microbatches or s
+    num_layers = int(getattr(cost, "config", {}).get("num_layers", 0))
+    per_stage = num_layers // (repeats * s) if num_layers else 0
+    fpt = cost.flops_per_token(sequence_length)
+    tokens_step = global_batch_size * sequence_length
+    blocks = 3 * (fpt.qkv + fpt.attention + fpt.output_projection + fpt.mlp)
+    head = 3 * (fpt.unembedding + fpt.extra)
+    devices = d * f * m
+    useful = blocks / s * tokens_step / devices
+    v = vocab_stages(mesh)
+    bubble = bubble_fraction(s, micro, repeats)
+    hidden = int(getattr(cost, "config", {}).get("hidden_dim", 0))
+    activation = global_batch_size / grad_accum / (d * f) / micro * sequence_length * hidden
+    stages = []
+    for i in range(s):
+        layers = [(((r * s) + i) * per_stage, ((r * s) + i + 1) * per_stage - 1)
+                  for r in range(repeats)]
+        stages.append({"stage": i, "layers": layers,
+                       "block_flops": useful, "bubble_flops": useful * bubble / (1 - bubble),
+                       "head_flops": head * tokens_step / devices / v})
+    return {
+        "stages": s, "repeats": repeats, "microbatches": micro, "bubble": bubble,
+        "blocks_per_stage": num_layers // s if num_layers else None,
+        "iterations": repeats * micro + s - 1,
+        "microbatch_rows_per_device": global_batch_size / grad_accum / (d * f) / micro,
+        "bytes_to_next_stage": 2 * (repeats * micro + s - 1) * activation * value_bytes
+        * grad_accum, "vocabulary_over_stages": v > 1,
+        "per_stage": stages,
+    }
+
+
+def report_lines(info: dict[str, Any], format_bytes) -> list[str]:
+    """The plan's pipeline lines (``kdist plan``)."""
+    lines = [f"pipeline: {info['stages']} stages x {info['repeats']} repeats, "
+             f"{info['microbatches']} microbatches ({info['microbatch_rows_per_device']:g} rows "
+             f"per device each), {info['iterations']} iterations; bubble "
+             f"{info['bubble']:.1%} = (S-1)/(R*M+S-1) of each stage's iterations compute on "
+             f"zeros",
+             f"  to the next stage per step: {format_bytes(info['bytes_to_next_stage'])} per "
+             f"device (activations forward, their gradients backward)",
+             "  per device of each stage (training FLOPs per step; the embedding and head run "
+             "outside the pipeline, on every stage" + (
+                 ", each stage 1/S of the vocabulary):" if info.get("vocabulary_over_stages")
+                 else "):")]
+    for row in info["per_stage"]:
+        layers = ", ".join(f"{a}-{b}" for a, b in row["layers"])
+        lines.append(f"    stage {row['stage']}: blocks {layers}: {row['block_flops']:.3g} "
+                     f"+ bubble {row['bubble_flops']:.3g}; embedding+head "
+                     f"{row['head_flops']:.3g}")
+    return lines
