@@ -309,16 +309,13 @@ def _check_replica_settings(spec, sizes, sync_every, learning_rate, momentum, ne
 
 def _pipeline_settings(spec, sizes, gradient_reduction, microbatches, repeats):
     """The checked microbatch count of a mesh's ``stage`` axis (the pipeline's own
-    checks), refusing what the pipeline does not combine with."""
+    checks), refusing what the pipeline does not combine with (``seq`` and ``replica``:
+    refused before, by the context and the DiLoCo checks)."""
     stages = sizes.get("stage", 1)
     if stages == 1 and microbatches not in (None, 1):
         raise ValueError(f"pipeline_microbatches={microbatches!r} needs a 'stage' mesh axis of "
                          f"size > 1; mesh '{spec}' has none. Add e.g. 'stage=2' to the spec, "
                          f"or leave pipeline_microbatches out.")
-    if stages > 1 and sizes.get("replica", 1) > 1:  # (seq with stage: refused above)
-        raise ValueError(
-            f"Mesh '{spec}' combines the 'stage' axis with 'replica', a combination the "
-            f"pipeline is not built or tested for. Put those devices on data, fsdp or model.")
     if stages > 1 and gradient_reduction:
         raise ValueError(
             f"gradient_reduction={gradient_reduction!r} is not built for the 'stage' axis of "
