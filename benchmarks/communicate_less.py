@@ -19,7 +19,7 @@ Three parts, one command (``--parts`` picks some):
   (the paper's outer SGD: lr 0.7, Nesterov momentum 0.9) against synchronous ``data=8``.
 
     PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python benchmarks/communicate_less.py
-    # bytes + error ~5 min; train ~9 min a run on 2 idle cores (9 runs)
+    # bytes + error ~5 min; train ~9 min a run on 2 idle cores (10 runs)
 """
 
 from __future__ import annotations
