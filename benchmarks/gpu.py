@@ -139,6 +139,34 @@ def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
             "wall_s": time.perf_counter() - start}
 
 
+def codec_throughput(dry_run: bool) -> list[dict]:
+    """The 8-bit gradient codec (``kdist.parallel.compression``) on one device: encode +
+    decode of a gpt2-medium-sized gradient (355 M float32 values), values per second. The
+    figure to compare with the link: 8-bit saves 3 bytes per value on the wire (float32),
+    so it pays where the link moves fewer than ``3 x values/s`` bytes per second."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdist.parallel import compression
+
+    n = 1 << 16 if dry_run else 355_000_000 // compression.BLOCK * compression.BLOCK
+    x = jax.random.normal(jax.random.key(0), (n // compression.BLOCK, compression.BLOCK))
+    rows = []
+    for fmt in compression.FORMATS:
+        roundtrip = jax.jit(lambda v, fmt=fmt: compression.dequantize(
+            *compression.quantize(v, fmt), fmt))
+        roundtrip(x).block_until_ready()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            roundtrip(x).block_until_ready()
+            times.append(time.perf_counter() - start)
+        best = min(times)
+        rows.append({"format": fmt, "values": n, "seconds": best, "values_per_s": n / best,
+                     "error": float(jnp.linalg.norm(roundtrip(x) - x) / jnp.linalg.norm(x))})
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true",
@@ -207,12 +235,17 @@ def main(argv=None):
                  ("loss", "final_loss", ".3f")])
     if skipped:
         print(f"skipped (time budget): {', '.join(skipped)}")
+    codec = codec_throughput(args.dry_run)  # issue 18: the 8-bit codec's on-device cost
+    print_table("8-bit gradient codec (encode + decode), one device", codec,
+                [("format", "format", ""), ("values", "values", ",d"),
+                 ("seconds", "seconds", ".4f"), ("values/s", "values_per_s", ".3g"),
+                 ("rel. error", "error", ".4f")])
     print(f"total {time.perf_counter() - start:.0f} s")
     name = ("gpu_dry_run" if args.dry_run else args.output) + ("_context" if args.context
                                                               else "")
     write_result(name,
                  {"args": vars(args), "target": "gpt2-medium bf16 >= 50% MFU",
-                  "rows": rows, "skipped": skipped})
+                  "rows": rows, "skipped": skipped, "codec": codec})
     return rows
 
 

@@ -32,6 +32,7 @@ run "$PYTHON" benchmarks/pipeline.py compile   # gpt2-xl: minutes, ~7 GB peak
 run "$PYTHON" benchmarks/context_length.py
 run "$PYTHON" benchmarks/context_length.py --step-time 4096 --rounds 5
 run "$PYTHON" benchmarks/hf_loading.py
+run "$PYTHON" benchmarks/communicate_less.py --parts bytes error  # its train part: ~1.5 h idle
 if "$PYTHON" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
   run "$PYTHON" benchmarks/gpu.py
 else

@@ -272,6 +272,40 @@ def aggregate_additional_loss(model, loss):
     return model._aggregate_additional_loss(loss)
 
 
+def update_metrics_variables(model, metrics_variables, unscaled_loss, x, y, y_pred,
+                             sample_weight):
+    """``(logs, new metrics_variables)`` as the JAX trainer's ``train_step`` computes them
+    after the update (``JAXTrainer._update_metrics_variables``)."""
+    return model._update_metrics_variables(metrics_variables, unscaled_loss, x, y, y_pred,
+                                           sample_weight)
+
+
+def variable_initialized(variable) -> bool:
+    """Whether a variable holds a value: one created in a
+    ``StatelessScope(initialize_variables=False)`` has none (``Variable._value``)."""
+    return getattr(variable, "_value", None) is not None
+
+
+def deferred_initializer(variable):
+    """The initializer an uninitialised variable will be initialised with
+    (``Variable._initializer``)."""
+    return variable._initializer
+
+
+def state_shardings(model):
+    """The shardings of ``(trainable, non_trainable, optimizer, metrics)`` state that the
+    JAX trainer gives its jitted train step as ``out_shardings``
+    (``JAXTrainer._get_state_sharding_spec``)."""
+    return model._get_state_sharding_spec()
+
+
+def step_function(model, step):
+    """``step(state, data)`` wrapped as the JAX trainer wraps its jitted train step for
+    ``fit``: ``(state, iterator)``, ``steps_per_execution`` steps per call
+    (``JAXTrainer._make_function``)."""
+    return model._make_function(step)
+
+
 def forget_uninitialized(variables) -> None:
     """Drops ``variables`` from the list of variables a ``StatelessScope(
     initialize_variables=False)`` left to initialise later (``global_state`` attribute

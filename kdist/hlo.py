@@ -64,7 +64,16 @@ class Collective:
     group_size: int  # devices taking part in each replica group
     wire_bytes: float  # sent per device by a ring implementation
     op_name: str = ""  # the JAX operation it came from (HLO metadata), if printed
-    executions: int = 1  # times it runs per execution of the program (loop trips)
+    executions: int = 1  # per run of the program: the trip counts of the loops around it
+    groups: tuple | None = None  # the devices of each replica group, when printed
+
+    def crosses(self, block: int) -> bool:
+        """Whether a replica group spans devices of different blocks of ``block``
+        consecutive devices (e.g. DiLoCo's replica groups: ``block`` = devices per group).
+        Unknown groups count as crossing."""
+        if self.groups is None:
+            return True
+        return any(len({d // block for d in group}) > 1 for group in self.groups)
 
 
 def _element_bytes(dtype: str) -> float:
@@ -116,6 +125,31 @@ def _group_size(line: str, num_devices: int | None) -> int:
     return num_devices
 
 
+def replica_groups(line: str, num_devices: int | None = None) -> tuple | None:
+    """The devices of each replica group of a collective's HLO line, or None.
+
+    Example:
+        >>> replica_groups("x = f32[] all-reduce(y), replica_groups=[4,2]<=[2,4]T(1,0)")
+        ((0, 4), (1, 5), (2, 6), (3, 7))
+    """
+    import numpy as np
+
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return tuple(tuple(int(d) for d in g) for g in ids.reshape(int(m.group(1)), -1))
+    m = re.search(r"replica_groups=\{(\{[\d,\s]*\}(?:,\s*\{[\d,\s]*\})*)\}", line)
+    if m:
+        return tuple(tuple(int(d) for d in g.split(",") if d.strip())
+                     for g in re.findall(r"\{([\d,\s]*)\}", m.group(1)))
+    if "replica_groups={}" in line and num_devices is not None:
+        return (tuple(range(num_devices)),)
+    return None
+
+
 def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
     """Every collective instruction in optimized HLO text, with its bytes per device.
 
@@ -152,7 +186,8 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
             wire = (n - 1) / n * size
         op = re.search(r'op_name="([^"]*)"', line)
         found.append(Collective(m.group("name"), kind, size, n, wire, op.group(1) if op else "",
-                                runs.get(_computation_at(headers, m.start()), 1)))
+                                runs.get(_computation_at(headers, m.start()), 1),
+                                replica_groups(line, num_devices)))
     return found
 
 

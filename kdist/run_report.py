@@ -107,6 +107,7 @@ def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
             lines.append(f"memory: peak {memory / 2**30:.2f} GiB "
                          f"({last.get('memory_source')}), in use "
                          f"{last.get('memory_in_use_bytes', 0) / 2**30:.2f} GiB")
+    lines += _process_lines(intervals)
     _, train = _series(rows, "interval", "loss")
     _, val = _series(rows, "validation", "val_loss")
     if train or val:
@@ -117,6 +118,39 @@ def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
             parts.append(f"validation {val[-1]:.4f} (best {min(val):.4f})")
         lines.append("loss: " + ", ".join(parts))
     return "\n".join(lines)
+
+
+def _process_lines(intervals: list[dict[str, Any]]) -> list[str]:
+    """One line per process of a multi-process run (the last interval that has them),
+    stragglers marked, and when each was first named.
+
+    Example:
+        >>> for line in _process_lines([{"step": 4, "processes_step": 2, "stragglers": [1],
+        ...     "processes": [{"process": 0, "step_time_median_s": 0.5, "input_wait_s": 0.01},
+        ...                   {"process": 1, "step_time_median_s": 0.5, "input_wait_s": 0.4}]}]):
+        ...     print(line)
+        processes (interval ending at step 2):
+          process 0: step 0.500 s median, input wait 0.010 s per step
+          process 1: step 0.500 s median, input wait 0.400 s per step  STRAGGLER (named at step 4)
+    """
+    rows = [r for r in intervals if r.get("processes")]
+    if not rows:
+        return []
+    named = {}
+    for r in rows:
+        for p in r.get("stragglers") or ():
+            named.setdefault(p, r["step"])
+    last = rows[-1]
+    out = [f"processes (interval ending at step {last.get('processes_step')}):"]
+    for p in last["processes"]:
+        step, wait = p.get("step_time_median_s"), p.get("input_wait_s")
+        line = (f"  process {p['process']}: step "
+                + (f"{step:.3f} s median" if step is not None else "not timed")
+                + (f", input wait {wait:.3f} s per step" if wait is not None else ""))
+        if p["process"] in (last.get("stragglers") or ()):
+            line += f"  STRAGGLER (named at step {named[p['process']]})"
+        out.append(line)
+    return out
 
 
 def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple[Path, str]:

@@ -12,6 +12,8 @@ Token arithmetic of the defaults:
 With --grad-accum N, each step is N micro-batches of 16 / N sequences: same tokens per step.
 
     python recipes/gpt_pretrain.py --mesh data=2,fsdp=2,model=2 --steps 100
+    python recipes/gpt_pretrain.py --mesh replica=2,data=4 --sync-every 50   # DiLoCo
+    python recipes/gpt_pretrain.py --gradient-reduction float8 --error-feedback
     python recipes/gpt_pretrain.py --mesh stage=4,fsdp=2 --pipeline-microbatches 8
     python recipes/gpt_pretrain.py --preset llama-nano --document-mask
     python recipes/gpt_pretrain.py --preset gpt2-small --sequence-length 1024 --precision bfloat16
@@ -88,9 +90,22 @@ def parse_args(argv=None):
     p.add_argument("--no-load-balance", action="store_true",
                    help="seq axis: contiguous token shares (default: each device holds two "
                         "of 2 x seq chunks, equal causal work)")
-    p.add_argument("--gradient-reduction", default=None, choices=["float32", "bfloat16"],
+    p.add_argument("--gradient-reduction", default=None,
+                   choices=["float32", "bfloat16", "float8", "int8"],
                    help="kdist reduces each gradient once (reduce-scatter + all-reduce), in "
-                        "this type; default: XLA places the reductions (kdist.parallel.reduction)")
+                        "this type; float8/int8: 8-bit codes on the wire, summed in float32; "
+                        "default: XLA places the reductions (kdist.parallel.reduction)")
+    p.add_argument("--error-feedback", action="store_true",
+                   help="with --gradient-reduction float8/int8: carry each device's "
+                        "quantisation error to the next step (in the optimizer state)")
+    p.add_argument("--sync-every", type=positive_int("--sync-every", 50), default=None,
+                   help="DiLoCo over the mesh's replica axis (e.g. --mesh replica=2,data=4): "
+                        "each replica group takes this many steps alone, then the groups "
+                        "average their parameter change (kdist.parallel.replicas)")
+    p.add_argument("--outer-learning-rate", type=positive_float("--outer-learning-rate", 0.7),
+                   default=0.7, help="DiLoCo's outer SGD learning rate (paper: 0.7)")
+    p.add_argument("--outer-momentum", type=probability("--outer-momentum", 0.9), default=0.9,
+                   help="DiLoCo's outer Nesterov momentum, in [0, 1) (paper: 0.9)")
     p.add_argument("--grad-accum", type=positive_int("--grad-accum", 2), default=1,
                    help="micro-batches per step")
     p.add_argument("--pipeline-microbatches",
@@ -148,6 +163,9 @@ def check_args(args):
     if args.global_batch_size % args.grad_accum:
         raise ValueError(f"--grad-accum ({args.grad_accum}) must be a positive divisor of "
                          f"--global-batch-size ({args.global_batch_size}).")
+    if args.error_feedback and args.gradient_reduction not in ("float8", "int8"):
+        raise ValueError(f"--error-feedback needs --gradient-reduction float8 or int8; got "
+                         f"{args.gradient_reduction}.")
     check_warmup(args)
     preset = kdist.models.presets.preset_config(kdist.models.GPT_PRESETS, args.preset)
     if args.max_sequence_length:
@@ -211,9 +229,10 @@ def main(argv=None):
         print(f"mesh auto: {why}")
     check_context(args, mesh, jax.device_count())
     keras.distribution.set_distribution(kdist.distribution(
-        mesh, gradient_reduction=args.gradient_reduction,
-        context_parallel=args.context_parallel, load_balance=not args.no_load_balance,
-        pipeline_microbatches=args.pipeline_microbatches,
+        mesh, gradient_reduction=args.gradient_reduction, error_feedback=args.error_feedback,
+        sync_every=args.sync_every, outer_learning_rate=args.outer_learning_rate,
+        outer_momentum=args.outer_momentum, context_parallel=args.context_parallel,
+        load_balance=not args.no_load_balance, pipeline_microbatches=args.pipeline_microbatches,
         pipeline_repeats=args.pipeline_repeats))
     keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
 

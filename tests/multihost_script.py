@@ -35,15 +35,16 @@ GLOBAL_BATCH_SIZE = 8
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400))
 
 
-def setup(mesh: str) -> kdist.multihost.ProcessInfo:
-    """Joins the cluster (if launched as one), then sets the mesh and float32."""
+def setup(mesh: str, sync_every: int | None = None) -> kdist.multihost.ProcessInfo:
+    """Joins the cluster (if launched as one), then sets the mesh (DiLoCo's replica groups
+    with ``sync_every``) and float32."""
     info = kdist.initialize(timeout=60)
-    keras.distribution.set_distribution(kdist.distribution(mesh))
+    keras.distribution.set_distribution(kdist.distribution(mesh, sync_every=sync_every))
     keras.config.set_dtype_policy("float32")
     return info
 
 
-def tiny_data(corpus_dir: Path, cache_dir: Path) -> kdist.data.LMData:
+def tiny_data(corpus_dir: Path, cache_dir: Path, prefetch: int = 2) -> kdist.data.LMData:
     """A small local corpus through the full data path (tokenizer, token store, shares).
 
     Every rank builds it concurrently into the same cache: the token store is written once.
@@ -60,7 +61,7 @@ def tiny_data(corpus_dir: Path, cache_dir: Path) -> kdist.data.LMData:
             os.replace(tmp, path)
     return kdist.data.lm_dataset(
         str(corpus_dir), sequence_length=SEQUENCE_LENGTH, global_batch_size=GLOBAL_BATCH_SIZE,
-        vocabulary_size=320, cache_dir=cache_dir,
+        vocabulary_size=320, cache_dir=cache_dir, prefetch=prefetch,
     )
 
 
@@ -73,7 +74,7 @@ def tiny_model(vocabulary_size: int, seed: int = 0) -> kdist.models.GPTCausalLM:
 
 def train(args) -> dict:
     """``fit`` for ``--steps`` one-step epochs; per-step losses and the rows each step used."""
-    info = setup(args.mesh)
+    info = setup(args.mesh, getattr(args, "sync_every", None))
     data = tiny_data(Path(args.out) / "corpus", Path(args.out) / "cache")
     served: dict[int, list] = {}
 
@@ -207,8 +208,38 @@ def devices(args) -> dict:
                 coords={axis: sorted(c) for axis, c in coords.items()})
 
 
+def stragglers(args) -> dict:
+    """``fit`` with a ``Throughput`` callback where process ``--slow-rank``'s loader takes
+    ``--slow-seconds`` longer per batch: a slow input pipeline, simulated (nothing waits
+    on the delay; the other processes wait for this one in every step's collectives)."""
+    from kdist.callbacks import Throughput
+    from kdist.callbacks.stragglers import Stragglers
+
+    info = setup(args.mesh)
+    # Batches prepared in line (no prefetch threads): the slow loader's time is the wait.
+    data = tiny_data(Path(args.out) / "corpus", Path(args.out) / "cache", prefetch=1)
+
+    class Slow(type(data.train)):
+        def __getitem__(self, index):
+            if info.process_index == args.slow_rank:
+                time.sleep(args.slow_seconds)  # the simulated slow loader
+            return super().__getitem__(index)
+
+    data.train.__class__ = Slow
+    model = tiny_model(data.vocabulary_size)
+    model.compile(optimizer=kdist.optim.adamw(1e-2, warmup_steps=1, decay_steps=10))
+    throughput = Throughput(GLOBAL_BATCH_SIZE, SEQUENCE_LENGTH, log_dir=Path(args.out) / "run",
+                            log_every=2, tensorboard=False, progress_bar=False,
+                            stragglers=Stragglers(threshold=0.1, patience=2))
+    model.fit(data.train, epochs=1, steps_per_epoch=args.steps, shuffle=False, verbose=0,
+              callbacks=[throughput])
+    return dict(process_index=info.process_index,
+                input_wait_s=[r.get("input_wait_s") for r in throughput.rows
+                              if r["kind"] == "interval"])
+
+
 COMMANDS = {"train": train, "hang": hang, "ckpt": ckpt, "wordpiece": wordpiece,
-            "devices": devices}
+            "devices": devices, "stragglers": stragglers}
 
 
 def main(argv=None) -> int:
@@ -221,6 +252,9 @@ def main(argv=None) -> int:
     p.add_argument("--save-every", type=int, default=2, help="steps between saves (ckpt)")
     p.add_argument("--hang-at", type=int, default=None, help="stall in this step's commit")
     p.add_argument("--tag", default="run", help="name of the state files written (ckpt)")
+    p.add_argument("--sync-every", type=int, default=None, help="DiLoCo's H (train)")
+    p.add_argument("--slow-rank", type=int, default=1, help="the slow process (stragglers)")
+    p.add_argument("--slow-seconds", type=float, default=0.3, help="its extra seconds per batch")
     args = p.parse_args(argv)
     result = COMMANDS[args.command](args)
     out = Path(args.out) / f"{args.command}-rank{jax.process_index()}.json"

@@ -67,6 +67,9 @@ def test_abstract_variables_and_layouts():
         layer = keras.layers.Dense(4)
         layer.build((None, 3))
     compat.forget_pending_variables()
+    assert not compat.variable_initialized(layer.kernel)  # kdist.parallel.replicas' templates
+    assert compat.deferred_initializer(layer.kernel)((3, 4)).shape == (3, 4)
+    assert compat.variable_initialized(keras.Variable(np.zeros(2)))
     assert compat.variable_layout(layer.kernel) is None
     compat.set_variable_layout(layer.kernel, "a layout")
     assert compat.variable_layout(layer.kernel) == "a layout"
@@ -128,3 +131,21 @@ def test_process_helpers_in_one_process():
     assert compat.jax_backends_started()  # conftest's session already uses the devices
     assert all(hasattr(env, "is_env_present") for env in compat.cluster_environments())
     compat.sync_keras_seed()
+
+
+def test_train_step_helpers():
+    # kdist's own train steps (kdist.parallel.train_step, replicas) use these.
+    model = tiny_gpt()
+    model.compile(optimizer="adamw")
+    x = np.zeros((8, 16), "int32")
+    model.train_on_batch(x, x)
+    state = compat.jax_state(model)
+    shardings = compat.state_shardings(model)
+    assert [len(s) for s in shardings] == [len(s) for s in state]
+    y_pred = model.predict_on_batch(x)
+    logs, metrics = compat.update_metrics_variables(model, state[3], 1.0, x, x, y_pred, None)
+    assert "loss" in logs and len(metrics) == len(state[3])
+    calls = []
+    step = compat.step_function(model, lambda state, data: (calls.append(data), state))
+    step("state", iter(["batch"]))
+    assert calls == ["batch"]

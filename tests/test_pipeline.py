@@ -2,7 +2,6 @@
 sends what it should, and bad settings fail before anything compiles."""
 
 import functools
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,6 @@ import pytest
 import kdist
 from kdist import hlo
 from kdist.models import GPTBackbone, GPTCausalLM
-from kdist.parallel import layout as layout_module
 from kdist.parallel import pipeline
 from kdist.planning.compile import build_abstract, compile_train_step, token_batch
 from tests.bert_helpers import mlm_batches, tiny_bert_mlm
@@ -160,9 +158,8 @@ def test_settings_are_checked_before_compiling():
         kdist.distribution("data=8", pipeline_microbatches=4)
     with pytest.raises(ValueError, match="gradient_reduction='float32' is not built"):
         kdist.distribution("stage=2,data=4", gradient_reduction="float32")
-    with mock.patch.dict(layout_module._NOT_BUILT, clear=True):  # replica's own transform
-        with pytest.raises(ValueError, match="combines the 'stage' axis with 'replica'"):
-            kdist.distribution("stage=2,replica=2,fsdp=2")
+    with pytest.raises(ValueError, match=r"sync_every=10 \(DiLoCo\) is not built for a 'stage'"):
+        kdist.distribution("stage=2,replica=2,fsdp=2", sync_every=10)
     with pytest.raises(ValueError, match=r"num_layers=6 does not divide.*among \[2, 3, 6\]"):
         _lm("stage=4,data=2", dict(TINY_GPT, num_layers=6))
     with pytest.raises(ValueError, match=r"pipeline_repeats among \[1, 2\] with stage=4"):

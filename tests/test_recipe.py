@@ -42,8 +42,8 @@ def test_recipe_flags_are_checked_before_work(tmp_path):
         gpt_pretrain.main(["--grad-accum", "3", "--output-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="describes 4 devices, but 8 are available"):
         gpt_pretrain.main(["--mesh", "fsdp=4", "--output-dir", str(tmp_path)])
-    with pytest.raises(ValueError, match="gradient_reduction='bfloat16' covers the data"):
-        gpt_pretrain.main(["--gradient-reduction", "bfloat16", "--mesh", "fsdp=4,model=2",
+    with pytest.raises(ValueError, match="--error-feedback needs --gradient-reduction float8"):
+        gpt_pretrain.main(["--gradient-reduction", "bfloat16", "--error-feedback",
                            "--output-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="Unknown preset"):
         gpt_pretrain.main(TINY + ["--preset", "gpt-huge", "--output-dir", str(tmp_path)])

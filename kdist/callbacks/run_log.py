@@ -157,3 +157,32 @@ class ScalarWriter:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class ScheduleValue:
+    """A learning-rate schedule's value at a step count, evaluated on the host CPU (reading
+    the optimizer's variable would sync the training state); None without a schedule.
+
+    Example:
+        >>> ScheduleValue(0.5)(10), ScheduleValue(None)(10)
+        (0.5, None)
+    """
+
+    def __init__(self, schedule):
+        self.schedule, self._compiled = schedule, None
+
+    def __call__(self, at: int) -> float | None:
+        import jax
+        import numpy as np
+
+        schedule = self.schedule
+        if schedule is None:
+            return None
+        if isinstance(schedule, (int, float)):
+            return float(schedule)
+        if not callable(schedule):
+            return None
+        if self._compiled is None:  # compiled once: eager evaluation costs ~50 ms
+            self._compiled = jax.jit(schedule)
+        cpu = jax.local_devices(backend="cpu")[0]  # jax.devices() lists other processes' too
+        return float(self._compiled(jax.device_put(np.int32(max(at, 0)), cpu)))

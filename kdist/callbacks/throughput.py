@@ -46,11 +46,14 @@ from kdist.callbacks.run_log import (
     JSONL_NAME,
     TENSORBOARD_DIR,
     RunLog,
+    ScheduleValue,
     memory_usage,
     parse_profile_steps,
 )
 from kdist.callbacks.step_clock import StepClock
+from kdist.callbacks.stragglers import InputTimer, Stragglers
 from kdist.optim import AdamW
+from kdist.parallel.replicas import DiLoCo
 
 __all__ = ["JSONL_NAME", "TENSORBOARD_DIR", "Throughput", "parse_profile_steps"]
 
@@ -82,6 +85,9 @@ class Throughput(keras.callbacks.Callback):
             (1-based, inclusive), into ``log_dir/tensorboard`` (TensorBoard's profile tab,
             with the ``tensorboard-plugin-profile`` package).
         progress_bar: add ``tok/s`` and ``mfu`` to Keras' progress bar.
+        stragglers: with several processes, how a process waiting longer for its input
+            than the others is named (:class:`kdist.callbacks.stragglers.Stragglers`;
+            every interval row has ``input_wait_s``, process 0's the ``processes`` too).
 
     Checkpoint stalls: a callback that blocks training (e.g. waits for a save) reports
     the seconds with :meth:`report_stall`, or wraps the wait in ``with throughput.stall():``;
@@ -116,6 +122,7 @@ class Throughput(keras.callbacks.Callback):
         tensorboard: bool = True,
         profile_steps: tuple[int, int] | None = None,
         progress_bar: bool = True,
+        stragglers: Stragglers | None = None,
     ):
         super().__init__()
         for name, value in (("global_batch_size", global_batch_size),
@@ -138,6 +145,8 @@ class Throughput(keras.callbacks.Callback):
         self.tensorboard = tensorboard
         self.profile_steps = profile_steps
         self.progress_bar = progress_bar
+        self.stragglers = stragglers or Stragglers()
+        self._inputs = InputTimer()  # the training thread in next(iterator)
         self._log = RunLog()
         self._clock = StepClock()  # a fresh one at train begin; stalls before fit go here
         self.rows = self._log.rows  # every row written, also when log_dir is None
@@ -157,6 +166,9 @@ class Throughput(keras.callbacks.Callback):
         dtype = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
         self._peak = device_peak(self._local_devices, dtype, self.peak_tflops)
         self._reset_counters()
+        function = model.train_function  # fit made it just before; a failed fit's wrapped
+        model.train_function = self._inputs.wrap(getattr(function, "unwrapped", function))
+        self.stragglers.begin(*self._process)
         if self._is_writer:
             self._log.open(self.log_dir, self.tensorboard)
         self._log.write(self._config_row(dtype))
@@ -176,8 +188,8 @@ class Throughput(keras.callbacks.Callback):
         self._steps_per_execution = int(getattr(model, "steps_per_execution", 1) or 1)
         updates = int(keras.ops.convert_to_numpy(optimizer.iterations))  # > 0 when resumed
         self._initial_fit_steps = updates * self._accumulation
-        self._schedule = _keras_compat.learning_rate_schedule(optimizer)
-        self._schedule_fn = None
+        optimizer = optimizer.inner() if isinstance(optimizer, DiLoCo) else optimizer
+        self._schedule_value = ScheduleValue(_keras_compat.learning_rate_schedule(optimizer))
         self._schedule_counts_updates = isinstance(optimizer, AdamW)
 
     def _find_devices(self) -> None:
@@ -192,6 +204,7 @@ class Throughput(keras.callbacks.Callback):
         local = [d for d in self._devices if d.process_index == jax.process_index()]
         self._local_devices = local or jax.local_devices()[:1]
         self._is_writer = jax.process_index() == 0 and self.log_dir is not None
+        self._process = (jax.process_index(), jax.process_count())
 
     def _reset_counters(self) -> None:
         self._t0 = time.perf_counter()
@@ -323,6 +336,8 @@ class Throughput(keras.callbacks.Callback):
         self._flush()
         with self._io_lock:
             self._log.close()
+        model = _keras_compat.callback_model(self)  # no state sync
+        model.train_function = getattr(model.train_function, "unwrapped", model.train_function)
 
     # === Stalls reported by other callbacks ===
 
@@ -375,9 +390,12 @@ class Throughput(keras.callbacks.Callback):
         # counts updates, Keras' own optimizers micro-steps (see kdist.optim).
         lr_at = step - 1 if self._schedule_counts_updates else (
             self._initial_fit_steps + self._fit_steps - 1)
+        waited, fetched = self._inputs.take((step - self._last_row_step) * self._accumulation)
         row: dict[str, Any] = {"kind": "interval", "step": step, "epoch": self._epoch,
                                "time": time.time(), "tokens": self._tokens(),
-                               "loss": self._last_loss, "lr": None, "_lr_at": lr_at}
+                               "loss": self._last_loss, "lr": None, "_lr_at": lr_at,
+                               "input_wait_s": waited / fetched * self._accumulation
+                               if fetched else None}
         if self._interval_s > 0 and self._step_times:
             tokens_per_s = self._interval_tokens / self._interval_s
             tflops = tokens_per_s * self._flops.training / n_dev / 1e12
@@ -398,6 +416,8 @@ class Throughput(keras.callbacks.Callback):
         c = self._clock
         row.update(compile_s=c.compile_s, eval_s=c.eval_s, stall_s=c.stall_s, elapsed_s=wall,
                    goodput=c.goodput(wall))
+        row["_figures"] = {k: row.get(k) for k in ("step_time_median_s", "input_wait_s",
+                                                   "tokens_per_s")}
         self._pending.append(row)
         self._last_row_step = step
         self._interval_tokens, self._interval_s = 0, 0.0
@@ -417,30 +437,14 @@ class Throughput(keras.callbacks.Callback):
                 self._trace(start=False)
             for row in rows:
                 if row["kind"] == "interval":
-                    row["lr"] = self._learning_rate(row.pop("_lr_at"))
+                    row["lr"] = self._schedule_value(row.pop("_lr_at"))
+                    row.update(self.stragglers.interval(row["step"], row.pop("_figures")))
                     row.update(memory_usage(self._local_devices))
                 self._log.write(row)
                 if row["kind"] in ("interval", "validation"):
                     self._log.scalars(row["step"], {
                         k: v for k, v in row.items() if k not in ("kind", "step", "epoch", "time")
                     })
-
-    def _learning_rate(self, at: int) -> float | None:
-        """The schedule's learning rate at step count ``at``, evaluated on the host CPU
-        (reading the optimizer's variable would sync the training state)."""
-        import jax
-
-        schedule = self._schedule
-        if schedule is None:
-            return None
-        if isinstance(schedule, (int, float)):
-            return float(schedule)
-        if not callable(schedule):
-            return None
-        if self._schedule_fn is None:  # compiled once: eager evaluation costs ~50 ms
-            self._schedule_fn = jax.jit(schedule)
-        cpu = jax.local_devices(backend="cpu")[0]  # jax.devices() lists other processes' too
-        return float(self._schedule_fn(jax.device_put(np.int32(max(at, 0)), cpu)))
 
     def _trace(self, start: bool) -> None:
         """Starts or stops the profiler trace; its seconds are a stall, not a step."""

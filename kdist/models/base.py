@@ -184,7 +184,14 @@ class Task:
 
     def compile(self, optimizer="adamw", loss=None, **kwargs):
         step.check_compile(self)  # before any compilation
-        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        super().compile(optimizer=step.optimizer_for(self, optimizer), loss=loss, **kwargs)
+        step.prepare(self)  # state the step features keep (residuals, replica groups)
+
+    def train_step(self, state, data):
+        return step.train_step(self, super().train_step, state, data)
+
+    def make_train_function(self, force=False):
+        return step.make_train_function(self, super().make_train_function, force)
 
     def compute_loss_and_updates(self, trainable_variables, non_trainable_variables,
                                  metrics_variables, x, y, sample_weight, training=False,

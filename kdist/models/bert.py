@@ -28,6 +28,7 @@ from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEm
 from kdist.models.layers import NORM_AXES, PostNormBlock
 from kdist.models.presets import BERT_PRESETS
 from kdist.models.scan import LayerStack, stacking_default
+from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import check_divisible
 from kdist.parallel.rules import add_weight, build_with_axes
 
@@ -139,7 +140,7 @@ class BertBackbone(Backbone, keras.Model):
             num_segments, hidden_dim, initializer_range, dtype=dtype, name="segment_embedding")
         self.embeddings_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="embeddings_norm")
-        self.embeddings_dropout = layers.Dropout(dropout, dtype=dtype, name="embeddings_dropout")
+        self.embeddings_dropout = Dropout(dropout, dtype=dtype, name="embeddings_dropout")
         scan_layers = stacking_default() if scan_layers is None else bool(scan_layers)
 
         def block(name):
@@ -257,10 +258,10 @@ class BertMaskedLM(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    # XLA's reductions; no fused loss (the head is not tied-only); sequences split over seq
-    # (not reordered: attention is bidirectional, and mask_positions index the sequence);
-    # a pipelined encoder.
-    step_features = frozenset({"context_parallel", "pipeline"})
+    # No fused loss (the head is not tied-only); sequences split over seq (not reordered:
+    # attention is bidirectional, and mask_positions index the sequence); a pipelined
+    # encoder.
+    step_features = frozenset({"gradient_reduction", "context_parallel", "pipeline"})
     token_id_labels = True  # mask_ids are token ids
 
     def __init__(self, backbone: BertBackbone, check_token_ids: bool = False, **kwargs):
@@ -332,7 +333,7 @@ class BertClassifier(Task, keras.Model):
     """
 
     backbone_class = BertBackbone
-    step_features = frozenset({"context_parallel", "pipeline"})
+    step_features = frozenset({"gradient_reduction", "context_parallel", "pipeline"})
 
     def __init__(self, backbone: BertBackbone, num_classes: int,
                  classifier_dropout: float = 0.1, check_token_ids: bool = False, **kwargs):
@@ -341,7 +342,7 @@ class BertClassifier(Task, keras.Model):
         # === Layers ===
         self.backbone = backbone
         self.check_token_ids = check_token_ids  # in the step: see GPTCausalLM
-        self.dropout_layer = layers.Dropout(classifier_dropout, dtype=backbone.dtype_policy,
+        self.dropout_layer = Dropout(classifier_dropout, dtype=backbone.dtype_policy,
                                             name="classifier_dropout")
         self.head = layers.Dense(num_classes, kernel_initializer=_normal(
             backbone.initializer_range), dtype=backbone.dtype_policy, name="classifier_head")

@@ -26,6 +26,7 @@ from kdist.models.layers import (
 )
 from kdist.models.presets import GPT_PRESETS
 from kdist.models.scan import LayerStack, stacking_default
+from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import check_divisible, current_mesh_shape
 from kdist.parallel.rules import build_with_axes
 
@@ -185,7 +186,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.position_embedding = None if rotary else PositionEmbedding(
             max_sequence_length, initializer_range, dtype=dtype, name="position_embedding"
         )
-        self.embedding_dropout = layers.Dropout(dropout, dtype=dtype, name="embedding_dropout")
+        self.embedding_dropout = Dropout(dropout, dtype=dtype, name="embedding_dropout")
         scan_layers = stacking_default() if scan_layers is None else bool(scan_layers)
 
         def block(name):

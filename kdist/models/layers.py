@@ -14,6 +14,7 @@ from keras import layers, ops
 from kdist.models.attention import CausalSelfAttention
 from kdist.parallel import context
 from kdist.parallel.constraints import shard_batch
+from kdist.parallel.dropout import Dropout
 from kdist.parallel.rules import build_with_axes
 
 # Logical axes of a norm's scale and offset (never sharded over model; split over fsdp).
@@ -224,8 +225,8 @@ class PreNormBlock(layers.Layer):
             dtype=dtype,
             name="mlp",
         )
-        self.attention_dropout = layers.Dropout(dropout, dtype=dtype)
-        self.mlp_dropout = layers.Dropout(dropout, dtype=dtype)
+        self.attention_dropout = Dropout(dropout, dtype=dtype)
+        self.mlp_dropout = Dropout(dropout, dtype=dtype)
 
     def build(self, input_shape):
         build_with_axes(self.attention_norm, input_shape, **NORM_AXES)
@@ -328,8 +329,8 @@ class PostNormBlock(layers.Layer):
                        initializer_range=initializer_range, dtype=dtype, name="mlp")
         self.mlp_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="mlp_norm")
-        self.attention_dropout = layers.Dropout(dropout, dtype=dtype)
-        self.mlp_dropout = layers.Dropout(dropout, dtype=dtype)
+        self.attention_dropout = Dropout(dropout, dtype=dtype)
+        self.mlp_dropout = Dropout(dropout, dtype=dtype)
 
     def build(self, input_shape):
         self.attention.build(input_shape)

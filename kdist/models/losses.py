@@ -25,6 +25,7 @@ gradient is reduce-scattered back over ``fsdp`` and summed over ``data``.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -118,8 +119,12 @@ def _run(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size, with_gra
     batch = P(replica_axes or None, seq_axis, None)  # a split sequence: tokens over seq
     in_specs = (batch, P(model_axis, None), P(replica_axes or None, seq_axis))
     out_specs = (P(), batch, P(model_axis, fsdp_axis)) if with_grads else P()
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
-        hidden, table, labels)
+    from kdist.parallel.constraints import manual_axes
+
+    names = set(jax.sharding.get_abstract_mesh().axis_names if mesh is None
+                else mesh.axis_names) - (manual_axes() or set())
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names=names)(hidden, table, labels)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -145,29 +150,36 @@ _fused_cross_entropy.defvjp(_fwd, _bwd)
 def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int, length: int | None = None):
     """(jax mesh, replica axes, model axis, fsdp axis, seq axis or None) of the active kdist
     distribution, or None when there is none (one device)."""
-    from kdist.parallel.constraints import in_manual_region
+    from kdist.parallel.constraints import in_manual_region, manual_axes
     from kdist.parallel.layout import active
     from kdist.parallel.mesh import REPLICA_AXES
 
     dist = active()
-    if dist is None or in_manual_region():
-        return None  # one device, or already per device (kdist.parallel.reduction)
+    manual = manual_axes()
+    if dist is None or manual is None:
+        return None  # one device, or every axis already manual
     shape = dist.mesh_shape
-    replicas = tuple(a for a in REPLICA_AXES if shape[a] > 1)
+    if manual and all(a in manual for a in (*REPLICA_AXES, "seq") if shape[a] > 1):
+        return None  # already per device (kdist.parallel.reduction): model left to XLA
+    # In a replica group's region (kdist.parallel.replicas) the others axes are its own.
+    replicas = tuple(a for a in REPLICA_AXES if shape[a] > 1 and a not in manual)
     model = dist.mesh_axis_for("vocab")  # the table's vocabulary axis: model (or stage)
     if model == "stage" and vocabulary % shape["stage"]:
         model = None  # the layout's fallback does not apply: the table is replicated
     fsdp = "fsdp" if shape["fsdp"] > 1 else None
-    if batch % dist.num_model_replicas or vocabulary % shape[model or "model"] or (
+    rows = math.prod(shape[a] for a in replicas)
+    if batch % rows or vocabulary % shape[model or "model"] or (
             fsdp and hidden_dim % shape["fsdp"]):
         raise ValueError(
             f"Fused cross-entropy on mesh {dist.spec}: the batch ({batch}) must divide by "
-            f"data x fsdp ({dist.num_model_replicas}), the vocabulary ({vocabulary}) by model "
-            f"({shape['model']}) and the hidden size ({hidden_dim}) by fsdp ({shape['fsdp']}). "
-            f"Change the batch or the mesh, or build the model with loss_chunk_size=None."
+            f"{' x '.join(replicas) or 'one device'} ({rows}), the vocabulary ({vocabulary}) "
+            f"by {model or 'model'} ({shape[model or 'model']}) and the hidden size "
+            f"({hidden_dim}) by fsdp ({shape['fsdp']}). Change the batch or the mesh, or build "
+            f"the model with loss_chunk_size=None."
         )
     seq = "seq" if shape.get("seq", 1) > 1 and length and length % shape["seq"] == 0 else None
-    return dist.device_mesh.backend_mesh, replicas, model, fsdp, seq
+    mesh = None if in_manual_region() else dist.device_mesh.backend_mesh  # None: context's
+    return mesh, replicas, model, fsdp, seq
 
 
 def _seq_size() -> int:
@@ -211,12 +223,14 @@ def auto_chunk_size(batch, length, vocabulary_size: int, table_rows: int | None 
     if not all(isinstance(n, int) and n > 0 for n in (batch, length, vocabulary_size)):
         return None
     platform = platform or jax.default_backend()
-    from kdist.parallel.constraints import in_manual_region
-    from kdist.parallel.layout import replica_count
+    from kdist.parallel.constraints import in_manual_region, manual_batch_axes
+    from kdist.parallel.layout import current_mesh_shape
 
+    shape = current_mesh_shape()
     # The whole step's rows (tokens: a device holds 1/seq of each row's under context
     # parallelism).
-    rows = batch * (replica_count() * _seq_size() if in_manual_region() else 1)
+    rows = batch * math.prod(shape[a] for a in manual_batch_axes()) * (
+        _seq_size() if in_manual_region() else 1)
     per_position = 4 * rows * vocabulary_size
     if platform != "cpu" or vocabulary_size < AUTO_MIN_VOCABULARY \
             or per_position * length < AUTO_MIN_LOGITS_BYTES:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Sequence
 
@@ -25,25 +26,73 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def manual_region():
-    """Marks the tracing of a per-device computation: kdist's sharding constraints
-    (``shard_batch``, ``gathered``) and the fused loss's own ``shard_map`` step aside.
+def manual_region(batch_axes: Sequence[str] = (), axes: Sequence[str] | None = None):
+    """Marks the tracing of a per-device computation (a ``shard_map`` body).
+
+    ``batch_axes``: the manual axes over which the batch is split here (each device holds
+    a contiguous block of rows); regions nest, and :func:`manual_batch_axes` gives them
+    all, so per-device code (``kdist.parallel.dropout``) can find its rows' offset.
+    ``axes``: every manual axis of the region, when some mesh axes stay with XLA's
+    partitioner (``shard_map(axis_names=...)``): kdist's constraints (``shard_batch``,
+    ``gathered``) and the fused loss's ``shard_map`` then still apply over the others.
+    None: every axis is manual, and they step aside.
 
     Example:
-        >>> with manual_region():
-        ...     assert in_manual_region()
+        >>> with manual_region(("data",)):
+        ...     assert in_manual_region() and manual_batch_axes() == ("data",)
     """
-    previous = getattr(_state, "manual", False)
+    previous = (getattr(_state, "manual", False), manual_batch_axes(),
+                getattr(_state, "axes", frozenset()))
+    everything = axes is None or previous[2] is None
     _state.manual = True
+    _state.batch_axes = tuple(a for a in REPLICA_AXES if a in {*previous[1], *batch_axes})
+    _state.axes = None if everything else previous[2] | set(axes)
     try:
         yield
     finally:
-        _state.manual = previous
+        _state.manual, _state.batch_axes, _state.axes = previous
 
 
 def in_manual_region() -> bool:
     """Whether a per-device computation is being traced (see :func:`manual_region`)."""
     return getattr(_state, "manual", False)
+
+
+def manual_batch_axes() -> tuple[str, ...]:
+    """The manual axes the batch is split over in the regions being traced, in the batch
+    layout's order (outermost first): a device's rows are block ``axis_index(axes)``."""
+    return getattr(_state, "batch_axes", ())
+
+
+def manual_axes() -> frozenset | None:
+    """The manual axes of the regions being traced: empty outside any, None when every
+    axis is manual (see :func:`manual_region`)."""
+    axes = getattr(_state, "axes", frozenset())
+    return None if axes is None else frozenset(axes)
+
+
+def _constrain(x, axes, dist):
+    """``x`` constrained to ``axes`` (one entry per dimension: None, an axis or a tuple),
+    the manual axes left out; inside a partly manual region, as a bare ``PartitionSpec``
+    of the region's mesh (a ``NamedSharding`` of the whole mesh is refused there)."""
+    manual = manual_axes()
+    if not in_manual_region():
+        layout = BatchLayout(axes, dist.device_mesh) if any(
+            isinstance(a, tuple) for a in axes) else TensorLayout(axes, dist.device_mesh)
+        return keras.distribution.distribute_tensor(x, layout)
+    if manual is None:
+        return x
+
+    def keep(a):
+        if isinstance(a, tuple):
+            a = tuple(b for b in a if b not in manual)
+            return a or None
+        return None if a in manual else a
+
+    axes = tuple(map(keep, axes))
+    if all(a is None for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*axes))
 
 
 def shard_batch(x):
@@ -57,15 +106,19 @@ def shard_batch(x):
     """
     dist = active()
     batch = x.shape[0]
-    if dist is None or not isinstance(batch, int) or in_manual_region():
+    if dist is None or not isinstance(batch, int):
         return x
-    if batch % dist.num_model_replicas:
-        return x
-    axes = [REPLICA_AXES] + [None] * (len(x.shape) - 1)
+    manual = manual_axes() or frozenset()
+    axes = tuple(a for a in REPLICA_AXES if dist.mesh_shape[a] > 1 and a not in manual)
     seq = dist.mesh_shape.get("seq", 1)
-    if seq > 1 and len(x.shape) > 1 and isinstance(x.shape[1], int) and x.shape[1] % seq == 0:
-        axes[1] = "seq"  # (B, T, ...): each device's tokens (kdist.parallel.context)
-    return keras.distribution.distribute_tensor(x, BatchLayout(tuple(axes), dist.device_mesh))
+    split = seq > 1 and "seq" not in manual and len(x.shape) > 1 and isinstance(
+        x.shape[1], int) and x.shape[1] % seq == 0
+    if not (axes or split) or batch % math.prod(dist.mesh_shape[a] for a in axes):
+        return x
+    spec = [axes or None] + [None] * (len(x.shape) - 1)
+    if split:
+        spec[1] = "seq"  # (B, T, ...): each device's tokens (kdist.parallel.context)
+    return _constrain(x, tuple(spec), dist)
 
 
 def gathered(x, logical_axes: Sequence[str | None]):
@@ -76,10 +129,10 @@ def gathered(x, logical_axes: Sequence[str | None]):
     by replicating it. Identity when no kdist distribution is active.
     """
     dist = active()
-    if dist is None or in_manual_region():
+    if dist is None:
         return x
     axes = tuple(m if m != "fsdp" else None for m in map(dist.mesh_axis_for, logical_axes))
-    return keras.distribution.distribute_tensor(x, TensorLayout(axes, dist.device_mesh))
+    return _constrain(x, axes, dist)
 
 
 def varying_axes(x) -> frozenset:

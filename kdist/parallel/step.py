@@ -12,7 +12,8 @@ reordered, before the loss runs either way.
 
 from __future__ import annotations
 
-from kdist.parallel import reduction, rules
+from kdist.parallel import reduction, replicas, rules
+from kdist.parallel import train_step as stateful
 from kdist.parallel.context import step as context_step
 from kdist.parallel.layout import active
 
@@ -82,6 +83,22 @@ def check_compile(model) -> None:
                 f"{type(model).__name__} does not support (it does not declare the "
                 f"'{feature}' step feature), so it would silently train with XLA's "
                 f"reductions. Build the distribution with {feature}=None.")
+
+
+def optimizer_for(model, optimizer):
+    """The optimizer ``compile`` gives Keras: under ``sync_every`` (DiLoCo) the given one
+    wrapped in :class:`kdist.parallel.replicas.DiLoCo`."""
+    return replicas.wrap(active(), optimizer)
+
+
+def prepare(model) -> None:
+    """After Keras' ``compile`` (before anything is compiled by XLA): refuses what the
+    requested features cannot compute for this model and loss, then adds the state they
+    keep (error-feedback residuals, DiLoCo's per-group state) to the optimizer, which is
+    built now so that it exists before ``fit`` or a checkpoint restore looks for it."""
+    dist = active()
+    if dist is None:
+        return
     if "gradient_reduction" in requested_features():
         reduction.check(dist, model)
     if "pipeline" in requested_features() and not any(
@@ -91,6 +108,41 @@ def check_compile(model) -> None:
             f"{type(model).__name__} is stacked over layers, so nothing would be split into "
             f"stages. Build the model after setting this distribution with scan_layers=True "
             f"(or the default None, which stacks under a 'stage' axis).")
+    if isinstance(model.optimizer, replicas.DiLoCo):
+        if not model.optimizer.built:  # adds the residuals to its inner optimizer
+            model.optimizer.build(model.trainable_variables)
+    elif dist.error_feedback and "gradient_reduction" in requested_features():
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        reduction.add_residuals(dist, model.trainable_variables, model.optimizer)
+
+
+def _residual_indices(model):
+    dist = active()
+    optimizer = replicas.state_optimizer(model)
+    if dist is None or not dist.error_feedback or optimizer is None:
+        return None
+    return reduction.residual_indices(model.trainable_variables, optimizer)
+
+
+def train_step(model, keras_train_step, state, data):
+    """Keras' ``train_step``, or kdist's where a step feature keeps state of its own
+    (:mod:`kdist.parallel.train_step`); under DiLoCo its sync step (``fit`` alternates
+    it with the inner step, :func:`make_train_function`)."""
+    if isinstance(getattr(model, "optimizer", None), replicas.DiLoCo):
+        return replicas.train_step(model, state, data, sync=True)
+    indices = _residual_indices(model)
+    if indices is None:
+        return keras_train_step(state, data)
+    return stateful.train_step(model, state, data, indices)
+
+
+def make_train_function(model, keras_make, force: bool = False):
+    """Keras' ``make_train_function``; under DiLoCo two programs, the sync step every
+    ``sync_every`` steps (:func:`kdist.parallel.replicas.make_train_function`)."""
+    if isinstance(getattr(model, "optimizer", None), replicas.DiLoCo):
+        return replicas.make_train_function(model, force)
+    return keras_make(force)
 
 
 def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_variables,
@@ -100,6 +152,12 @@ def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_
 
     ``compute`` is Keras' own (``super().compute_loss_and_updates`` of the task).
     """
+    indices = _residual_indices(model) if training else None
+    residuals = None if indices is None else [optimizer_variables[i] for i in indices]
+    if training and isinstance(getattr(model, "optimizer", None), replicas.DiLoCo):
+        # A group's slice of the inner optimizer's state: nothing for Keras' loss scaling
+        # (which maps it to model.optimizer's variables; DiLoCo scales nothing).
+        optimizer_variables = []
     features = requested_features()
 
     def loss_and_updates(x, y, sample_weight):
@@ -107,7 +165,7 @@ def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_
                 and supports(model, "gradient_reduction"):
             return reduction.loss_and_updates(
                 model, compute, trainable_variables, non_trainable_variables,
-                metrics_variables, x, y, sample_weight, optimizer_variables)
+                metrics_variables, x, y, sample_weight, optimizer_variables, residuals)
         return compute(trainable_variables, non_trainable_variables, metrics_variables, x, y,
                        sample_weight, training=training,
                        optimizer_variables=optimizer_variables)

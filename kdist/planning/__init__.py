@@ -120,8 +120,9 @@ def plan(
         model_overrides: config fields replacing the preset's (e.g. ``num_layers``).
         auto_shard: shard weights no kdist table names by structure and shape
             (:mod:`kdist.parallel.auto`): for keras-hub or your own models.
-        gradient_reduction: the distribution's (``kdist.distribution``): None, ``"float32"``
-            or ``"bfloat16"``.
+        gradient_reduction: the distribution's (``kdist.distribution``): None, ``"float32"``,
+            ``"bfloat16"``, ``"float8"`` or ``"int8"`` (the theoretical minimum then counts
+            one byte per gradient value, whatever the collectives' kinds).
         pipeline_microbatches, pipeline_repeats: the distribution's, for a mesh with a
             ``stage`` axis (:mod:`kdist.parallel.pipeline`); the plan then also reports the
             bubble, each stage's share and the bytes between stages
@@ -301,7 +302,7 @@ def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, gra
         return {}
     theory = theoretical_collective_bytes(
         cost, sizes, micro, sequence_length, compute_bytes(policy),
-        gradient_bytes=2 if gradient_reduction == "bfloat16" else None,
+        gradient_bytes={"bfloat16": 2, "float8": 1, "int8": 1}.get(gradient_reduction),
         context_parallel=context_parallel,
         pipeline_microbatches=schedule[0], pipeline_repeats=schedule[1])
     return {k: v * grad_accum for k, v in theory.items()}

@@ -1,0 +1,361 @@
+"""Replica groups that synchronise every few steps: DiLoCo over the ``replica`` mesh axis.
+
+DiLoCo (Douillard et al. 2023, "Distributed Low-Communication Training of Language
+Models"): the mesh's ``replica`` groups (each its own ``data``/``fsdp``/``model`` sub-mesh)
+each train on their share of every batch with the optimizer the model was compiled with
+(the *inner* optimizer, AdamW in the paper) and nothing crosses groups; every
+``sync_every`` (H) inner steps the groups average their parameter change since the last
+sync, ``Δ = mean_r(θ - θ_r)`` (the *outer gradient*), and an outer SGD with Nesterov
+momentum (the paper's lr 0.7, momentum 0.9) moves the shared parameters ``θ``; every
+group then starts the next round from the new ``θ``. Inner optimizer state stays with its
+group, never averaged. Per-group traffic across groups: one all-reduce of the parameters
+every H steps, against one per step for synchronous data parallelism.
+
+In one SPMD program (:func:`train_step`): the model's weights are the outer parameters
+``θ`` — what evaluation, generation, ``model.save`` and the checkpoint's ``params.*`` see,
+as of the last sync. :class:`DiLoCo` (the optimizer ``compile`` gets under a DiLoCo
+distribution) holds, with a leading replica dimension sharded over ``replica``, each
+group's parameters and its inner optimizer's state, plus the outer momentum: Keras state,
+so checkpoints hold all of it and resume mid-round exactly. The step is a ``shard_map``
+over ``replica`` only, so inside it each group's arrays are its own and the group's
+``data``/``fsdp``/``model`` axes are left to XLA (or to kdist's explicit reduction, nested):
+no collective crosses groups unless written here. The sync step is a second compiled
+program (:func:`make_train_function` picks it every H-th step on the host), so the
+collectives across groups appear in it alone; the other H-1 steps' program has none but
+the loss's mean for Keras' logs (4 bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import keras
+from jax.sharding import PartitionSpec as P
+
+from kdist import _keras_compat
+from kdist.parallel import reduction
+from kdist.parallel import train_step as stateful
+from kdist.parallel.constraints import manual_region
+from kdist.parallel.layout import BatchLayout, active
+
+AXIS = "replica"
+STACKED_PREFIX = "replica_"
+MOMENTUM_SUFFIX = "_outer_momentum"
+
+
+class GroupState:
+    """Where :class:`DiLoCo` keeps what is not a Keras variable: the inner optimizer
+    (out of Keras' saving walk: its variables are templates without values, keys for
+    ``StatelessScope``, which ``model.save`` must not try to write) and the positions of
+    the stacked state in ``DiLoCo.variables``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.templates = []  # the inner optimizer's variables, stacked in the same order
+        self.params, self.stacked, self.momenta = [], [], []  # indices into .variables
+        self.iterations = None  # index of DiLoCo's own step counter
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class DiLoCo(keras.optimizers.Optimizer):
+    """DiLoCo's optimizer: the inner optimizer per replica group, an outer Nesterov SGD
+    on the groups' averaged parameter change every ``sync_every`` steps.
+
+    ``compile`` wraps the optimizer it is given in this one when the distribution has
+    ``sync_every`` (the user's script does not change); its variables are each group's
+    parameters and inner state (leading dimension: the groups) and the outer momentum.
+    ``iterations`` counts inner updates; ``learning_rate`` is the inner one.
+
+    Args:
+        inner_optimizer: the optimizer each group steps with (e.g. ``kdist.optim.adamw``).
+        sync_every: inner updates between syncs (H).
+        outer_learning_rate, outer_momentum, outer_nesterov: the outer SGD (paper: 0.7,
+            0.9, Nesterov). Learning rate 1 and momentum 0 make the sync a plain average
+            of the groups' parameters.
+
+    Example:
+        >>> import kdist
+        >>> keras.distribution.set_distribution(kdist.distribution(
+        ...     "replica=2,fsdp=4", sync_every=50))  # doctest: +SKIP
+        >>> model.compile(optimizer=kdist.optim.adamw(3e-4))  # doctest: +SKIP
+        >>> type(model.optimizer).__name__  # doctest: +SKIP
+        'DiLoCo'
+    """
+
+    def __init__(self, inner_optimizer, sync_every: int, outer_learning_rate: float = 0.7,
+                 outer_momentum: float = 0.9, outer_nesterov: bool = True, name=None,
+                 **kwargs):
+        inner = keras.optimizers.get(inner_optimizer)
+        check_inner(inner)
+        super().__init__(learning_rate=0.0, name=name or "diloco", **kwargs)
+        self.groups = GroupState(inner)
+        self.sync_every = sync_every
+        self.outer_learning_rate = outer_learning_rate
+        self.outer_momentum = outer_momentum
+        self.outer_nesterov = outer_nesterov
+
+    def inner(self):
+        """The inner optimizer (the one compiled with). Its own variables are templates
+        without values: the state is this optimizer's stacked copies."""
+        return self.groups.inner
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per inner update (the inner optimizer's gradient accumulation)."""
+        return int(self.groups.inner.gradient_accumulation_steps or 1)
+
+    @property
+    def learning_rate(self):
+        schedule = _keras_compat.learning_rate_schedule(self.groups.inner)
+        if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+            return schedule(self.iterations)
+        return self.groups.inner.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        raise AttributeError(
+            "DiLoCo's learning rate is its inner optimizer's, stepped per replica group "
+            "from the optimizer state: give the inner optimizer its schedule before compile.")
+
+    def build(self, var_list):
+        dist = active()
+        groups = dist.mesh_shape[AXIS]
+        parts = self.groups
+        pending = _keras_compat.pending_variable_count()  # a caller's (kdist plan) stay
+        with keras.StatelessScope(initialize_variables=False):  # templates: no values
+            parts.inner.build(var_list)
+            if dist.error_feedback:
+                reduction.add_residuals(dist, var_list, parts.inner)
+        _keras_compat.forget_pending_variables(pending)
+        parts.templates = list(parts.inner.variables)
+        mesh = dist.device_mesh
+
+        def stacked_layout(variable, layout):
+            axes = tuple(layout.axes) if layout is not None else (None,) * len(variable.shape)
+            return BatchLayout((AXIS, *axes), mesh)
+
+        def add(name, shape, dtype, initializer, layout):
+            self.add_variable(shape, initializer, dtype, layout=layout, name=name)
+            return len(self.variables) - 1
+
+        for w in var_list:
+            parts.params.append(add(
+                STACKED_PREFIX + _name(w.path), (groups, *w.shape), w.dtype,
+                _Broadcast(w), stacked_layout(w, dist.get_variable_layout(w))))
+        for v in parts.templates:
+            initializer = _Broadcast(v) if _keras_compat.variable_initialized(v) \
+                else _Broadcast(None, _keras_compat.deferred_initializer(v))
+            parts.stacked.append(add(
+                STACKED_PREFIX + _name(v.path.split("/", 1)[-1]), (groups, *v.shape),
+                v.dtype, initializer,
+                stacked_layout(v, _keras_compat.variable_layout(v))))
+        for w in var_list:
+            parts.momenta.append(add(_name(w.path) + MOMENTUM_SUFFIX, w.shape, w.dtype,
+                                     "zeros", dist.get_variable_layout(w)))
+        counter = _keras_compat.optimizer_iterations(self)
+        parts.iterations = next(i for i, v in enumerate(self.variables) if v is counter)
+        super().build(var_list)
+        # After Keras' build (which would add accumulators): ``iterations`` then counts
+        # inner updates, and kdist.callbacks.Throughput finds the micro-batches per update.
+        self.gradient_accumulation_steps = parts.inner.gradient_accumulation_steps
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise TypeError("DiLoCo steps only through kdist's train step "
+                        "(kdist.parallel.replicas.train_step), inside each replica group.")
+
+    def apply(self, grads, trainable_variables=None):
+        raise TypeError("DiLoCo steps only through kdist's train step "
+                        "(kdist.parallel.replicas.train_step), inside each replica group.")
+
+    def get_config(self):
+        return {"name": self.name, "sync_every": self.sync_every,
+                "inner_optimizer": keras.saving.serialize_keras_object(self.groups.inner),
+                "outer_learning_rate": self.outer_learning_rate,
+                "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["inner_optimizer"] = keras.saving.deserialize_keras_object(
+            config["inner_optimizer"], custom_objects=custom_objects)
+        return cls(**config)
+
+
+def _name(path: str) -> str:
+    return path.replace("/", "_")
+
+
+class _Broadcast(keras.initializers.Initializer):
+    """Initialises a stacked variable with one copy of ``variable``'s value (or of
+    ``initializer``'s output) per replica group; read only then (an abstract build, as
+    ``kdist plan``'s, never reads it)."""
+
+    def __init__(self, variable, initializer=None):
+        self.variable, self.initializer = variable, initializer
+
+    def __call__(self, shape, dtype=None):
+        value = (self.variable.value if self.initializer is None
+                 else self.initializer(shape[1:], dtype))
+        return jnp.broadcast_to(jnp.asarray(value, dtype), shape)
+
+
+def check_inner(inner) -> None:
+    """Refuses inner optimizers whose state DiLoCo cannot keep per group."""
+    if isinstance(inner, (DiLoCo, keras.optimizers.LossScaleOptimizer)):
+        raise ValueError(
+            f"DiLoCo's inner optimizer cannot be a {type(inner).__name__} (its state is not "
+            f"per group); use a plain optimizer such as kdist.optim.adamw, and "
+            f"mixed_bfloat16 rather than mixed_float16.")
+    if inner.use_ema:
+        raise ValueError("DiLoCo's inner optimizer has use_ema=True; an average of the inner "
+                         "weights per group is not built. Use use_ema=False.")
+
+
+def wrap(dist, optimizer):
+    """The optimizer ``compile`` uses under ``dist``: wrapped in :class:`DiLoCo` when
+    ``dist`` has ``sync_every``; a DiLoCo optimizer (e.g. reloaded) is unwrapped or
+    rewrapped to the distribution's settings."""
+    optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, DiLoCo):
+        optimizer = optimizer.inner()
+    if dist is None or not dist.sync_every:
+        return optimizer
+    return DiLoCo(optimizer, dist.sync_every, dist.outer_learning_rate, dist.outer_momentum,
+                  dist.outer_nesterov)
+
+
+def state_optimizer(model):
+    """The optimizer whose variables ``compute_loss_and_updates`` is given: DiLoCo's inner
+    one (a group's slice of its stacked state), else the model's."""
+    optimizer = getattr(model, "optimizer", None)
+    return optimizer.inner() if isinstance(optimizer, DiLoCo) else optimizer
+
+
+def _outer_update(optimizer, theta, momentum, delta):
+    """SGD with (Nesterov) momentum on the outer gradient, as the paper's PyTorch SGD:
+    ``m = mu m + delta; theta -= lr (delta + mu m)`` (``lr m`` without Nesterov)."""
+    mu, lr = optimizer.outer_momentum, optimizer.outer_learning_rate
+    momentum = mu * momentum + delta
+    step = delta + mu * momentum if optimizer.outer_nesterov else momentum
+    return theta - lr * step, momentum
+
+
+def train_step(model, state, data, sync: bool):
+    """One DiLoCo step: every group's inner step; with ``sync``, the outer step after it.
+
+    Keras' JAX ``train_step(state, data)`` contract: same state layout (the model's
+    weights are ``θ``; the optimizer's variables those of :class:`DiLoCo`), same logs.
+    """
+    dist = active()
+    optimizer = model.optimizer
+    parts = optimizer.groups
+    inner = parts.inner
+    theta, non_trainable, opt, metrics = state
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    residuals = reduction.residual_indices(model.trainable_variables, inner)
+    period = optimizer.sync_every * optimizer.accumulation
+    count = opt[parts.iterations]
+
+    groups = dist.mesh_shape[AXIS]
+
+    def mean(x):  # over the groups
+        return jax.lax.pmean(x, AXIS) if groups > 1 else x
+
+    def group(theta, params, inner_state, momenta, non_trainable, metrics, x, y, sw):
+        params = [p[0] for p in params]
+        inner_state = [v[0] for v in inner_state]
+        with manual_region((AXIS,), axes=manual) if groups > 1 else contextlib.nullcontext():
+            unscaled, y_pred, params, non_trainable, inner_state, metrics = (
+                stateful.apply_step(model, inner, residuals, params, non_trainable,
+                                    inner_state, metrics, x, y, sw))
+        if sync:  # the only collective across groups: the outer gradient's mean
+            delta = [mean(t - p) for t, p in zip(theta, params)]  # one all-reduce each
+            theta, momenta = zip(*(_outer_update(optimizer, t, m, d)
+                                   for t, m, d in zip(theta, momenta, delta)))
+            params = [jax.lax.pcast(t, AXIS, to="varying") if groups > 1 else t
+                      for t in theta]
+        unscaled = mean(unscaled)  # Keras' logged loss: the mean over groups
+        return (list(theta), [p[None] for p in params], [v[None] for v in inner_state],
+                list(momenta), non_trainable, metrics, unscaled, y_pred)
+
+    rows = P(AXIS)
+    pick = lambda indices: [opt[i] for i in indices]  # noqa: E731
+    args = (theta, pick(parts.params), pick(parts.stacked), pick(parts.momenta),
+            non_trainable, metrics, x, y, sample_weight)
+    in_specs = (P(), rows, rows, P(), P(), P(), rows, rows, rows)
+    out_specs = (P(), rows, rows, P(), P(), P(), P(), rows)
+    mesh = dist.device_mesh.backend_mesh
+    manual = {AXIS}
+    if groups > 1:
+        run = jax.shard_map(group, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                            axis_names=manual)
+    else:  # one group: the whole mesh (XLA:CPU refuses a 1-device manual all-reduce)
+        run = group
+    (new_theta, params, inner_state, momenta, non_trainable, metrics, unscaled,
+     y_pred) = run(*args)
+    theta = new_theta if sync else theta
+    # A step run out of phase (the host's schedule, see make_train_function) shows as NaN.
+    in_phase = ((count + 1) % period == 0) == sync
+    unscaled = jnp.where(in_phase, unscaled, jnp.nan)
+    opt = list(opt)
+    for indices, values in ((parts.params, params), (parts.stacked, inner_state),
+                            (parts.momenta, momenta)):
+        for i, v in zip(indices, values):
+            opt[i] = v
+    opt[parts.iterations] = count + 1
+    logs, metrics = _keras_compat.update_metrics_variables(
+        model, metrics, unscaled, x, y, y_pred, sample_weight)
+    return logs, (theta, non_trainable, opt, metrics)
+
+
+class _Schedule:
+    """Which program the next step runs, counted on the host: the sync step every
+    ``sync_every`` inner updates. The count is read from the state (one transfer) whenever
+    the state is not the one the last step returned (a new ``fit``, ``train_on_batch``, a
+    restore), so it never drifts from the optimizer's."""
+
+    def __init__(self, model):
+        self.model, self.last, self.count = model, None, 0
+
+    def is_sync(self, state) -> bool:
+        optimizer = self.model.optimizer
+        if state is not self.last:
+            self.count = int(jax.device_get(state[2][optimizer.groups.iterations]))
+        period = optimizer.sync_every * optimizer.accumulation
+        return (self.count + 1) % period == 0
+
+    def returned(self, state) -> None:
+        self.last, self.count = state, self.count + 1
+
+
+def make_train_function(model, force: bool = False) -> None:
+    """Keras' ``make_train_function`` for DiLoCo: two compiled programs (inner step; inner
+    step + sync), the same shardings and donation as Keras', chosen per step on the host."""
+    if model.train_function is not None and not force:
+        return
+    out_shardings = (None, _keras_compat.state_shardings(model))
+    programs = {sync: jax.jit(functools.partial(train_step, model, sync=sync),
+                              donate_argnums=0, out_shardings=out_shardings)
+                for sync in (False, True)}
+    schedule = _Schedule(model)
+    compiled = {}  # the sync program, compiled ahead at the first step (see below)
+
+    def step(state, data):
+        sync = schedule.is_sync(state)
+        if not compiled:
+            # Both programs compile in the first step (counted as compilation by
+            # kdist.callbacks.Throughput), not the sync one mid-run at step H.
+            compiled[True] = programs[True].lower(state, data).compile()
+        program = compiled[True] if sync else programs[False]
+        try:
+            logs, state = program(state, data)
+        except (TypeError, ValueError):  # other shapes or shardings: trace them anew
+            logs, state = programs[sync](state, data)
+        schedule.returned(state)
+        return logs, state
+
+    model.train_function = _keras_compat.step_function(model, step)
+
