@@ -12,6 +12,13 @@ MaxText/Megatron convention; the full-T x T figure is also given) / (devices x t
 data-sheet bf16 dense peak from ``kdist.callbacks.peak.PEAK_TFLOPS``). A time budget skips the
 remaining variants rather than overrun (default 7 minutes).
 
+``--communicate-less`` (issue 18; 2 or more devices): gpt2-small on ``data=N`` with each
+gradient reduction (XLA's, kdist's float32 and bfloat16, float8, int8, float8 with error
+feedback) and DiLoCo (``replica=2,data=N/2``, sync_every 10), 16 sequences per device: step
+time against the XLA-reduction row of the same run, tokens/s, MFU, and the collective bytes
+per device per step read from the train step's HLO (``kdist.hlo``; ``--no-bytes`` skips the
+three extra compilations this costs). On one device it says so and measures nothing.
+
     python benchmarks/gpu.py                      # on the GPU machine
     python benchmarks/gpu.py --dry-run            # CPU: a tiny shape, checks the plumbing
     python benchmarks/gpu.py --context            # 2+ GPUs: seq=N, ring vs all-gather
@@ -164,9 +171,12 @@ def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
 def exchange_bytes(model, x, y) -> dict:
     """Collective bytes per device per optimizer step of the model's train step, from its
     HLO (``kdist.hlo``; collectives of 64 bytes or less, the loss and metrics, left out):
-    ``exchange_bytes`` all of them (on a data-only mesh: the gradient exchange), and
-    ``crossing_bytes`` those whose device groups span the two halves of the devices (what a
-    link between two hosts carries; DiLoCo's replica groups are those halves). kdist's own
+    ``exchange_bytes`` all of them (on a data-only mesh: the gradient exchange, 8-bit
+    scales included), ``exchange_wire_bytes`` what a ring sends of them (the figure to
+    compare: an all-reduce sends ``2(n-1)/n`` of its tensor, 8-bit's all-to-all and
+    all-gather ``(n-1)/n`` each), and ``crossing_wire_bytes`` those whose device groups span
+    the two halves of the devices (what a link between two hosts carries; DiLoCo's replica
+    groups are those halves). kdist's own
     reductions are read from the emitted program (no compilation; XLA:CPU widens 16-bit
     collectives when it compiles); XLA's reductions exist only in the optimized program, so
     the XLA row and DiLoCo's two programs (inner step, sync step: ``(sync + (H-1) inner) /
@@ -190,22 +200,18 @@ def exchange_bytes(model, x, y) -> dict:
         text = (lowered.compile().as_text() if optimized
                 else lowered.compiler_ir("hlo").as_hlo_text())
         found = [c for c in hlo.parse_collectives(text, jax.device_count()) if c.bytes > 64]
-        return (sum(c.bytes * c.executions for c in found),
-                sum(c.bytes * c.executions for c in found if c.crosses(half)))
+        return {"exchange_bytes": sum(c.bytes * c.executions for c in found),
+                "exchange_wire_bytes": sum(c.wire_bytes * c.executions for c in found),
+                "crossing_wire_bytes": sum(c.wire_bytes * c.executions for c in found
+                                           if c.crosses(half))}
 
-    sync_every = distribution.sync_every
-    if sync_every:
-        (inner, inner_crossing), (sync, sync_crossing) = (
-            count(functools.partial(replicas.train_step, model, sync=s), True)
-            for s in (False, True))
-        return {"exchange_bytes": (sync + (sync_every - 1) * inner) / sync_every,
-                "crossing_bytes": (sync_crossing + (sync_every - 1) * inner_crossing)
-                / sync_every,
-                "inner_program_bytes": inner, "sync_program_bytes": sync,
-                "inner_program_crossing_bytes": inner_crossing,
-                "sync_program_crossing_bytes": sync_crossing}
-    total, crossing = count(model.train_step, distribution.gradient_reduction is None)
-    return {"exchange_bytes": total, "crossing_bytes": crossing}
+    h = distribution.sync_every
+    if h:
+        inner, sync = (count(functools.partial(replicas.train_step, model, sync=s), True)
+                       for s in (False, True))
+        return {**{k: (sync[k] + (h - 1) * inner[k]) / h for k in inner},
+                "inner_program": inner, "sync_program": sync}
+    return count(model.train_step, distribution.gradient_reduction is None)
 
 
 def communicate_less(args) -> list[dict]:
@@ -243,7 +249,8 @@ def communicate_less(args) -> list[dict]:
             row["syncs_timed"] = sum((s + 1) % h == 0 for s in range(3, 3 + steps))
         rows.append(row)
         print(f"{variant} ({mesh}): {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, "
-              f"exchange {row.get('exchange_bytes', 0):,.0f} B/device/step", flush=True)
+              f"exchange {row.get('exchange_wire_bytes', 0):,.0f} wire B/device/step",
+              flush=True)
     reference = next((r for r in rows if r["variant"] == "XLA reduction"), None)
     for row in rows:  # against the XLA-reduction row of this run
         row["step_vs_xla"] = row["step_s"] / reference["step_s"] if reference else None
@@ -254,7 +261,8 @@ def communicate_less(args) -> list[dict]:
                 [("variant", "variant", ""), ("mesh", "mesh", ""), ("step s", "step_s", ".4f"),
                  ("vs XLA", "step_vs_xla", ".3f"), ("tokens/s", "tokens_per_s", ",.0f"),
                  ("MFU", "mfu", ".1%"), ("exchange B", "exchange_bytes", ",.0f"),
-                 ("across halves B", "crossing_bytes", ",.0f"),
+                 ("wire B", "exchange_wire_bytes", ",.0f"),
+                 ("across halves wire B", "crossing_wire_bytes", ",.0f"),
                  ("syncs timed", "syncs_timed", "d"), ("peak GiB", "peak_memory_gib", ".1f"),
                  ("loss", "final_loss", ".3f")])
     if skipped:
