@@ -12,9 +12,18 @@ MaxText/Megatron convention; the full-T x T figure is also given) / (devices x t
 data-sheet bf16 dense peak from ``kdist.callbacks.peak.PEAK_TFLOPS``). A time budget skips the
 remaining variants rather than overrun (default 7 minutes).
 
+``--communicate-less`` (issue 18; 2 or more devices): gpt2-small on ``data=N`` with each
+gradient reduction (XLA's, kdist's float32 and bfloat16, float8, int8, float8 with error
+feedback) and DiLoCo (``replica=2,data=N/2``, sync_every 10), 16 sequences per device: step
+time against the XLA-reduction row of the same run, tokens/s, MFU, and the collective bytes
+per device per step read from the train step's HLO (``kdist.hlo``; ``--no-bytes`` skips the
+three extra compilations this costs). On one device it says so and measures nothing.
+
     python benchmarks/gpu.py                      # on the GPU machine
     python benchmarks/gpu.py --dry-run            # CPU: a tiny shape, checks the plumbing
     python benchmarks/gpu.py --context            # 2+ GPUs: seq=N, ring vs all-gather
+    python benchmarks/gpu.py --communicate-less   # 2+ GPUs: 8-bit gradients, DiLoCo vs data=N
+    python benchmarks/gpu.py --communicate-less --dry-run   # CPU, 8 host devices, tiny shape
     python benchmarks/gpu.py --hf-load            # loading a Hugging Face checkpoint onto GPUs
 """
 
@@ -56,6 +65,21 @@ CONTEXT_RUNS = [
     ("gpt2-small", "all_gather", {}, {}, 1),
     ("gpt2-small", "ring", {}, {}, 1),
 ]
+# Communicating less (--communicate-less; needs 2 or more GPUs, an even count for DiLoCo):
+# gpt2-small on data=N with each gradient reduction, and DiLoCo's replica=2,data=N/2 with
+# H=10 against the synchronous data=N of the first row; 16 sequences per device. Figure
+# still to take: step time of 8-bit reduction and DiLoCo on 2+ GPUs (this machine has 1).
+# (variant, mesh for N devices, kdist.distribution options)
+COMMUNICATE_LESS_RUNS = [
+    ("XLA reduction", "data={n}", {}),
+    ("float32", "data={n}", {"gradient_reduction": "float32"}),
+    ("float8", "data={n}", {"gradient_reduction": "float8"}),
+    ("int8", "data={n}", {"gradient_reduction": "int8"}),
+    ("float8 + error feedback", "data={n}", {"gradient_reduction": "float8",
+                                            "error_feedback": True}),
+    ("DiLoCo H=10", "replica=2,data={half}", {"sync_every": 10}),
+    ("bfloat16", "data={n}", {"gradient_reduction": "bfloat16"}),
+]
 DRY_SHAPE = dict(vocabulary_size=512, num_layers=2, num_heads=4, hidden_dim=64,
                  intermediate_dim=256, max_sequence_length=64)
 
@@ -84,7 +108,8 @@ def uses_cudnn_attention(model, batch: int, length: int) -> bool:
 
 
 def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
-            check_attention=True, context_parallel=None) -> dict:
+            check_attention=True, context_parallel=None, mesh=None, mesh_options=None,
+            exchange=False) -> dict:
     import jax
     import keras
     import numpy as np
@@ -97,6 +122,8 @@ def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
         backbone_options = {**backbone_options, "max_sequence_length": length}
         keras.distribution.set_distribution(kdist.distribution(
             f"seq={len(devices)}", context_parallel=context_parallel))
+    elif mesh:  # --communicate-less: the row's mesh and gradient exchange
+        keras.distribution.set_distribution(kdist.distribution(mesh, **(mesh_options or {})))
     else:
         keras.distribution.set_distribution(
             kdist.distribution(f"fsdp={len(devices)}") if len(devices) > 1 else None)
@@ -113,7 +140,8 @@ def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
 
     start = time.perf_counter()
     lm._symbolic_build(data_batch=(x[:batch], y[:batch]))
-    lm.optimizer.build(lm.trainable_variables)
+    if not lm.optimizer.built:  # _symbolic_build builds it; DiLoCo's build is not idempotent
+        lm.optimizer.build(lm.trainable_variables)
     # One extra compilation: only for each preset's first run (same attention after).
     cudnn = uses_cudnn_attention(lm, batch, length) if check_attention else None
     clock = keras_clock(3)  # after compilation and two warm-up steps
@@ -126,7 +154,8 @@ def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
     peak = kdist.callbacks.peak.device_peak(devices, dtype)
     denominator = len(devices) * peak.tflops * 1e12
     stats = devices[0].memory_stats() or {}
-    return {"preset": preset, "options": {**backbone_options, **lm_options}, "batch": batch,
+    row = exchange_bytes(lm, x[:batch], y[:batch]) if exchange else {}
+    return {**row, "preset": preset, "options": {**backbone_options, **lm_options}, "batch": batch,
             "length": length, "devices": len(devices), "device_kind": devices[0].device_kind,
             "dtype_policy": keras.config.dtype_policy().name, "cudnn_attention": cudnn,
             "step_s": clock.seconds / steps, "tokens_per_s": tokens_per_s,
@@ -137,6 +166,112 @@ def measure(preset, backbone_options, lm_options, batch, length, steps, dry_run,
             "final_loss": history.history["loss"][-1],
             "peak_memory_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "wall_s": time.perf_counter() - start}
+
+
+def exchange_bytes(model, x, y) -> dict:
+    """Collective bytes per device per optimizer step of the model's train step, from its
+    HLO (``kdist.hlo``; collectives of 64 bytes or less, the loss and metrics, left out):
+    ``exchange_bytes`` all of them (on a data-only mesh: the gradient exchange, 8-bit
+    scales included), ``exchange_wire_bytes`` what a ring sends of them (the figure to
+    compare: an all-reduce sends ``2(n-1)/n`` of its tensor, 8-bit's all-to-all and
+    all-gather ``(n-1)/n`` each), and ``crossing_wire_bytes`` those whose device groups span
+    the two halves of the devices (what a link between two hosts carries; DiLoCo's replica
+    groups are those halves). kdist's own
+    reductions are read from the emitted program (no compilation; XLA:CPU widens 16-bit
+    collectives when it compiles); XLA's reductions exist only in the optimized program, so
+    the XLA row and DiLoCo's two programs (inner step, sync step: ``(sync + (H-1) inner) /
+    H`` per step, as ``benchmarks/communicate_less.py``) compile once more each."""
+    import functools
+
+    import jax
+    import keras
+
+    from kdist import _keras_compat, hlo
+    from kdist.parallel import replicas
+
+    distribution = keras.distribution.distribution()
+    batch = tuple(jax.device_put(a, distribution.get_data_layout(a.shape).backend_layout)
+                  for a in (x, y))  # sharded as fit shards it
+    state = _keras_compat.jax_state(model)
+    half = jax.device_count() // 2
+
+    def count(step, optimized):
+        lowered = jax.jit(step).lower(state, batch)
+        text = (lowered.compile().as_text() if optimized
+                else lowered.compiler_ir("hlo").as_hlo_text())
+        found = [c for c in hlo.parse_collectives(text, jax.device_count()) if c.bytes > 64]
+        return {"exchange_bytes": sum(c.bytes * c.executions for c in found),
+                "exchange_wire_bytes": sum(c.wire_bytes * c.executions for c in found),
+                "crossing_wire_bytes": sum(c.wire_bytes * c.executions for c in found
+                                           if c.crosses(half))}
+
+    h = distribution.sync_every
+    if h:
+        inner, sync = (count(functools.partial(replicas.train_step, model, sync=s), True)
+                       for s in (False, True))
+        return {**{k: (sync[k] + (h - 1) * inner[k]) / h for k in inner},
+                "inner_program": inner, "sync_program": sync}
+    return count(model.train_step, distribution.gradient_reduction is None)
+
+
+def communicate_less(args) -> list[dict]:
+    """--communicate-less: COMMUNICATE_LESS_RUNS on every device, one table, one result."""
+    import jax
+
+    n = jax.device_count()
+    if n < 2:
+        print(f"--communicate-less compares gradient exchanges between devices and needs 2 or "
+              f"more; JAX sees {n} ({jax.devices()[0].device_kind}). Skipped: nothing "
+              f"measured, no result written.", flush=True)
+        return []
+    length = 64 if args.dry_run else args.length
+    steps = 10 if args.dry_run else args.steps  # the dry run's window holds one sync
+    batch = (1 if args.dry_run else 16) * n
+    preset = "gpt2-small"
+    start, rows, skipped = time.perf_counter(), [], []
+    for i, (variant, mesh, options) in enumerate(COMMUNICATE_LESS_RUNS):
+        if args.runs is not None and i not in args.runs:
+            continue
+        if "replica" in mesh and n % 2:
+            skipped.append(f"{variant} (replica=2 needs an even device count; {n} here)")
+            continue
+        if time.perf_counter() - start > args.budget_s:
+            skipped.append(f"{variant} (time budget)")
+            continue
+        mesh = mesh.format(n=n, half=n // 2)
+        row = measure(preset, {}, {}, batch, length, steps, args.dry_run,
+                      check_attention=False, mesh=mesh, mesh_options=options,
+                      exchange=not args.no_bytes)
+        row.update(variant=variant, mesh=mesh, steps=steps, **{
+            k: v for k, v in options.items() if k != "sync_every"})
+        if "sync_every" in options:  # syncs inside the timed window (steps 3 .. 3+steps-1)
+            row["sync_every"] = h = options["sync_every"]
+            row["syncs_timed"] = sum((s + 1) % h == 0 for s in range(3, 3 + steps))
+        rows.append(row)
+        print(f"{variant} ({mesh}): {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, "
+              f"exchange {row.get('exchange_wire_bytes', 0):,.0f} wire B/device/step",
+              flush=True)
+    reference = next((r for r in rows if r["variant"] == "XLA reduction"), None)
+    for row in rows:  # against the XLA-reduction row of this run
+        row["step_vs_xla"] = row["step_s"] / reference["step_s"] if reference else None
+    print_table(f"{'DRY RUN (tiny shape, CPU host devices) — ' if args.dry_run else ''}"
+                f"communicating less: {preset}, {n} devices, batch {batch} x T={length}, "
+                f"{rows[0]['dtype_policy'] if rows else ''}; step ratio against the XLA-"
+                f"reduction row; bytes per device per step (kdist.hlo)", rows,
+                [("variant", "variant", ""), ("mesh", "mesh", ""), ("step s", "step_s", ".4f"),
+                 ("vs XLA", "step_vs_xla", ".3f"), ("tokens/s", "tokens_per_s", ",.0f"),
+                 ("MFU", "mfu", ".1%"), ("exchange B", "exchange_bytes", ",.0f"),
+                 ("wire B", "exchange_wire_bytes", ",.0f"),
+                 ("across halves wire B", "crossing_wire_bytes", ",.0f"),
+                 ("syncs timed", "syncs_timed", "d"), ("peak GiB", "peak_memory_gib", ".1f"),
+                 ("loss", "final_loss", ".3f")])
+    if skipped:
+        print(f"skipped: {', '.join(skipped)}")
+    print(f"total {time.perf_counter() - start:.0f} s")
+    write_result("gpu_dry_run_communicate_less" if args.dry_run else
+                 f"{args.output}_communicate_less",
+                 {"args": vars(args), "rows": rows, "skipped": skipped})
+    return rows
 
 
 def codec_throughput(dry_run: bool) -> list[dict]:
@@ -177,10 +312,18 @@ def main(argv=None):
                    help="skip the remaining runs once this much time has passed")
     p.add_argument("--output", default="gpu", help="result name under benchmarks/results/")
     p.add_argument("--runs", nargs="*", type=int, default=None,
-                   help="indices into RUNS (default: all)")
+                   help="indices into RUNS, or COMMUNICATE_LESS_RUNS with --communicate-less "
+                        "(default: all)")
     p.add_argument("--context", action="store_true",
                    help="CONTEXT_RUNS instead: one sequence of --length tokens (default "
                         "32768) split over every GPU (seq=N), ring and all-gather")
+    p.add_argument("--communicate-less", action="store_true",
+                   help="COMMUNICATE_LESS_RUNS instead (2+ devices): gpt2-small on data=N with "
+                        "XLA's, float32, float8, int8, float8 + error feedback and bfloat16 "
+                        "gradient reduction, and DiLoCo replica=2,data=N/2 (sync_every 10)")
+    p.add_argument("--no-bytes", action="store_true",
+                   help="--communicate-less without the HLO byte counts (saves the XLA and "
+                        "DiLoCo rows' extra compilations)")
     p.add_argument("--hf-load", action="store_true",
                    help="instead: load a gpt2-medium-shaped Hugging Face checkpoint onto the "
                         "GPUs, kdist vs keras-hub (benchmarks/hf_loading.py; ~2 min)")
@@ -192,7 +335,7 @@ def main(argv=None):
         print(result)
         write_result("gpu_hf_loading", result)
         return result
-    if args.context and args.dry_run:
+    if (args.context or args.communicate_less) and args.dry_run:
         import kdist
 
         kdist.force_host_devices(8)  # a CPU's 8 host devices stand in for the GPUs
@@ -202,6 +345,8 @@ def main(argv=None):
     if not args.dry_run and jax.devices()[0].platform != "gpu":
         raise SystemExit(f"No GPU: JAX sees {jax.devices()[0].platform} devices. Install "
                          f"JAX's CUDA wheels (pip install -e '.[gpu]'), or pass --dry-run.")
+    if args.communicate_less:
+        return communicate_less(args)
     if args.context and jax.device_count() < 2:
         raise SystemExit("--context splits a sequence over several devices; JAX sees one.")
     runs = CONTEXT_RUNS if args.context else RUNS
