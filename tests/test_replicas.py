@@ -53,6 +53,14 @@ def diloco_run():
     return model, losses, keras.distribution.distribution()
 
 
+def test_building_the_optimizer_again_adds_nothing(diloco_run):
+    # Users build optimizers before restoring state; Keras' own return when built.
+    optimizer = diloco_run[0].optimizer
+    before = [id(v) for v in optimizer.variables]
+    optimizer.build(diloco_run[0].trainable_variables)
+    assert [id(v) for v in optimizer.variables] == before
+
+
 def test_groups_drift_between_syncs_and_meet_at_them(diloco_run):
     model, losses, _ = diloco_run
     assert np.isfinite(losses).all() and losses[-1] < losses[0]

@@ -121,6 +121,8 @@ class DiLoCo(keras.optimizers.Optimizer):
             "from the optimizer state: give the inner optimizer its schedule before compile.")
 
     def build(self, var_list):
+        if self.built:  # as Keras' optimizers: a second build (e.g. before a restore) is a no-op
+            return
         dist = active()
         groups = dist.mesh_shape[AXIS]
         parts = self.groups
