@@ -10,6 +10,7 @@ from kdist.callbacks import peak as peaks
 from kdist.models import (
     BERT_PRESETS,
     GPT_PRESETS,
+    BertBackbone,
     BertClassifier,
     BertCostModel,
     BertMaskedLM,
@@ -117,7 +118,7 @@ BERT_XLA_CASES = {  # name: (preset, overrides, batch, sequence length, masked p
 
 def bert_flops(config, seq, **head):
     """BERT's count with a head (``masked_positions=P`` or ``num_classes=C``): its cost model's."""
-    return BertCostModel(config, **head).flops_per_token(seq)
+    return BertCostModel(BertBackbone.full_config(config), **head).flops_per_token(seq)
 
 
 def bert_sample_batch(batch, seq, masked):

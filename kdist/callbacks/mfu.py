@@ -55,6 +55,12 @@ class ModelFlops:
         return cls(counted.training, counted.hardware, bool(counted.remat),
                    counted.convention, counted)
 
+    def row(self) -> dict:
+        """The counts' fields in the run log's config row."""
+        return {"flops_per_token": self.training, "hardware_flops_per_token": self.hardware,
+                "flops_convention": self.convention,
+                "flops_breakdown": self.breakdown.as_dict() if self.breakdown else None}
+
 
 def utilisation(flops: ModelFlops, peak: Peak, tokens_per_s_per_device: float) -> dict[str, Any]:
     """``mfu`` (and with remat ``hardware_tflops_per_device``, ``hfu``) at a throughput.

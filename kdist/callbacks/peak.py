@@ -75,6 +75,12 @@ class Peak:
     unreliable: str | None = None
     note: str = ""
 
+    def row(self) -> dict:
+        """The figure's fields in the run log's config row."""
+        return {"device_kind": self.device_kind, "peak_tflops_per_device": self.tflops,
+                "peak_source": self.source, "peak_unreliable": self.unreliable,
+                "peak": self.describe()}
+
     def describe(self) -> str:
         """E.g. ``"989 TFLOP/s bfloat16 per device (table: NVIDIA H100 80GB HBM3)"``, or
         ``"... (measured (unreliable: ...): cpu)"``."""

@@ -40,6 +40,10 @@ from kdist import _keras_compat
 _fits = itertools.count()  # fits started in this process: the same sequence in every process
 
 
+def _unwrapped(function):
+    return getattr(function, "unwrapped", function)
+
+
 class InputTimer:
     """Times the training thread in ``next(iterator)`` of Keras' train function.
 
@@ -77,6 +81,16 @@ class InputTimer:
 
         timed.unwrapped = train_function
         return timed
+
+    def install(self, model) -> None:
+        """Times ``model.train_function`` (``fit`` made it just before ``on_train_begin``);
+        a failed fit's timed function is replaced, not wrapped twice."""
+        model.train_function = self.wrap(_unwrapped(model.train_function))
+
+    @staticmethod
+    def uninstall(model) -> None:
+        """Puts Keras' own train function back."""
+        model.train_function = _unwrapped(model.train_function)
 
     def add(self, seconds: float) -> None:
         with self._lock:
@@ -118,11 +132,13 @@ class Stragglers:
         self._slow: dict[int, int] = {}  # process -> consecutive slow intervals
         self._named: set[int] = set()
 
-    def begin(self, process: int, processes: int) -> None:
+    def begin(self) -> None:
         """At train begin: this process's place; a fresh key space for this fit."""
-        self.process, self.processes = process, processes
+        import jax
+
+        self.process, self.processes = jax.process_index(), jax.process_count()
         self._prefix = f"kdist/stragglers/{next(_fits)}"
-        self._client = _keras_compat.distributed_client() if processes > 1 else None
+        self._client = _keras_compat.distributed_client() if self.processes > 1 else None
         self._published: list[int] = []
         self._previous: int | None = None
         self._slow.clear()

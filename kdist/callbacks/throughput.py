@@ -166,9 +166,8 @@ class Throughput(keras.callbacks.Callback):
         dtype = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
         self._peak = device_peak(self._local_devices, dtype, self.peak_tflops)
         self._reset_counters()
-        function = model.train_function  # fit made it just before; a failed fit's wrapped
-        model.train_function = self._inputs.wrap(getattr(function, "unwrapped", function))
-        self.stragglers.begin(*self._process)
+        self._inputs.install(model)
+        self.stragglers.begin()
         if self._is_writer:
             self._log.open(self.log_dir, self.tensorboard)
         self._log.write(self._config_row(dtype))
@@ -204,7 +203,6 @@ class Throughput(keras.callbacks.Callback):
         local = [d for d in self._devices if d.process_index == jax.process_index()]
         self._local_devices = local or jax.local_devices()[:1]
         self._is_writer = jax.process_index() == 0 and self.log_dir is not None
-        self._process = (jax.process_index(), jax.process_count())
 
     def _reset_counters(self) -> None:
         self._t0 = time.perf_counter()
@@ -231,16 +229,9 @@ class Throughput(keras.callbacks.Callback):
             "gradient_accumulation_steps": self._accumulation,
             "steps_per_execution": self._steps_per_execution,
             "num_devices": len(self._devices),
-            "device_kind": self._peak.device_kind,
-            "peak_tflops_per_device": self._peak.tflops,
-            "peak_source": self._peak.source,
-            "peak_unreliable": self._peak.unreliable,
-            "peak": self._peak.describe(),
+            **self._peak.row(),
             "dtype": dtype,
-            "flops_per_token": self._flops.training,
-            "hardware_flops_per_token": self._flops.hardware,
-            "flops_convention": self._flops.convention,
-            "flops_breakdown": self._flops.breakdown.as_dict() if self._flops.breakdown else None,
+            **self._flops.row(),
         }
 
     # === Hooks (Keras calls them), continued ===
@@ -336,8 +327,7 @@ class Throughput(keras.callbacks.Callback):
         self._flush()
         with self._io_lock:
             self._log.close()
-        model = _keras_compat.callback_model(self)  # no state sync
-        model.train_function = getattr(model.train_function, "unwrapped", model.train_function)
+        InputTimer.uninstall(_keras_compat.callback_model(self))  # no state sync
 
     # === Stalls reported by other callbacks ===
 

@@ -7,12 +7,8 @@ Example:
 """
 
 from kdist.models.base import Backbone, CostModel, Task
-from kdist.models.bert import (
-    BertBackbone,
-    BertClassifier,
-    BertCostModel,
-    BertMaskedLM,
-)
+from kdist.models.bert import BertBackbone, BertClassifier, BertMaskedLM
+from kdist.models.bert_cost import BertCostModel
 from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEmbedding
 from kdist.models.gpt import GPTBackbone, GPTCausalLM
 from kdist.models.gpt_cost import GPTCostModel
