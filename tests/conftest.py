@@ -1,12 +1,41 @@
-"""Test harness: 8 forced host devices, JAX backend, a fresh Keras state per test."""
+"""Test harness: 8 forced host devices, JAX backend, a fresh Keras state per test, and one
+compilation per distinct program per run.
 
+Caches (both in ``.cache/`` of the checkout, ignored by git, inherited by every child
+process through the environment; delete the folder to start cold — the suite passes either
+way):
+
+- JAX's persistent compilation cache (``.cache/jax``, every program, however quickly it
+  compiled). JAX keys an entry by a SHA-256 over the StableHLO module with its debug
+  locations stripped, the jaxlib and backend versions, ``XLA_FLAGS``, the serialized
+  compile options (device assignment included) and the devices' kinds
+  (``jax._src.cache_key.get``): a program that changes in any op, shape, constant or
+  sharding gets a new key; only the identical program is loaded instead of compiled.
+- kdist's tokenizer and token-store cache (``$KDIST_CACHE``) in a folder named after a hash
+  of ``kdist/data/``'s sources: a change to the data code trains and packs afresh.
+"""
+
+import hashlib
 import os
-import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache"
+
+
+def _data_code_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "kdist" / "data").rglob("*.py")):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Tokenizers and token stores of the test session live in one temporary cache.
-os.environ.setdefault("KDIST_CACHE", tempfile.mkdtemp(prefix="kdist-test-cache-"))
+os.environ.setdefault("KDIST_CACHE", str(CACHE / f"kdist-test-{_data_code_hash()}"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import kdist  # noqa: E402
 
@@ -18,6 +47,8 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.helpers import child_environment  # noqa: E402
+
 
 def pytest_sessionstart(session):
     if jax.device_count() != 8:
@@ -25,6 +56,8 @@ def pytest_sessionstart(session):
             f"The tests need 8 host devices but JAX sees {jax.device_count()}: jax was imported "
             f"before tests/conftest.py set XLA_FLAGS."
         )
+    if jax.config.jax_compilation_cache_dir != os.environ["JAX_COMPILATION_CACHE_DIR"]:
+        raise RuntimeError("JAX did not take the compilation cache folder of tests/conftest.py")
 
 
 @pytest.fixture(autouse=True)
@@ -38,3 +71,66 @@ def fresh_keras_state():
     keras.distribution.set_distribution(None)
     keras.config.set_dtype_policy("float32")
     keras.utils.clear_session()
+
+
+def _become_child_environment(patch: pytest.MonkeyPatch) -> None:
+    """Makes ``os.environ`` the environment every child process starts from
+    (:func:`tests.helpers.child_environment`), for code that spawns from it
+    (``kdist.launch.launch``)."""
+    env = child_environment()
+    for name in set(os.environ) - set(env):
+        patch.delenv(name)
+    for name, value in env.items():
+        patch.setenv(name, value)
+
+
+@pytest.fixture
+def child_env(monkeypatch):
+    """``os.environ`` as a child process's, for the test (see _become_child_environment)."""
+    _become_child_environment(monkeypatch)
+
+
+class MultihostCases:
+    """What tests/multihost_script.py's ``batch`` wrote: each case's per-rank results."""
+
+    def __init__(self, root, status: int, output: str):
+        self.root, self.status, self.output = root, status, output
+
+    def out(self, name: str):
+        from tests import multihost_script
+
+        return self.root / multihost_script.slug(name)
+
+    def ranks(self, name: str, processes: int = 2) -> list[dict]:
+        import json
+
+        assert self.status == 0, f"the launch ended with status {self.status}:\n" + (
+            self.output[-6000:])
+        command = name.split()[0]
+        files = [self.out(name) / f"{command}-rank{r}.json" for r in range(processes)]
+        missing = [f.name for f in files if not f.is_file()]
+        assert not missing, (f"case {name!r} wrote no {missing} (launch status "
+                             f"{self.status}):\n{self.output[-6000:]}")
+        return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="session")
+def multihost_cases(tmp_path_factory):
+    """Every case of tests/multihost_script.py's ``CASES``, run once per session by one
+    ``kdist.launch`` of 2 processes x 4 host devices (the imports and the cluster's start-up
+    paid once); tests read each case's results with ``.ranks(name)``."""
+    import contextlib
+    import io
+    import sys
+
+    from kdist import launch
+    from tests.models.hf_fixtures import write_checkpoint
+
+    root = tmp_path_factory.mktemp("multihost")
+    write_checkpoint(root / "hf-source", "gpt2")  # the "hf" cases' checkpoint
+    output = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(output):
+        _become_child_environment(patch)
+        status = launch.launch([sys.executable, str(ROOT / "tests" / "multihost_script.py"),
+                                "batch", "--out", str(root)], processes=2, devices_per_process=4)
+    return MultihostCases(root, status, output.getvalue())

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 
 import keras
 import numpy as np
 
 import kdist
 from kdist.models import GPTCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
+RECIPES = ROOT / "recipes"
+FIXTURES = ROOT / "tests" / "fixtures"
+# Keras' cluster variables (kdist.initialize reads them); a child starts without them.
+CLUSTER_VARIABLES = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
+                     "KERAS_DISTRIBUTION_PROCESS_ID")
 
 # A GPT small enough to compile in seconds, with every dimension divisible by 8.
 TINY_GPT = dict(
@@ -21,6 +30,17 @@ TINY_LLAMA = dict(
     TINY_GPT, num_key_value_heads=4, position_embedding="rotary", norm="rms_norm",
     mlp_activation="swiglu", use_bias=False, tie_embeddings=False,
 )
+
+
+def child_environment(**overrides: str) -> dict[str, str]:
+    """The environment of every child process a test starts: this process's (so the
+    compilation cache and ``$KDIST_CACHE`` of tests/conftest.py are shared), importing this
+    checkout's kdist first, quiet TensorFlow, no cluster variables; then ``overrides``."""
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(overrides)
+    return env
 
 
 def tiny_gpt(mesh: str | None = None, seed: int = 0, **overrides) -> GPTCausalLM:

@@ -238,11 +238,79 @@ def stragglers(args) -> dict:
                               if r["kind"] == "interval"])
 
 
-COMMANDS = {"train": train, "hang": hang, "ckpt": ckpt, "wordpiece": wordpiece,
+def hf(args) -> dict:
+    """Loads the Hugging Face checkpoint in ``--source`` under the mesh (stacked with
+    ``--scan-layers``), counting the bytes this process reads from the files; checks each
+    local shard against the stored tensor; exports to ``OUT/export`` (every process joins
+    the gathers, process 0 writes)."""
+    import contextlib
+
+    from safetensors.numpy import load_file
+
+    from kdist.models.hf import checkpoint, stacked
+
+    info = setup(args.mesh)
+    read = {"bytes": 0, "tensors": {}}
+    original = checkpoint.HFCheckpoint.opened
+
+    @contextlib.contextmanager
+    def counting(self, name):  # every box this process copies out of the files
+        with original(self, name) as reader:
+            def read_box(box):
+                values = reader(box)
+                read["bytes"] += values.nbytes
+                read["tensors"][name] = read["tensors"].get(name, 0) + values.nbytes
+                return values
+            yield read_box
+
+    checkpoint.HFCheckpoint.opened = counting
+    try:
+        lm = kdist.models.GPTCausalLM.from_pretrained(args.source, scan_layers=args.scan_layers)
+    finally:
+        checkpoint.HFCheckpoint.opened = original
+    stored = load_file(str(Path(args.source) / "model.safetensors"))
+    worst = 0.0
+    for weight in lm.weights:  # local shards against the stored tensors, exactly
+        tensor_map = stacked.fitted(
+            kdist.models.hf.gpt2.tensor_map(weight.path, lm.backbone.get_config()), weight.shape)
+        full = tensor_map.read(lambda key, box: stored[key][box])
+        for shard in weight.value.addressable_shards:
+            worst = max(worst, float(np.abs(np.asarray(shard.data) - full[shard.index]).max()))
+    kdist.hf.export(lm, Path(args.out) / "export")
+    return {"process_index": info.process_index, "local_devices": info.local_device_count,
+            "bytes_read": read["bytes"], "tensors_read": read["tensors"],
+            "checkpoint_bytes": sum(v.nbytes for v in stored.values()),
+            "worst_shard_error": worst}
+
+
+COMMANDS = {"train": train, "hf": hf, "hang": hang, "ckpt": ckpt, "wordpiece": wordpiece,
             "devices": devices, "stragglers": stragglers}
 
+# The cases the multi-process tests read, all run by one launch (``batch``): 2 processes pay
+# their imports and the cluster's start-up once for all of them (tests/conftest.py's
+# ``multihost_cases``). Each writes to OUT/<slug(name)>/.
+CASES = {
+    "wordpiece": ["wordpiece"],
+    "train fsdp=8": ["train", "--mesh", "fsdp=8"],
+    "train data=2,model=4": ["train", "--mesh", "data=2,model=4"],
+    "train model=8": ["train", "--mesh", "model=8"],
+    "train replica=2,fsdp=4": ["train", "--mesh", "replica=2,fsdp=4", "--sync-every", "2"],
+    "devices data=2,model=4": ["devices", "--mesh", "data=2,model=4"],
+    "devices data=2,fsdp=2,model=2": ["devices", "--mesh", "data=2,fsdp=2,model=2"],
+    "stragglers": ["stragglers", "--mesh", "fsdp=8", "--steps", "12", "--slow-rank", "1",
+                   "--slow-seconds", "0.3"],
+    # A GPT-2 checkpoint the launcher wrote to ROOT/hf-source (tests/models/hf_fixtures.py).
+    "hf fsdp=8": ["hf", "--mesh", "fsdp=8", "--source", "{root}/hf-source"],
+    "hf stage=2,fsdp=4": ["hf", "--mesh", "stage=2,fsdp=4", "--scan-layers",
+                          "--source", "{root}/hf-source"],
+}
 
-def main(argv=None) -> int:
+
+def slug(name: str) -> str:
+    return name.replace(" ", "_")
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("command", choices=sorted(COMMANDS))
     p.add_argument("--mesh", default="fsdp=8")
@@ -255,11 +323,32 @@ def main(argv=None) -> int:
     p.add_argument("--sync-every", type=int, default=None, help="DiLoCo's H (train)")
     p.add_argument("--slow-rank", type=int, default=1, help="the slow process (stragglers)")
     p.add_argument("--slow-seconds", type=float, default=0.3, help="its extra seconds per batch")
-    args = p.parse_args(argv)
+    p.add_argument("--source", help="a Hugging Face checkpoint directory (hf)")
+    p.add_argument("--scan-layers", action="store_true", help="load it stacked (hf)")
+    return p
+
+
+def run(argv: list[str]) -> None:
+    """One command: its result to OUT/<command>-rank<process index>.json."""
+    args = parser().parse_args(argv)
+    keras.utils.clear_session()  # each command builds from a fresh Keras state
     result = COMMANDS[args.command](args)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     out = Path(args.out) / f"{args.command}-rank{jax.process_index()}.json"
     out.write_text(json.dumps(result))
     print(f"wrote {out}", flush=True)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["batch"]:  # batch --out ROOT: every case of CASES, in order
+        root = parser().parse_args(["train", *argv[1:]]).out
+        for name, case in CASES.items():
+            print(f"case {name}", flush=True)
+            case = [a.format(root=root) for a in case]
+            run([*case, "--out", str(Path(root) / slug(name))])
+        return 0
+    run(argv)
     return 0
 
 

@@ -3,12 +3,13 @@ no import-time side effects."""
 
 import ast
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import child_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kdist"
@@ -157,8 +158,8 @@ def test_no_private_keras_attribute_is_used_through_self():
 
 @pytest.mark.parametrize("xla_flags", [None, "--xla_force_host_platform_device_count=4"])
 def test_import_kdist_leaves_the_environment_unchanged(xla_flags):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
-    env.update(KERAS_BACKEND="jax", PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    env = {k: v for k, v in child_environment(KERAS_BACKEND="jax").items()
+           if k not in ("XLA_FLAGS", "NPROC")}
     if xla_flags:
         env["XLA_FLAGS"] = xla_flags
     code = ("import json, os; before = dict(os.environ); import kdist; "

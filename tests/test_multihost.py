@@ -5,13 +5,11 @@ one-process reference calls the same function of that script in this (8-device) 
 """
 
 import argparse
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -21,31 +19,17 @@ import kdist
 from kdist import launch
 from kdist.parallel.mesh import MESH_AXES
 from tests import multihost_script
-from tests.helpers import ProcessOutput
+from tests.helpers import CLUSTER_VARIABLES, ROOT, ProcessOutput, child_environment
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "multihost_script.py")
-KERAS_VARS = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
-              "KERAS_DISTRIBUTION_PROCESS_ID")
 
-
-@pytest.fixture
-def child_env(monkeypatch):
-    """Children import this worktree's kdist, print little, and start from a clean cluster env."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
-    for name in KERAS_VARS:
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.mark.slow
-def test_every_process_uses_process_zeros_word_piece_vocabulary(tmp_path, child_env):
+def test_every_process_uses_process_zeros_word_piece_vocabulary(multihost_cases):
     # Two trainings of one corpus can keep different tokens (the HF trainer breaks ties in
     # hash order): processes must not each train their own.
-    status = launch.launch([sys.executable, SCRIPT, "wordpiece", "--out", str(tmp_path)],
-                           processes=2, devices_per_process=4)
-    assert status == 0
-    ranks = [json.loads((tmp_path / f"wordpiece-rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = multihost_cases.ranks("wordpiece")
     assert ranks[0]["vocabulary"] == ranks[1]["vocabulary"] == ranks[0]["cached"]
     assert ranks[1]["cached"] == ranks[0]["cached"]  # the stale cache entry was replaced
     assert "stale" not in ranks[1]["vocabulary"] and len(ranks[0]["vocabulary"]) > 100
@@ -53,18 +37,15 @@ def test_every_process_uses_process_zeros_word_piece_vocabulary(tmp_path, child_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, shares", [("fsdp=8", 2), ("data=2,model=4", 2), ("model=8", 1)])
-def test_two_processes_train_like_one(mesh, shares, tmp_path, child_env):
+def test_two_processes_train_like_one(mesh, shares, multihost_cases):
     """``shares``: distinct row sets per step. Under model=8 the one replica spans both
     processes, so each must feed the whole (identical) global batch."""
-    status = launch.launch([sys.executable, SCRIPT, "train", "--mesh", mesh, "--steps", "3",
-                            "--out", str(tmp_path)], processes=2, devices_per_process=4)
-    assert status == 0
-    ranks = [json.loads((tmp_path / f"train-rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = multihost_cases.ranks(f"train {mesh}")
     assert [(r["process_index"], r["process_count"], r["devices"], r["local_devices"])
             for r in ranks] == [(0, 2, 8, 4), (1, 2, 8, 4)]
 
     # The same script in one process of 8 devices, reusing the cache the ranks wrote.
-    args = argparse.Namespace(mesh=mesh, steps=3, out=str(tmp_path))
+    args = argparse.Namespace(mesh=mesh, steps=3, out=str(multihost_cases.out(f"train {mesh}")))
     reference = multihost_script.train(args)
     assert reference["devices"] == 8 and reference["mesh"] == ranks[0]["mesh"] == mesh
     for rank in ranks:
@@ -90,13 +71,9 @@ def test_two_processes_train_like_one(mesh, shares, tmp_path, child_env):
     ("data=2,fsdp=2,model=2",
      [{"data": [r], "fsdp": [0, 1], "model": [0, 1]} for r in (0, 1)]),
 ])
-def test_device_order_keeps_model_inside_a_host_and_data_across(mesh, expected, tmp_path,
-                                                                child_env):
-    status = launch.launch([sys.executable, SCRIPT, "devices", "--mesh", mesh,
-                            "--out", str(tmp_path)], processes=2, devices_per_process=4)
-    assert status == 0
-    for rank in (0, 1):
-        seen = json.loads((tmp_path / f"devices-rank{rank}.json").read_text())
+def test_device_order_keeps_model_inside_a_host_and_data_across(mesh, expected,
+                                                                multihost_cases):
+    for rank, seen in enumerate(multihost_cases.ranks(f"devices {mesh}")):
         assert seen["process_index"] == rank
         # Axes of size 1 (replica, stage, seq here) have the one coordinate 0.
         assert seen["coords"] == {axis: expected[rank].get(axis, [0]) for axis in MESH_AXES}
@@ -173,7 +150,7 @@ def test_launcher_forwards_sigterm_and_prefixes_output(tmp_path, child_env):
 
 
 def test_initialize_is_a_no_op_in_one_process(monkeypatch):
-    for name in KERAS_VARS:
+    for name in CLUSTER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     info = kdist.initialize()
     assert (info.process_index, info.process_count, info.device_count) == (0, 1, 8)
@@ -183,7 +160,7 @@ def test_initialize_is_a_no_op_in_one_process(monkeypatch):
 
 
 def test_initialize_reads_a_slurm_job(monkeypatch):
-    for name in KERAS_VARS:
+    for name in CLUSTER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     slurm = dict(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="node[003-004]", SLURM_NTASKS="1",
                  SLURM_PROCID="0", SLURM_LOCALID="0")
@@ -196,7 +173,7 @@ def test_initialize_reads_a_slurm_job(monkeypatch):
 
 
 def test_initialize_checks_its_arguments_before_connecting(monkeypatch):
-    for name in KERAS_VARS:
+    for name in CLUSTER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="process_id=2 is outside 0..1"):
         kdist.initialize("127.0.0.1:1234", num_processes=2, process_id=2)
@@ -221,7 +198,7 @@ def test_initialize_fails_clearly_and_in_bounded_time(child_env):
     start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-c", code.format(ports[rank], rank)],
                               stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"}) for rank in (1, 0)]
+                              env=child_environment(JAX_PLATFORMS="cpu")) for rank in (1, 0)]
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert time.monotonic() - start < 90  # imports (slow on a busy machine) + 5 s + exit
     assert all(p.returncode != 0 for p in procs)

@@ -4,20 +4,12 @@ The two-process run goes through ``kdist.launch`` with ``tests/multihost_script.
 (command ``stragglers``): rank 1's loader is slowed on purpose.
 """
 
-import json
-import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kdist import launch
 from kdist.callbacks.stragglers import InputTimer, Stragglers
 from kdist.run_report import read_rows, summarize
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = str(ROOT / "tests" / "multihost_script.py")
 
 
 def _row(process, wait, step=1.0):
@@ -51,14 +43,11 @@ def test_input_timer_times_only_the_wait_for_the_next_batch():
 
 
 @pytest.mark.slow
-def test_two_processes_name_the_one_whose_input_is_slow(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
-    status = launch.launch([sys.executable, SCRIPT, "stragglers", "--mesh", "fsdp=8",
-                            "--steps", "12", "--slow-rank", "1", "--slow-seconds", "0.3",
-                            "--out", str(tmp_path)], processes=2, devices_per_process=4)
-    assert status == 0
-    ranks = [json.loads((tmp_path / f"stragglers-rank{r}.json").read_text()) for r in (0, 1)]
+def test_two_processes_name_the_one_whose_input_is_slow(multihost_cases):
+    # tests/multihost_script.py's "stragglers" case: fsdp=8 over 2 processes, 12 steps,
+    # rank 1's loader 0.3 s slower per batch.
+    ranks = multihost_cases.ranks("stragglers")
+    tmp_path = multihost_cases.out("stragglers")
     # Each process measured its own wait: rank 1's is its loader's extra 0.3 s per step.
     waits = [np.nanmedian(np.array(r["input_wait_s"][1:], float)) for r in ranks]
     assert waits[1] > 0.25 and waits[0] < 0.1

@@ -7,6 +7,7 @@ import pytest
 
 from kdist.models import GPTBackbone, GPTCausalLM
 from tests.helpers import TINY_GPT, TINY_LLAMA, tiny_gpt, token_batches, train
+from tests.parallel.harness import assert_trains_like_one_device
 
 
 @pytest.mark.parametrize("remat", ["block", "save_dots"])
@@ -111,10 +112,5 @@ def test_padding_lets_an_odd_vocabulary_shard_over_model():
     with pytest.raises(ValueError, match="vocabulary_size=251 is not divisible by the 'model'"
                                          ".*vocabulary_divisible_by=128"):
         GPTBackbone(**odd)
-    batches = token_batches(3, vocab=251)
-    keras.utils.set_random_seed(0)
-    sharded = train(GPTCausalLM(GPTBackbone(**odd, vocabulary_divisible_by=128)), batches)
-    keras.distribution.set_distribution(None)
-    keras.utils.set_random_seed(0)
-    one_device = train(GPTCausalLM(GPTBackbone(**odd, vocabulary_divisible_by=128)), batches)
-    np.testing.assert_allclose(sharded, one_device, rtol=2e-6)
+    assert_trains_like_one_device("gpt", "fsdp=4,model=2",
+                                  config={**odd, "vocabulary_divisible_by": 128})

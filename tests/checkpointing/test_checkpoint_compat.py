@@ -8,15 +8,14 @@ docstring of :func:`test_old_checkpoint_restores`).
 """
 
 import shutil
-from pathlib import Path
 
 import keras
 import numpy as np
 
 import kdist
 from kdist.checkpointing import Checkpoint, inspect_directory, read_metadata, verify_step
+from tests.helpers import FIXTURES
 
-FIXTURES = Path(__file__).with_name("fixtures")
 CONFIG = dict(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=32,
               intermediate_dim=64, max_sequence_length=16)
 

@@ -3,7 +3,6 @@ unstacked under fsdp=8 and on one device, and an old unstacked checkpoint into a
 model — every value bit-exact."""
 
 import shutil
-from pathlib import Path
 
 import keras
 import numpy as np
@@ -14,10 +13,9 @@ from kdist.checkpointing import Checkpoint, state_variables
 from kdist.data.lm import LMBatches
 from kdist.models import GPTBackbone, GPTCausalLM
 from kdist.models.stacking import match_layer_layout, stack_layer_weights
-from tests.helpers import TINY_GPT, parity_optimizer
+from tests.helpers import FIXTURES, TINY_GPT, parity_optimizer
 
 CONFIG = dict(TINY_GPT, num_layers=4)
-FIXTURES = Path(__file__).with_name("fixtures")
 
 
 def _model(mesh, **overrides):

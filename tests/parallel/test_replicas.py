@@ -1,5 +1,7 @@
-"""DiLoCo over the replica axis (kdist.parallel.replicas): the exact special cases, what
-crosses replica groups, and mid-round resume."""
+"""DiLoCo over the replica axis (kdist.parallel.replicas): groups drift and meet, what
+crosses replica groups, mid-round resume, settings. (The exact special cases — inner SGD
+synced every step is synchronous SGD; 8-bit exchange inside groups — are the ``replica``
+rows of tests/parallel/combinations.py.)"""
 
 import functools
 
@@ -15,6 +17,7 @@ from kdist.data.lm import LMBatches
 from kdist.models import GPTBackbone, GPTCausalLM
 from kdist.parallel import replicas
 from tests.helpers import TINY_GPT, parity_optimizer, token_batches, train, weights
+from tests.parallel.harness import assert_trains_like_one_device
 
 PLAIN = dict(outer_learning_rate=1.0, outer_momentum=0.0)  # the sync is a plain average
 
@@ -25,23 +28,11 @@ def _model(mesh, config=TINY_GPT, **dist_options):
     return GPTCausalLM(GPTBackbone(**config))
 
 
-def test_inner_sgd_synced_every_step_is_data_parallel_sgd():
-    # H = 1, outer lr 1, no momentum: theta - mean_r(theta - (theta - lr g_r)) is SGD on the
-    # mean gradient of both groups' rows: synchronous data parallelism over the same
-    # devices. With dropout: each group draws its rows of the global mask.
-    batches, config = token_batches(4), {**TINY_GPT, "dropout": 0.1}
-    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
-    reference = train(_model("data=2,fsdp=4", config), batches, sgd())
-    diloco = train(_model("replica=2,fsdp=4", config, sync_every=1, **PLAIN), batches, sgd())
-    np.testing.assert_allclose(diloco, reference, rtol=2e-6)
-
-
 def test_one_group_with_a_plain_average_is_plain_training():
-    batches = token_batches(3)
-    reference = train(_model("fsdp=8"), batches)
-    model = _model("fsdp=8", sync_every=2, **PLAIN)
-    np.testing.assert_allclose(train(model, batches), reference, rtol=2e-6)
-    assert type(model.optimizer).__name__ == "DiLoCo" and int(model.optimizer.iterations) == 3
+    # 4 steps with H = 2: the last step is a sync, so the model's (outer) weights are the
+    # plain run's. (H = 1 with inner SGD and several groups: tests/parallel/combinations.py.)
+    run = assert_trains_like_one_device("gpt", "fsdp=8", sync_every=2, steps=4, **PLAIN)
+    assert int(run.model.optimizer.iterations) == 4
 
 
 @pytest.fixture(scope="module")
@@ -136,43 +127,22 @@ def test_replica_settings_are_checked():
         kdist.distribution("replica=2,fsdp=4", sync_every=5, outer_momentum=1.0)
     with pytest.raises(ValueError, match="outer_learning_rate must be a finite number"):
         kdist.distribution("replica=2,fsdp=4", sync_every=5, outer_learning_rate=float("nan"))
-    with pytest.raises(ValueError, match="sync_every=5 .DiLoCo. is not built for a 'stage'"):
-        kdist.distribution("replica=2,stage=2,fsdp=2", sync_every=5)
-    with pytest.raises(ValueError, match="gradient_reduction='int8' is not built for a 'seq'"):
-        kdist.distribution("seq=2,fsdp=4", gradient_reduction="int8")
-    with pytest.raises(ValueError, match="gradient_reduction='float8' is not built for a 'seq'"):
-        kdist.distribution("seq=2,data=4", gradient_reduction="float8", error_feedback=True)
-    with pytest.raises(ValueError, match="'seq' axis has not been built or tested together"):
-        kdist.distribution("replica=2,seq=2,fsdp=2", sync_every=5)
-    with pytest.raises(ValueError, match="sync_every=5 .DiLoCo. is not built for a 'seq'"):
-        kdist.distribution("seq=2,fsdp=4", sync_every=5)  # one replica group
     model = _model("replica=2,fsdp=4", sync_every=5)
     with pytest.raises(ValueError, match="LossScaleOptimizer"):
         model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
 
 
 @pytest.mark.slow  # two processes on 127.0.0.1
-def test_replica_groups_on_two_processes_train_like_one(tmp_path, monkeypatch):
+def test_replica_groups_on_two_processes_train_like_one(multihost_cases):
     # One replica group per process (replica is the slowest axis: across hosts), synced
     # every 2 steps; the one-process run of the same script gives the same losses.
     import argparse
-    import os
-    import sys
-    from pathlib import Path
 
-    from kdist import launch
     from tests import multihost_script
 
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root),
-                                                      os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, str(root / "tests" / "multihost_script.py"), "train",
-               "--mesh", "replica=2,fsdp=4", "--sync-every", "2", "--steps", "3",
-               "--out", str(tmp_path)]
-    assert launch.launch(command, processes=2, devices_per_process=4) == 0
-    ranks = [multihost_script.json.loads((tmp_path / f"train-rank{r}.json").read_text())
-             for r in (0, 1)]
+    name = "train replica=2,fsdp=4"
+    ranks = multihost_cases.ranks(name)
     reference = multihost_script.train(argparse.Namespace(
-        mesh="replica=2,fsdp=4", sync_every=2, steps=3, out=str(tmp_path)))
+        mesh="replica=2,fsdp=4", sync_every=2, steps=3, out=str(multihost_cases.out(name))))
     for rank in ranks:
         np.testing.assert_allclose(rank["losses"], reference["losses"], rtol=2e-6)

@@ -2,11 +2,12 @@
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+from tests.helpers import RECIPES
+
+sys.path.insert(0, str(RECIPES))
 import bert_finetune  # noqa: E402
 import bert_pretrain  # noqa: E402
 

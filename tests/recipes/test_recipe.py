@@ -3,11 +3,12 @@
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+from tests.helpers import RECIPES
+
+sys.path.insert(0, str(RECIPES))
 import gpt_pretrain  # noqa: E402
 
 TINY = ["--steps", "8", "--eval-every", "4", "--eval-steps", "2", "--global-batch-size", "8",

@@ -1,7 +1,7 @@
 """`kdist inspect` on a real checkpoint directory: listing, integrity, damage."""
 
 from kdist import cli
-from tests.callbacks.test_checkpoint import run
+from tests.checkpointing.test_checkpoint import run
 
 
 def test_inspect_lists_verifies_and_reports_damage(tmp_path, capsys):

@@ -1,7 +1,6 @@
 """`kdist plan`, `--mesh auto` and the recipe know the `seq` axis."""
 
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,9 @@ from kdist.planning import (
     plan,
     theoretical_collective_bytes,
 )
+from tests.helpers import RECIPES
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+sys.path.insert(0, str(RECIPES))
 import gpt_pretrain  # noqa: E402
 
 NANO = {"num_layers": 1, "vocabulary_size": 512, "max_sequence_length": 1024}

@@ -2,14 +2,14 @@
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from kdist.callbacks import CheckpointError
 from kdist.checkpointing import committed_steps, read_metadata
+from tests.helpers import RECIPES
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+sys.path.insert(0, str(RECIPES))
 import gpt_pretrain  # noqa: E402
 
 TINY = ["--eval-every", "2", "--eval-steps", "1", "--global-batch-size", "8",

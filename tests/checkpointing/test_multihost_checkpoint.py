@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,19 +22,9 @@ from kdist.checkpointing import committed_steps
 from tests import multihost_script
 from tests.test_multihost import SCRIPT, Launched
 
-ROOT = Path(__file__).resolve().parents[1]
 MESH = "fsdp=8"
 STEPS = 6  # the uninterrupted reference's length; every test stays within it
 
-
-@pytest.fixture
-def child_env(monkeypatch):
-    """Children import this worktree's kdist, print little, and start from a clean cluster env."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
-    for name in ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
-                 "KERAS_DISTRIBUTION_PROCESS_ID"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def one_process(out, ckpt, steps, tag, save_every=2):

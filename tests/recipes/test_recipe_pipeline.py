@@ -1,14 +1,15 @@
 """The GPT recipe under a pipeline mesh: only --mesh changes, and it learns."""
 
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+from tests.helpers import RECIPES
+
+sys.path.insert(0, str(RECIPES))
 import gpt_pretrain  # noqa: E402
 
-from tests.test_recipe import TINY  # noqa: E402
+from tests.recipes.test_recipe import TINY  # noqa: E402
 
 
 @pytest.mark.slow

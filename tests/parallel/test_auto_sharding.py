@@ -1,6 +1,5 @@
 """Automatic sharding of models without a kdist table: keras-hub backbones, any Keras model."""
 
-import jax
 import keras
 import keras_hub
 import numpy as np
@@ -9,7 +8,6 @@ import pytest
 import kdist
 from kdist.parallel.auto import ShardingError, infer_axes
 from kdist.parallel.report import coverage_report
-from tests.helpers import parity_optimizer, token_batches
 
 MESH = {"data": 1, "fsdp": 4, "model": 2}
 SMALL = dict(vocabulary_size=256, num_layers=2, num_heads=4, hidden_dim=128,
@@ -51,61 +49,6 @@ def test_unshardable_shapes_name_the_weight_and_the_axis():
     # Explicitly allowed: replicated, and the rule says so.
     assert infer_axes("odd/kernel", (4099, 3), MESH, allow_replicated=["odd/.*"]) == (
         (None, None), "replicated (allowed)")
-
-
-def lm(kind):
-    """A keras-hub backbone with its tied token embedding as the LM head."""
-    if kind == "gpt2":
-        backbone = keras_hub.models.GPT2Backbone(**SMALL)
-    else:
-        backbone = keras_hub.models.BertBackbone(**SMALL, num_segments=2)
-    logits = backbone.token_embedding(backbone.output["sequence_output"] if kind == "bert"
-                                      else backbone.output, reverse=True)
-    return keras.Model(backbone.input, logits)
-
-
-def inputs(kind, tokens):
-    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
-    if kind == "bert":
-        x["segment_ids"] = np.zeros_like(tokens)
-    return x
-
-
-def run_keras_hub(kind, mesh, devices=None):
-    keras.utils.clear_session()
-    # BERT's pooler is neither tensor-parallel nor (without fsdp) shardable: allowed replicated.
-    allow = ["pooled_dense/kernel"] if kind == "bert" else []
-    keras.distribution.set_distribution(
-        kdist.distribution(mesh, devices, auto_shard=True, allow_replicated=allow)
-        if mesh else None)
-    keras.utils.set_random_seed(0)
-    model = lm(kind)
-    model.compile(optimizer=parity_optimizer(),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    losses = [float(model.train_on_batch(inputs(kind, x), y))
-              for x, y in token_batches(steps=3)]
-    return model, losses
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
-def test_keras_hub_backbones_train_sharded_like_one_device(kind):
-    _, reference = run_keras_hub(kind, None)
-    assert reference[0] - reference[-1] > 0.01  # the steps do change the loss (tol ~1e-5)
-    for mesh, devices in (("fsdp=8", None), ("model=2", jax.devices()[:2])):
-        model, losses = run_keras_hub(kind, mesh, devices)
-        np.testing.assert_allclose(losses, reference, rtol=2e-6, atol=0, err_msg=mesh)
-        specs = {w.path: tuple(w.value.sharding.spec) for w in model.weights}
-        qkv = [p for p in specs if p.endswith("attention/query/kernel")
-               or p.endswith("attention_layer/query/kernel")]
-        assert qkv, sorted(specs)
-        if mesh == "fsdp=8":
-            # A token table's embed dimension goes on fsdp, as kdist's own rules do.
-            assert specs["token_embedding/embeddings"] == (None, "fsdp")
-            assert all(specs[p][0] == "fsdp" for p in qkv)
-        else:
-            assert specs["token_embedding/embeddings"] == ("model", None)
-            assert all(specs[p][:2] == (None, "model") for p in qkv)
 
 
 def test_coverage_report_lists_every_weight_and_per_device_bytes_shrink():

@@ -1,8 +1,10 @@
-"""kdist's own gradient reduction (``kdist.distribution(..., gradient_reduction=...)``): the
-same training as one device, one collective per weight, bfloat16 on request."""
+"""kdist's own gradient reduction (``kdist.distribution(..., gradient_reduction=...)``): one
+collective per weight, in the asked type or as 8-bit codes, error feedback in the optimizer
+state, refusals. (That it trains like one device on every mesh, with dropout, BERT, the
+fused loss, chunked attention and a split sequence: the ``gradient_reduction`` rows of
+tests/parallel/combinations.py.)"""
 
 import collections
-from unittest import mock
 
 import jax
 import keras
@@ -12,9 +14,9 @@ import pytest
 import kdist
 from kdist import hlo
 from kdist.models import BertBackbone, BertMaskedLM, GPTBackbone, GPTCausalLM
-from kdist.parallel import reduction as reduction_module
-from tests.bert_helpers import TINY_BERT, mlm_batches, train_mlm
-from tests.helpers import TINY_GPT, TINY_LLAMA, parity_optimizer, token_batches, train
+from tests.bert_helpers import TINY_BERT
+from tests.helpers import TINY_GPT, parity_optimizer, token_batches
+from tests.parallel.harness import assert_trains_like_one_device, reference_run
 
 MESHES = ["data=8", "fsdp=8", "data=2,fsdp=4"]
 
@@ -31,38 +33,6 @@ def _model(mesh, reduction, config=TINY_GPT, seed=1, **lm_options):
         kdist.distribution(mesh, gradient_reduction=reduction) if mesh else None)
     keras.utils.set_random_seed(seed)
     return GPTCausalLM(GPTBackbone(**config), **lm_options)
-
-
-@pytest.fixture(scope="module")
-def one_device():
-    batches = token_batches(3)
-    return batches, train(_model(None, None), batches)
-
-
-@pytest.mark.parametrize("mesh", MESHES)
-def test_float32_reduction_trains_like_one_device(mesh, one_device):
-    batches, reference = one_device
-    np.testing.assert_allclose(train(_model(mesh, "float32"), batches), reference, rtol=2e-6)
-
-
-def test_fused_loss_and_untied_grouped_query_model_train_like_one_device():
-    # The fused loss runs per device inside the manual region; Llama: untied output matrix,
-    # RMSNorm, grouped-query attention.
-    batches = token_batches(3)
-    reference = train(_model(None, None, TINY_LLAMA, loss_chunk_size=8), batches)
-    sharded = train(_model("data=2,fsdp=4", "float32", TINY_LLAMA, loss_chunk_size=8), batches)
-    np.testing.assert_allclose(sharded, reference, rtol=2e-6)
-
-
-def test_bfloat16_reduction_rounds_gradients_and_stays_close(one_device):
-    batches, reference = one_device
-    bf16 = train(_model("fsdp=8", "bfloat16"), batches)
-    f32 = train(_model("fsdp=8", "float32"), batches)
-    assert bf16 != f32  # each device's partial gradient is rounded to bfloat16 first
-    # Tolerance: rounding a partial gradient to bfloat16 changes it by at most 2^-9
-    # relatively; Adam's normalised steps of lr 1e-2 carry that into the weights, and three
-    # steps move the loss by ~1e-5 of itself (measured 2.1e-6, here 50x that).
-    np.testing.assert_allclose(bf16, reference, rtol=1e-4)
 
 
 def _emitted_collectives(model, batch):
@@ -126,25 +96,6 @@ def test_unsupported_settings_are_refused_before_compiling():
                                                                       reduction="none"))
 
 
-@pytest.mark.parametrize("mesh, reduction, variant", [
-    ("seq=2,fsdp=2,model=2", "float32", "ring"), ("seq=4,data=2", "bfloat16", "all_gather")])
-def test_a_split_sequence_sums_the_gradients_over_seq_too(mesh, reduction, variant,
-                                                          one_device):
-    # seq is manual in the region beside the batch axes (model stays with XLA): each
-    # device's loss and gradients cover its tokens and are summed over seq as well.
-    batches, reference = one_device
-    keras.distribution.set_distribution(kdist.distribution(
-        mesh, gradient_reduction=reduction, context_parallel=variant))
-    keras.utils.set_random_seed(1)
-    model = GPTCausalLM(GPTBackbone(**TINY_GPT))
-    with mock.patch.object(reduction_module, "loss_and_updates",
-                           wraps=reduction_module.loss_and_updates) as spy:
-        losses = train(model, batches)
-    assert spy.call_count >= 1  # kdist's reduction ran, not XLA's
-    # bfloat16: rounding each partial gradient, as in the bfloat16 test above.
-    np.testing.assert_allclose(losses, reference, rtol=2e-6 if reduction == "float32" else 1e-4)
-
-
 def test_a_split_sequence_refuses_what_reads_across_it():
     # Under seq each device's loss covers its share of every sequence's tokens: BERT's loss
     # (masked positions, the first token) and dropout (one mask per share) are refused at
@@ -156,66 +107,26 @@ def test_a_split_sequence_refuses_what_reads_across_it():
         model.compile(optimizer=parity_optimizer())
 
 
-def test_chunked_attention_trains_like_one_device_under_kdist_reduction():
-    # Its scans run per device inside the manual region (carries typed as varying).
-    batches = token_batches(3)
-    config = {**TINY_GPT, "attention_chunk_size": 8}
-    reference = train(_model(None, None, config), batches)
-    np.testing.assert_allclose(train(_model("fsdp=8", "float32", config), batches), reference,
-                               rtol=2e-6)
+def test_bfloat16_reduction_rounds_each_partial_gradient():
+    run = assert_trains_like_one_device("gpt", "fsdp=8", gradient_reduction="bfloat16",
+                                        tolerance="bfloat16_gradients")
+    # Not merely another summation order: the float32 reduction's losses differ.
+    assert run.losses != reference_run("gpt", "fsdp=8", gradient_reduction="float32").losses
 
 
-# --- every mesh, dropout, BERT, 8-bit --------------------------------------------------
+def test_dropout_references_draw_masks():
+    # The dropout rows of tests/parallel/combinations.py compare with a 1-device run that
+    # really drew masks.
+    plain, dropout = reference_run("gpt"), reference_run("gpt", config={"dropout": 0.1})
+    assert not np.allclose(plain.losses[1:], dropout.losses[1:], rtol=1e-4)
 
 
-@pytest.mark.parametrize("mesh", ["fsdp=4,model=2", "data=2,fsdp=2,model=2"])
-def test_float32_reduction_with_a_model_axis_trains_like_one_device(mesh, one_device):
-    # Only the batch axes are manual; tensor parallelism stays with XLA's partitioner.
-    batches, reference = one_device
-    np.testing.assert_allclose(train(_model(mesh, "float32"), batches), reference, rtol=2e-6)
-
-
-def test_dropout_masks_are_the_one_device_runs(one_device):
-    # Each device draws its rows of the global mask (kdist.parallel.dropout), so the run
-    # with dropout equals the 1-device run with dropout, not merely "a" dropout run.
-    batches, no_dropout = one_device
-    config = {**TINY_GPT, "dropout": 0.1}
-    reference = train(_model(None, None, config), batches)
-    assert not np.allclose(reference[1:], no_dropout[1:], rtol=1e-4)  # masks were drawn
-    sharded = train(_model("data=2,fsdp=2,model=2", "float32", config), batches)
-    np.testing.assert_allclose(sharded, reference, rtol=2e-6)
-
-
-def test_bert_with_dropout_trains_like_one_device():
-    # Its loss averages over the masked tokens (mean_with_sample_weight): the devices'
-    # losses are weighted by their sums of sample weights, which differ.
-    batches = mlm_batches(3)
-    reference = train_mlm(_bert(None, None), batches)
-    np.testing.assert_allclose(train_mlm(_bert("fsdp=4,model=2", "float32"), batches),
-                               reference, rtol=2e-6)
-
-
-def test_int8_reduction_stays_close_to_one_device(one_device):
-    # (float8: test_error_feedback_residuals_live_in_the_optimizer_state)
-    batches, reference = one_device
-    got = train(_model("data=2,fsdp=2,model=2", "int8"), batches)
-    assert got != reference  # the gradients were quantised
-    # Tolerance: an 8-bit code is within 2^-4 (float8) or 1/254 of its block's peak (int8)
-    # of the value; Adam normalises the step, so the loss after three steps of lr 1e-2 moves
-    # by ~1e-5 of itself (measured 3e-5 and 1e-5 here; 1e-3 is 30x that).
-    np.testing.assert_allclose(got, reference, rtol=1e-3)
-
-
-def test_error_feedback_residuals_live_in_the_optimizer_state(one_device):
+def test_error_feedback_residuals_live_in_the_optimizer_state():
     from kdist.checkpointing.state import state_variables
 
-    batches, reference = one_device
-    keras.distribution.set_distribution(
-        kdist.distribution("data=2,fsdp=4", gradient_reduction="float8", error_feedback=True))
-    keras.utils.set_random_seed(1)
-    model = GPTCausalLM(GPTBackbone(**TINY_GPT))
-    losses = train(model, batches)
-    np.testing.assert_allclose(losses, reference, rtol=1e-3)
+    run = assert_trains_like_one_device("gpt", "data=2,fsdp=4", gradient_reduction="float8",
+                                        error_feedback=True, tolerance="8bit")
+    model = run.model
     residuals = {v.path: v for v in model.optimizer.variables
                  if v.path.endswith("_gradient_residual")}
     assert len(residuals) == len(model.trainable_variables)

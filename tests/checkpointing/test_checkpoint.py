@@ -2,7 +2,6 @@
 
 import errno
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,15 @@ import kdist
 from kdist.callbacks import Checkpoint, CheckpointError
 from kdist.checkpointing import committed_steps, read_metadata, verify_step
 from kdist.data.lm import LMBatches
-from tests.helpers import TINY_GPT, ProcessOutput, parity_optimizer, tiny_gpt, weights
+from tests.helpers import (
+    ROOT,
+    TINY_GPT,
+    ProcessOutput,
+    child_environment,
+    parity_optimizer,
+    tiny_gpt,
+    weights,
+)
 
 TOKENS = np.random.default_rng(0).integers(0, 256, size=4000).astype(np.int32)
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
@@ -273,11 +280,9 @@ def test_resume_flags(tmp_path):
 
 
 def start_worker(directory, mode):
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               XLA_FLAGS="")
-    return subprocess.Popen([sys.executable, str(WORKER), str(directory), mode], cwd=root,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, str(WORKER), str(directory), mode], cwd=ROOT,
+                            env=child_environment(XLA_FLAGS=""), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def said(word):

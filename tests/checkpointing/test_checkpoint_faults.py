@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kdist.checkpointing import committed_steps, verify_step
-from tests.callbacks.test_checkpoint import start_worker
+from tests.checkpointing.test_checkpoint import start_worker
 from tests.helpers import ProcessOutput
 
 TRIALS = int(os.environ.get("KDIST_FAULT_TRIALS", "10"))

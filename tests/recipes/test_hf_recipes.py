@@ -9,9 +9,10 @@ import pytest
 from tokenizers import ByteLevelBPETokenizer
 
 import kdist
+from tests.helpers import RECIPES
 from tests.models.hf_fixtures import write_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+sys.path.insert(0, str(RECIPES))
 import bert_finetune  # noqa: E402
 import gpt_finetune  # noqa: E402
 import gpt_pretrain  # noqa: E402

@@ -1,0 +1,372 @@
+"""The parity harness: a strategy trains like one device.
+
+Every parity test of the suite goes through :func:`assert_trains_like_one_device`, as every
+keras-hub model test goes through ``run_backbone_test``:
+
+    run = assert_trains_like_one_device("gpt", "fsdp=4,model=2", layouts=True)
+    assert_trains_like_one_device("llama", "seq=4,data=2", context_parallel="ring")
+    assert_trains_like_one_device("gpt", "stage=4,data=2", config=DEEP, rows=16,
+                                  pipeline_microbatches=8)
+
+A *family* (:data:`FAMILIES`) says how to build a model, feed it and take one step. The
+1-device reference of a (family, config, task options, batches, optimizer, precision, seed)
+is trained once per test session and memoised; each call then builds the family under
+``kdist.distribution(mesh, **options)`` with the same seed, trains it on the same batches
+with the same optimizer, and checks, against the reference:
+
+- the initial weights, bit for bit (initialisation does not depend on the mesh);
+- the loss of every step and every final weight, within a named :data:`TOLERANCES` entry;
+- that the feature the options ask for really ran (the split attention under ``seq``,
+  kdist's reduction for ``gradient_reduction``, the pipeline schedule under ``stage``,
+  DiLoCo for ``sync_every``), so a silent fall-back to plain training cannot pass;
+- that the reference itself learned (its weights moved far beyond the tolerance), so a
+  step that did nothing cannot pass either;
+- where asked, every weight's layout (``layouts=True``).
+
+It returns the :class:`Run` (model, losses, weights) for anything else a test asserts —
+HLO collectives among them (:meth:`Run.collectives`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Callable
+from unittest import mock
+
+import keras
+import numpy as np
+
+import kdist
+from kdist import hlo
+from kdist.models import BertBackbone, BertMaskedLM, GPTBackbone, GPTCausalLM
+from kdist.parallel import pipeline
+from kdist.parallel import reduction as reduction_module
+from kdist.parallel.context import layer as context_layer
+from tests.bert_helpers import TINY_BERT, mlm_batches
+from tests.helpers import TINY_GPT, TINY_LLAMA, parity_optimizer, token_batches, weights
+from tests.parallel.expected_layouts import TOY_AXES, assert_layouts
+from tests.toy_family import HIDDEN, MLP, MLPLM, VOCAB, MLPBackbone
+
+# --- tolerances ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """How close a sharded run must stay to the reference, and why.
+
+    ``loss_rtol`` applies to every step's loss, ``weight_atol`` to every final weight (None:
+    weights are not compared, as roundings that Adam normalises differ). So that a run that
+    did nothing cannot pass, the reference must move its weights by more than 50 x
+    ``weight_atol`` and, where only losses are compared, its loss by ``min_loss_change``.
+    ``must_differ``: the run must not equal the reference exactly (its rounding must show).
+    """
+
+    loss_rtol: float
+    why: str
+    weight_atol: float | None = None
+    min_loss_change: float = 0.0
+    must_differ: bool = False
+
+
+TOLERANCES = {
+    "float32": Tolerance(
+        loss_rtol=2e-6, weight_atol=2e-6,
+        why="float32: only the order of summation differs between meshes; with "
+            "parity_optimizer's epsilon=1e-3 Adam does not amplify that rounding."),
+    "bfloat16": Tolerance(
+        loss_rtol=2e-4, min_loss_change=0.05,
+        why="mixed_bfloat16: matmuls round to bf16 (2^-9 relative) and the sharded program "
+            "rounds partial sums at other points, so logits differ by a few bf16 ulps; the "
+            "loss averages 128+ token losses of independent-sign errors (measured <= 2e-5 "
+            "relative over 3 steps). 2e-4 (1e-3 absolute at loss 5.5) is 10x that and 50x "
+            "below the 0.05 the loss must move in those steps."),
+    "bfloat16_gradients": Tolerance(
+        loss_rtol=1e-4, min_loss_change=0.01, must_differ=True,
+        why="gradient_reduction='bfloat16' rounds each device's partial gradient by at most "
+            "2^-9; Adam's normalised steps of lr 1e-2 carry that into the weights, moving the "
+            "loss by ~1e-5 of itself over 3 steps (measured 2.1e-6; here 50x that)."),
+    "8bit": Tolerance(
+        loss_rtol=1e-3, min_loss_change=0.06, must_differ=True,
+        why="8-bit codes are within 2^-4 (float8) or 1/254 of the block's peak (int8) of each "
+            "value; Adam normalises the step, so 3 steps of lr 1e-2 move the loss by ~1e-5 "
+            "of itself (measured 3e-5 and 1e-5; 1e-3 is 30x that). The loss must move by "
+            "10x the tolerance (0.06 at loss 5.5)."),
+}
+MOVES = 50  # the reference's weights move by more than MOVES x weight_atol
+
+# --- families -----------------------------------------------------------------------------
+
+
+def _lm_step(model, batch) -> float:
+    x, y = batch
+    return float(model.train_on_batch(x, y))
+
+
+def _mlm_step(model, batch) -> float:
+    x, y, w = batch
+    return float(model.train_on_batch(x, y, sample_weight=w)[0])
+
+
+def _documents(batches):
+    """Token batches as packed documents: sorted random segment ids per row."""
+    segments = np.sort(np.random.default_rng(1).integers(0, 4, batches[0][0].shape), axis=1)
+    return [({"token_ids": x, "segment_ids": segments}, y) for x, y in batches]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How to build, feed and step one model family.
+
+    ``build(config, task)`` builds the model under the active distribution (the seed is
+    set by the harness); ``batches(steps, rows, config)`` gives the deterministic batches;
+    ``step(model, batch)`` takes one training step and returns its loss. ``config`` is
+    the family's model configuration, which a call's ``config`` overrides; ``options``
+    are distribution options every run of the family needs (e.g. ``auto_shard`` for a
+    foreign model); ``loss`` makes the loss to compile with (None: the task's own);
+    ``layouts(model)`` asserts every weight's layout under the active distribution.
+    """
+
+    build: Callable[[dict, dict], keras.Model]
+    batches: Callable[[int, int, dict], list]
+    step: Callable[[keras.Model, tuple], float] = _lm_step
+    config: dict = dataclasses.field(default_factory=dict)
+    options: dict = dataclasses.field(default_factory=dict)
+    loss: Callable[[], keras.losses.Loss] | None = None
+    layouts: Callable[[keras.Model], None] = assert_layouts
+
+
+def _gpt(config, task):
+    return GPTCausalLM(GPTBackbone(**config), **task)
+
+
+def _bert(config, task):
+    return BertMaskedLM(BertBackbone(**config), **task)
+
+
+def _toy(config, task):
+    model = MLPLM(MLPBackbone(**config), **task)
+    model(np.zeros((1, 16), "int32"))
+    return model
+
+
+def _tokens(steps, rows, config):
+    return token_batches(steps, batch=rows, vocab=config["vocabulary_size"])
+
+
+def _documents_batches(steps, rows, config):
+    return _documents(_tokens(steps, rows, config))
+
+
+def _masked(steps, rows, config):
+    return mlm_batches(steps, batch=rows, vocab=config["vocabulary_size"])
+
+
+def _hub(kind):
+    """A keras-hub backbone (GPT-2 or BERT) with its tied token table as the LM head,
+    sharded by kdist's automatic rules (keras-hub declares no logical axes)."""
+    import keras_hub
+
+    def build(config, task):
+        if kind == "gpt2":
+            backbone = keras_hub.models.GPT2Backbone(**config)
+            hidden = backbone.output
+        else:
+            backbone = keras_hub.models.BertBackbone(**config, num_segments=2)
+            hidden = backbone.output["sequence_output"]
+        return keras.Model(backbone.input, backbone.token_embedding(hidden, reverse=True))
+
+    def batches(steps, rows, config):
+        out = []
+        for x, y in _tokens(steps, rows, config):
+            inputs = {"token_ids": x, "padding_mask": np.ones_like(x)}
+            if kind == "bert":
+                inputs["segment_ids"] = np.zeros_like(x)
+            out.append((inputs, y))
+        return out
+
+    def layouts(model):
+        """kdist's automatic rules: the token table's embed dimension over fsdp (as kdist's
+        own rules do) or its vocabulary over model; attention kernels' hidden dimension
+        over fsdp, their heads over model."""
+        sizes = keras.distribution.distribution().mesh_shape
+        specs = {w.path: tuple(w.value.sharding.spec) for w in model.weights}
+        qkv = [p for p in specs if p.endswith(("attention/query/kernel",
+                                               "attention_layer/query/kernel"))]
+        assert qkv, sorted(specs)
+        if sizes["fsdp"] > 1:
+            assert specs["token_embedding/embeddings"] == (None, "fsdp")
+            assert all(specs[p][0] == "fsdp" for p in qkv)
+        if sizes["model"] > 1:
+            assert specs["token_embedding/embeddings"] == ("model", None)
+            assert all(specs[p][:2] == (None, "model") for p in qkv)
+
+    # BERT's pooler is neither tensor-parallel nor (without fsdp) shardable: replicated.
+    allow = ["pooled_dense/kernel"] if kind == "bert" else []
+    config = dict(vocabulary_size=256, num_layers=2, num_heads=4, hidden_dim=128,
+                  intermediate_dim=256, max_sequence_length=32, dropout=0.0)
+    return Family(build, batches, config=config,
+                  options={"auto_shard": True, "allow_replicated": allow},
+                  loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  layouts=layouts)
+
+
+FAMILIES: dict[str, Family] = {
+    "gpt": Family(_gpt, _tokens, config=TINY_GPT),
+    "gpt-documents": Family(_gpt, _documents_batches, config={**TINY_GPT, "document_mask": True}),
+    # RoPE, grouped-query attention, RMSNorm, SwiGLU, untied output, no biases.
+    "llama": Family(_gpt, _tokens, config=TINY_LLAMA),
+    "llama-documents": Family(_gpt, _documents_batches,
+                              config={**TINY_LLAMA, "document_mask": True}),
+    "bert": Family(_bert, _masked, _mlm_step, config=TINY_BERT),
+    # tests/toy_family.py: a family kdist knows only by its declarations.
+    "toy": Family(_toy, _tokens, config=dict(vocabulary_size=VOCAB, hidden_dim=HIDDEN, mlp_dim=MLP),
+                  layouts=lambda model: assert_layouts(model, TOY_AXES)),
+    "hub-gpt2": _hub("gpt2"),
+    "hub-bert": _hub("bert"),
+}
+
+OPTIMIZERS: dict[str, Callable[[], keras.optimizers.Optimizer]] = {
+    "adamw": parity_optimizer,  # why epsilon=1e-3: tests/helpers.py
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+}
+
+# --- runs ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run: the model (still under its distribution), per-step losses, the
+    initial and final weights (host copies, by path) and the batches it saw."""
+
+    model: keras.Model
+    losses: list[float]
+    initial: dict[str, np.ndarray]
+    final: dict[str, np.ndarray]
+    batches: list
+    distribution: object = None
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def collectives(self, batch: int | None = None) -> list:
+        """The collectives of this model's compiled train step (kdist.hlo), on a batch of
+        its own batches' shape."""
+        from kdist.planning.compile import compile_train_step
+
+        keras.distribution.set_distribution(self.distribution)
+        x, y = self.batches[0][:2]
+        compiled, _ = compile_train_step(self.model, x, y, self.distribution)
+        return hlo.parse_collectives(compiled.as_text(), 8)
+
+
+def _freeze(value):
+    return json.dumps(value, sort_keys=True, default=repr)
+
+
+def _spies(dist, options) -> dict[str, tuple]:
+    """What must run under these options: name -> (owner, attribute)."""
+    sizes = dist.mesh_shape if dist is not None else {}
+    spies = {}
+    if sizes.get("seq", 1) > 1:
+        spies["split attention"] = (context_layer, "local_attention")
+    if options.get("gradient_reduction"):
+        spies["kdist's gradient reduction"] = (reduction_module, "loss_and_updates")
+    if sizes.get("stage", 1) > 1:
+        spies["the pipeline schedule"] = (pipeline, "pipelined")
+    return spies
+
+
+def train_run(family: str, mesh: str | None = None, *, config: dict | None = None,
+              task: dict | None = None, steps: int = 3, rows: int = 8,
+              optimizer: str = "adamw", dtype_policy: str = "float32", seed: int = 0,
+              devices=None, **options) -> Run:
+    """Builds ``family`` under ``mesh`` (None: one device) and trains it for ``steps``."""
+    fam = FAMILIES[family]
+    keras.utils.clear_session()
+    keras.config.set_dtype_policy(dtype_policy)
+    dist = None
+    if mesh is not None:
+        dist = kdist.distribution(mesh, devices, **{**fam.options, **options})
+    keras.distribution.set_distribution(dist)
+    keras.utils.set_random_seed(seed)
+    model = fam.build({**fam.config, **(config or {})}, dict(task or {}))
+    initial = weights(model)
+    model.compile(optimizer=OPTIMIZERS[optimizer](), **({"loss": fam.loss()} if fam.loss else {}))
+    batches = fam.batches(steps, rows, {**fam.config, **(config or {})})
+    calls = {}
+    with contextlib.ExitStack() as stack:
+        spies = {name: stack.enter_context(mock.patch.object(owner, attr,
+                                                             wraps=getattr(owner, attr)))
+                 for name, (owner, attr) in _spies(dist, options).items()}
+        losses = [fam.step(model, batch) for batch in batches]
+        calls = {name: spy.call_count for name, spy in spies.items()}
+    return Run(model, losses, initial, weights(model), batches, dist, calls)
+
+
+_REFERENCES: dict[str, Run] = {}
+
+
+def reference_run(family: str, mesh: str | None = None, **settings) -> Run:
+    """The run of ``family`` on ``mesh`` (None: one device) with these settings and
+    distribution options, trained once per test session."""
+    key = _freeze([family, mesh, settings])
+    if key not in _REFERENCES:
+        run = train_run(family, mesh, **settings)
+        run.model = None  # keep the numbers, not the model
+        _REFERENCES[key] = run
+        keras.utils.clear_session()
+    return _REFERENCES[key]
+
+
+def _same_shape(value, like, path):
+    if value.shape != like.shape:  # a circular pipeline's (R, L/R, ...) view of (L, ...)
+        assert value.size == like.size, (path, value.shape, like.shape)
+        value = value.reshape(like.shape)
+    return value
+
+
+def assert_trains_like_one_device(family: str, mesh: str, *, tolerance: str = "float32",
+                                  layouts: bool = False, config: dict | None = None,
+                                  task: dict | None = None, steps: int = 3, rows: int = 8,
+                                  optimizer: str = "adamw", dtype_policy: str | None = None,
+                                  seed: int = 0, devices=None, like: dict | None = None,
+                                  **options) -> Run:
+    """Trains ``family`` on ``mesh`` and on one device and checks they are the same
+    training (see the module docstring); returns the sharded :class:`Run`.
+
+    ``like={"mesh": ..., **options}`` compares with that run instead of one device: for a
+    strategy whose exact equal is not one device (DiLoCo with AdamW inside its groups) but
+    another strategy already shown to train like one device in its special case.
+    """
+    tol = TOLERANCES[tolerance]
+    dtype_policy = dtype_policy or ("mixed_bfloat16" if tolerance == "bfloat16" else "float32")
+    settings = dict(config=config, task=task, steps=steps, rows=rows, optimizer=optimizer,
+                    dtype_policy=dtype_policy, seed=seed)
+    like = dict(like or {})
+    reference = reference_run(family, like.pop("mesh", None), **settings, **like)
+    moved = max(np.abs(reference.final[p] - reference.initial[p]).max()
+                for p in reference.initial)
+    assert moved > MOVES * (tol.weight_atol or 2e-6), f"the reference barely trained: {moved}"
+    change = abs(reference.losses[0] - reference.losses[-1])
+    assert change > tol.min_loss_change, f"the reference's loss barely moved: {reference.losses}"
+
+    run = train_run(family, mesh, devices=devices, **settings, **options)
+    for name, count in run.calls.items():
+        assert count >= 1, f"{name} did not run under {mesh} {options}"
+    if options.get("sync_every"):
+        assert type(run.model.optimizer).__name__ == "DiLoCo"
+    assert sorted(run.initial) == sorted(reference.initial)
+    for path, value in reference.initial.items():
+        np.testing.assert_array_equal(_same_shape(run.initial[path], value, path), value,
+                                      err_msg=f"initial {path}")
+    np.testing.assert_allclose(run.losses, reference.losses, rtol=tol.loss_rtol,
+                               err_msg=f"losses on {mesh} {options}")
+    if tol.must_differ:
+        assert run.losses != reference.losses, "expected the rounding to show"
+    if tol.weight_atol is not None:
+        for path, value in reference.final.items():
+            np.testing.assert_allclose(_same_shape(run.final[path], value, path), value,
+                                       rtol=0, atol=tol.weight_atol, err_msg=path)
+    if layouts:
+        FAMILIES[family].layouts(run.model)
+    return run
