@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 HOST8 := --host-devices 8
 QUIET := TF_CPP_MIN_LOG_LEVEL=2
 
-.PHONY: setup run test lint clean bench
+.PHONY: setup run test test-fast lint clean bench
 
 setup: $(STAMP)
 
@@ -28,9 +28,18 @@ bert-pretrain: setup  ## BERT masked-LM pretraining on the embedded corpus (runs
 bert-finetune: setup  ## fine-tune it on the offline stdlib-packages task (runs/bert_finetune)
 	$(QUIET) $(BIN)/python recipes/bert_finetune.py $(HOST8) $(ARGS)
 
-test: setup  ## the whole test suite (and lint)
+# The suite compiles mostly on one core at a time: one pytest worker per core (at most 4;
+# each holds 8 forced host devices), tests of one multi-process launch on one worker.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+
+test: setup  ## the whole test suite (and lint); what CI runs
 	$(BIN)/ruff check kdist recipes tests benchmarks
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
+
+test-fast: setup  ## the suite without the tests marked slow (for development)
+	$(BIN)/ruff check kdist recipes tests benchmarks
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 bench: setup  ## every benchmark script; tables printed, JSON in benchmarks/results/
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

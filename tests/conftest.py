@@ -60,6 +60,14 @@ def pytest_sessionstart(session):
         raise RuntimeError("JAX did not take the compilation cache folder of tests/conftest.py")
 
 
+def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (make test: --dist loadgroup), the tests reading the one
+    # multi-process launch run on one worker, which launches it once.
+    for item in items:
+        if "multihost_cases" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("multihost"))
+
+
 @pytest.fixture(autouse=True)
 def fresh_keras_state():
     """Each test starts with no distribution, float32 and no remat scope, and a fixed seed."""
