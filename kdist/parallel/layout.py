@@ -14,7 +14,6 @@ Everything else in kdist asks :func:`active` for the distribution in force.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
 import keras
@@ -23,17 +22,12 @@ from keras.distribution import DeviceMesh, LayoutMap, ModelParallel, TensorLayou
 
 from kdist import _keras_compat
 from kdist.parallel import auto, rules
-from kdist.parallel import stages as stages_lib
-from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, device_grid, mesh_spec, parse_mesh
+from kdist.parallel.config import Parallelism
+from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, device_grid, mesh_spec
 
 # Weights with at most this many elements may have no logical axes and are then
 # replicated (seed-generator states, metric accumulators, scalar counters).
 REPLICATE_BELOW = 4096
-
-GRADIENT_REDUCTIONS = (None, "float32", "bfloat16", "float8", "int8")
-
-# How attention crosses a sequence split over `seq` (kdist.parallel.context).
-CONTEXT_PARALLEL = ("all_gather", "ring")
 
 
 class BatchLayout(TensorLayout):
@@ -59,40 +53,24 @@ class BatchLayout(TensorLayout):
 class KdistDistribution(ModelParallel):
     """Keras ``ModelParallel`` with kdist's rules: logical axes in, checked layouts out.
 
-    Build it with :func:`distribution`. ``layout_for(path, shape)`` returns the layout a
-    weight of that path and shape gets; ``mesh_shape`` gives the axis sizes;
-    ``gradient_reduction`` is the step feature it asks of the model (None: XLA reduces);
-    ``context_parallel`` and ``load_balance`` how attention crosses a ``seq`` split.
+    Build it with :func:`distribution`. ``config`` is the :class:`Parallelism` (the mesh
+    and every feature's settings: pipeline, context, replica groups, gradient exchange)
+    every kdist module reads; ``layout_for(path, shape)`` returns the layout a weight of
+    that path and shape gets; ``mesh_shape`` gives the axis sizes.
 
     Example:
         >>> dist = distribution("data=2,model=4", jax.devices())
-        >>> dist.mesh_shape["model"], dist.spec
-        (4, 'data=2,model=4')
+        >>> dist.mesh_shape["model"], dist.spec, dist.config.pipeline
+        (4, 'data=2,model=4', None)
     """
 
-    def __init__(self, device_mesh: DeviceMesh, auto_shard_dataset: bool = True,
-                 auto_shard: bool = False, allow_replicated: Sequence[str] = (),
-                 gradient_reduction: str | None = None, error_feedback: bool = False,
-                 sync_every: int | None = None, outer_learning_rate: float = 0.7,
-                 outer_momentum: float = 0.9, outer_nesterov: bool = True,
-                 pipeline_microbatches: int | None = None, pipeline_repeats: int = 1,
-                 context_parallel: str = "all_gather", load_balance: bool = True):
+    def __init__(self, device_mesh: DeviceMesh, config: Parallelism,
+                 auto_shard_dataset: bool = True, auto_shard: bool = False,
+                 allow_replicated: Sequence[str] = ()):
         # Before Keras' __init__, which reads num_model_replicas when there are several
         # processes.
         self.mesh_shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
-        self.gradient_reduction = gradient_reduction
-        self.error_feedback = error_feedback
-        # DiLoCo over the replica axis (kdist.parallel.replicas); None: no replica groups.
-        self.sync_every = sync_every
-        self.outer_learning_rate = outer_learning_rate
-        self.outer_momentum = outer_momentum
-        self.outer_nesterov = outer_nesterov
-        # The stage axis' schedule (kdist.parallel.pipeline): microbatches per step and
-        # circular repeats; checked by distribution().
-        self.pipeline_microbatches = pipeline_microbatches
-        self.pipeline_repeats = pipeline_repeats
-        self.context_parallel = context_parallel
-        self.load_balance = load_balance
+        self.config = config
         super().__init__(layout_map=LayoutMap(device_mesh), batch_dim_name="data",
                          auto_shard_dataset=auto_shard_dataset)
         # Weights without logical axes: kdist.parallel.auto (structure and shape).
@@ -231,98 +209,18 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
         >>> import keras, kdist
         >>> keras.distribution.set_distribution(kdist.distribution("auto"))
     """
-    if gradient_reduction not in GRADIENT_REDUCTIONS:
-        raise ValueError(f"gradient_reduction must be None (XLA places the reductions), "
-                         f"'float32', 'bfloat16', 'float8' or 'int8'; got "
-                         f"{gradient_reduction!r}.")
-    if not isinstance(error_feedback, bool):
-        raise TypeError(f"error_feedback must be True or False; got {error_feedback!r}.")
-    if error_feedback and gradient_reduction not in ("float8", "int8"):
-        raise ValueError(
-            f"error_feedback=True carries the error of 8-bit gradient codes to the next step; "
-            f"it needs gradient_reduction='float8' or 'int8', got {gradient_reduction!r}.")
-    if context_parallel not in CONTEXT_PARALLEL:
-        raise ValueError(f"context_parallel must be one of {CONTEXT_PARALLEL} (how attention "
-                         f"crosses a sequence split over 'seq'); got {context_parallel!r}.")
-    if not isinstance(load_balance, bool):
-        raise ValueError(f"load_balance must be True or False; got {load_balance!r}.")
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
-    sizes = parse_mesh(spec, len(devices))
-    if sizes["seq"] > 1 and (sizes["stage"] > 1 or sizes["replica"] > 1):
-        raise ValueError(
-            f"Mesh spec {spec!r}: the 'seq' axis has not been built or tested together with "
-            f"'stage' or 'replica'. Use seq with data, fsdp and model.")
-    _check_replica_settings(spec, sizes, sync_every, outer_learning_rate, outer_momentum,
-                            outer_nesterov)
-    _check_untested_combinations(spec, sizes, gradient_reduction, sync_every)
-    microbatches = _pipeline_settings(spec, sizes, gradient_reduction, pipeline_microbatches,
-                                      pipeline_repeats)
-    grid = device_grid(devices, sizes)
+    config = Parallelism.build(
+        spec, len(devices), gradient_reduction=gradient_reduction,
+        error_feedback=error_feedback, sync_every=sync_every,
+        outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
+        outer_nesterov=outer_nesterov, pipeline_microbatches=pipeline_microbatches,
+        pipeline_repeats=pipeline_repeats, context_parallel=context_parallel,
+        load_balance=load_balance)
+    grid = device_grid(devices, config.mesh)
     mesh = DeviceMesh(shape=grid.shape, axis_names=MESH_AXES, devices=grid)
-    return KdistDistribution(mesh, auto_shard_dataset=auto_shard_dataset,
-                             auto_shard=auto_shard, allow_replicated=allow_replicated,
-                             gradient_reduction=gradient_reduction,
-                             error_feedback=error_feedback, sync_every=sync_every,
-                             outer_learning_rate=outer_learning_rate,
-                             outer_momentum=outer_momentum, outer_nesterov=outer_nesterov,
-                             pipeline_microbatches=microbatches,
-                             pipeline_repeats=pipeline_repeats,
-                             context_parallel=context_parallel, load_balance=load_balance)
-
-
-def _check_untested_combinations(spec, sizes, gradient_reduction, sync_every):
-    """DiLoCo and 8-bit gradients were built and tested without pipeline stages and
-    context parallelism: refused with them rather than trained untested."""
-    for axis, what in (("stage", "pipeline stages"), ("seq", "context parallelism")):
-        if sizes[axis] > 1 and (sync_every or gradient_reduction in ("float8", "int8")):
-            feature = (f"sync_every={sync_every} (DiLoCo)" if sync_every else
-                       f"gradient_reduction={gradient_reduction!r}")
-            raise ValueError(
-                f"Mesh spec {spec!r}: {feature} is not built for a '{axis}' axis ({what}) "
-                f"yet. Use a mesh without '{axis}', or leave {feature.split('=')[0]} unset.")
-
-
-def _check_replica_settings(spec, sizes, sync_every, learning_rate, momentum, nesterov):
-    if sync_every is None:
-        if sizes["replica"] > 1:
-            raise ValueError(
-                f"Mesh spec {spec!r} has a replica axis of {sizes['replica']}: replica groups "
-                f"synchronise every few steps (DiLoCo) and need sync_every=H, e.g. "
-                f"kdist.distribution({spec!r}, sync_every=50). For synchronous data "
-                f"parallelism put those devices on 'data'.")
-        return
-    if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) \
-            or sync_every < 1:
-        raise ValueError(f"sync_every must be a positive integer (inner steps between "
-                         f"syncs, e.g. 50); got {sync_every!r}.")
-    if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real) \
-            or not math.isfinite(learning_rate) or learning_rate <= 0:
-        raise ValueError(f"outer_learning_rate must be a finite number > 0 (DiLoCo: 0.7); "
-                         f"got {learning_rate!r}.")
-    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) \
-            or not 0 <= momentum < 1:
-        raise ValueError(f"outer_momentum must be a number in [0, 1) (DiLoCo: 0.9); got "
-                         f"{momentum!r}.")
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"outer_nesterov must be True or False; got {nesterov!r}.")
-
-
-def _pipeline_settings(spec, sizes, gradient_reduction, microbatches, repeats):
-    """The checked microbatch count of a mesh's ``stage`` axis (the pipeline's own
-    checks), refusing what the pipeline does not combine with (``seq`` and ``replica``:
-    refused before, by the context and the DiLoCo checks)."""
-    stages = sizes.get("stage", 1)
-    if stages == 1 and microbatches not in (None, 1):
-        raise ValueError(f"pipeline_microbatches={microbatches!r} needs a 'stage' mesh axis of "
-                         f"size > 1; mesh '{spec}' has none. Add e.g. 'stage=2' to the spec, "
-                         f"or leave pipeline_microbatches out.")
-    if stages > 1 and gradient_reduction:
-        raise ValueError(
-            f"gradient_reduction={gradient_reduction!r} is not built for the 'stage' axis of "
-            f"mesh '{spec}' (the pipeline's schedule runs per stage; the explicit reduction "
-            f"runs per data x fsdp device). Use gradient_reduction=None (XLA places the "
-            f"reductions) with a pipeline.")
-    return stages_lib.check_settings(stages, microbatches, repeats)
+    return KdistDistribution(mesh, config, auto_shard_dataset=auto_shard_dataset,
+                             auto_shard=auto_shard, allow_replicated=allow_replicated)
 
 
 def active() -> KdistDistribution | None:

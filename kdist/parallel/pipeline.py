@@ -53,8 +53,8 @@ def _settings():
     if dist is None:
         return 1, 1, 1
     stages = dist.mesh_shape.get(AXIS, 1)
-    return (stages, getattr(dist, "pipeline_repeats", 1),
-            getattr(dist, "pipeline_microbatches", None) or stages)
+    schedule = dist.config.pipeline
+    return (1, 1, 1) if schedule is None else (stages, schedule.repeats, schedule.microbatches)
 
 
 def stages() -> int:

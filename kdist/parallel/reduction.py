@@ -67,21 +67,22 @@ def gradient_axes(dist) -> tuple[str, ...]:
 def check(dist, model) -> None:
     """Refuses, before compiling, what explicit reduction cannot compute like the
     1-device run: dropout layers other than kdist's, a loss reduction it does not know."""
+    asked = dist.config.gradients.reduction
     foreign = sorted(layer.name for layer in _keras_compat.all_layers(model)
                      if isinstance(getattr(layer, "rate", None), float) and layer.rate > 0
                      and not isinstance(layer, Dropout))
     if foreign:
         raise ValueError(
-            f"gradient_reduction={dist.gradient_reduction!r} computes each device's rows in a "
-            f"manual region, where layers {', '.join(foreign[:3])} would draw the same random "
-            f"mask on every device. Use kdist.parallel.dropout.Dropout (it draws each "
+            f"gradient_reduction={asked!r} computes each device's rows in a manual region, "
+            f"where layers {', '.join(foreign[:3])} would draw the same random mask on every "
+            f"device. Use kdist.parallel.dropout.Dropout (it draws each "
             f"device's rows of the global mask), a rate of 0, or gradient_reduction=None.")
     if dist.mesh_shape.get("seq", 1) > 1:
         _check_split_sequence(dist, model)
     reduction = _loss_reduction(model)
     if reduction not in _LOSS_REDUCTIONS:
         raise ValueError(
-            f"gradient_reduction={dist.gradient_reduction!r} combines the devices' losses as "
+            f"gradient_reduction={asked!r} combines the devices' losses as "
             f"the loss' reduction does; {type(model).__name__}'s loss has reduction "
             f"{reduction!r}, expected one of {_LOSS_REDUCTIONS} (a single loss). Use such a "
             f"loss or gradient_reduction=None.")
@@ -92,10 +93,10 @@ def _check_split_sequence(dist, model) -> None:
     task whose loss is a sum of per-token terms (it declares ``"token_reordering"``), not
     for one that reads positions across the sequence (BERT's masked positions, its first
     token). Dropout masks there would repeat across a row's token shares."""
-    name = type(model).__name__
+    name, asked = type(model).__name__, dist.config.gradients.reduction
     if "token_reordering" not in getattr(model, "step_features", frozenset()):
         raise ValueError(
-            f"gradient_reduction={dist.gradient_reduction!r} on mesh {dist.spec} computes each "
+            f"gradient_reduction={asked!r} on mesh {dist.spec} computes each "
             f"device's loss on its share of every sequence's tokens; {name}'s loss reads "
             f"tokens across the whole sequence (it does not declare the 'token_reordering' "
             f"step feature). Use gradient_reduction=None on this mesh (XLA's reductions) or "
@@ -104,7 +105,7 @@ def _check_split_sequence(dist, model) -> None:
                      if isinstance(layer, Dropout) and layer.rate > 0)
     if dropout:
         raise ValueError(
-            f"gradient_reduction={dist.gradient_reduction!r} on mesh {dist.spec}: dropout "
+            f"gradient_reduction={asked!r} on mesh {dist.spec}: dropout "
             f"layers ({', '.join(dropout[:3])}) would draw the same mask for every 'seq' "
             f"share of a row in the per-device region (not built for a split sequence). "
             f"Use a dropout rate of 0, gradient_reduction=None, or a mesh without 'seq'.")
@@ -179,7 +180,7 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
     specs = [P(*(a if a in axes else None for a in layout)) for layout in layouts]
     model_axis = dist.mesh_shape.get("model", 1) > 1
     plans = [_Plan(summed, sizes, next((i for i, a in enumerate(s) if a == "fsdp"), None),
-                   dist.gradient_reduction,
+                   dist.config.gradients.reduction,
                    P(*(a if a == "model" else None for a in layout)) if model_axis else None)
              for s, layout in zip(specs, layouts)]
     combine = _loss_reduction(model)

@@ -129,7 +129,7 @@ class DiLoCo(keras.optimizers.Optimizer):
         pending = _keras_compat.pending_variable_count()  # a caller's (kdist plan) stay
         with keras.StatelessScope(initialize_variables=False):  # templates: no values
             parts.inner.build(var_list)
-            if dist.error_feedback:
+            if dist.config.gradients.error_feedback:
                 reduction.add_residuals(dist, var_list, parts.inner)
         _keras_compat.forget_pending_variables(pending)
         parts.templates = list(parts.inner.variables)
@@ -223,10 +223,11 @@ def wrap(dist, optimizer):
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, DiLoCo):
         optimizer = optimizer.inner()
-    if dist is None or not dist.sync_every:
+    groups = None if dist is None else dist.config.replicas
+    if groups is None:
         return optimizer
-    return DiLoCo(optimizer, dist.sync_every, dist.outer_learning_rate, dist.outer_momentum,
-                  dist.outer_nesterov)
+    return DiLoCo(optimizer, groups.sync_every, groups.outer_learning_rate,
+                  groups.outer_momentum, groups.outer_nesterov)
 
 
 def state_optimizer(model):

@@ -47,7 +47,7 @@ def requested_features() -> frozenset:
     """The step features the active distribution asks for."""
     dist = active()
     features = set()
-    if dist is not None and dist.gradient_reduction:
+    if dist is not None and dist.config.gradients.reduction:
         features.add("gradient_reduction")
     if dist is not None and dist.mesh_shape.get("seq", 1) > 1:
         features.add("context_parallel")
@@ -79,7 +79,8 @@ def check_compile(model) -> None:
                 f"mesh without 'stage', or a kdist GPT or BERT task.")
         if not supports(model, feature):
             raise ValueError(
-                f"The distribution asks for {feature}={getattr(dist, feature)!r}, which "
+                f"The distribution asks for gradient_reduction="
+                f"{dist.config.gradients.reduction!r}, which "
                 f"{type(model).__name__} does not support (it does not declare the "
                 f"'{feature}' step feature), so it would silently train with XLA's "
                 f"reductions. Build the distribution with {feature}=None.")
@@ -111,7 +112,7 @@ def prepare(model) -> None:
     if isinstance(model.optimizer, replicas.DiLoCo):
         if not model.optimizer.built:  # adds the residuals to its inner optimizer
             model.optimizer.build(model.trainable_variables)
-    elif dist.error_feedback and "gradient_reduction" in requested_features():
+    elif dist.config.gradients.error_feedback and "gradient_reduction" in requested_features():
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         reduction.add_residuals(dist, model.trainable_variables, model.optimizer)
@@ -120,7 +121,7 @@ def prepare(model) -> None:
 def _residual_indices(model):
     dist = active()
     optimizer = replicas.state_optimizer(model)
-    if dist is None or not dist.error_feedback or optimizer is None:
+    if dist is None or not dist.config.gradients.error_feedback or optimizer is None:
         return None
     return reduction.residual_indices(model.trainable_variables, optimizer)
 

@@ -1,7 +1,8 @@
 """Every row of the combination table (tests/parallel/combinations.py): a combination kdist
 builds trains like one device for each of its families (tests/parallel/harness.py); one it
 refuses fails with its message, before anything compiles. The README's combination matrix
-says what the table shows, cell for cell."""
+is kdist's combination table (kdist/parallel/combinations.py), and every cell of it is
+shown by rows here: a built pair trains, a refused pair is refused."""
 
 import re
 
@@ -9,6 +10,7 @@ import jax
 import pytest
 
 import kdist
+from kdist.parallel import combinations
 from kdist.parallel.mesh import parse_mesh
 from tests.helpers import ROOT
 from tests.parallel.combinations import TABLE, Row
@@ -34,35 +36,36 @@ def test_is_refused_before_compiling(row: Row):
         kdist.distribution(row.mesh, **row.options)
 
 
-# --- the README's matrix -------------------------------------------------------------------
-
-COLUMNS = ("data", "fsdp", "model", "stage", "seq", "replica")
+# --- kdist's combination table, the README's matrix and the rows above ---------------------
 
 
 def concepts(row: Row) -> set[str]:
-    """The axes a row's mesh uses (size > 1; DiLoCo's ``replica`` also with one group) and
-    the gradient exchange it asks for."""
+    """The features of a row (kdist.parallel.combinations.FEATURES): the axes its mesh
+    uses (size > 1), "replica" for DiLoCo (also with one group), its gradient exchange."""
+    return set(kdist.distribution(row.mesh, jax.devices()[:row.run.get("devices", 8)],
+                                  **row.options).config.features) if row.refusal is None \
+        else _refused_concepts(row)
+
+
+def _refused_concepts(row: Row) -> set[str]:
     sizes = parse_mesh(row.mesh, row.run.get("devices", 8))
     found = {axis for axis, size in sizes.items() if size > 1}
     if row.options.get("sync_every"):
         found.add("replica")
     reduction = row.options.get("gradient_reduction")
-    if reduction in ("float32", "bfloat16"):
-        found.add("reduction")
-    elif reduction in ("float8", "int8"):
-        found.add("8-bit")
+    if reduction:
+        found.add("8-bit" if reduction in ("float8", "int8") else "reduction")
     return found
 
 
-def table_matrix() -> dict[tuple[str, str], set[str]]:
-    """(concept, column) -> what the table's rows show there: 'trains' and/or 'refused'.
-    A refused row shows 'refused' for its one new pair (named by ``refuses``)."""
+def shown_by_rows() -> dict[tuple[str, str], set[str]]:
+    """(feature, feature) -> what the rows show there: "trains" and/or "refused". A
+    refused row shows its one pair (``refuses``), a training row every pair it holds."""
     cells: dict[tuple[str, str], set[str]] = {}
     for row in TABLE:
         found = concepts(row)
         if row.refusal is None:
-            pairs = {(a, b) for a in found for b in found if a != b}
-            outcome = "trains"
+            pairs, outcome = {(a, b) for a in found for b in found if a != b}, "trains"
         else:
             a, b = row.refuses
             assert {a, b} <= found, (row.id, row.refuses, found)
@@ -73,37 +76,41 @@ def table_matrix() -> dict[tuple[str, str], set[str]]:
 
 
 def readme_matrix() -> dict[tuple[str, str], str]:
+    """(row, column) -> the README cell's text."""
     text = (ROOT / "README.md").read_text()
-    header = "| | " + " | ".join(COLUMNS) + " |"
+    header = "| | " + " | ".join(combinations.MATRIX_COLUMNS) + " |"
     assert header in text, f"the README's combination matrix must start with {header!r}"
-    lines = text[text.index(header):].splitlines()[2:]
     cells = {}
-    for line in lines:
+    for line in text[text.index(header):].splitlines()[2:]:
         if not line.startswith("|"):
             break
         label, *values = [c.strip() for c in line.strip("|").split("|")]
-        concept = {"explicit": "reduction"}.get(label.split()[0], label.split()[0])
-        assert len(values) == len(COLUMNS), line
-        for column, value in zip(COLUMNS, values):
-            if value:
-                cells[(concept, column)] = ("trains" if value.startswith("✓") else
-                                            "refused" if value.startswith("refused") else value)
+        row = {"explicit": "reduction"}.get(label.split()[0], label.split()[0])
+        assert len(values) == len(combinations.MATRIX_COLUMNS), line
+        for column, value in zip(combinations.MATRIX_COLUMNS, values):
+            if row != column:
+                cells[(row, column)] = value
     return cells
 
 
-def test_the_readme_matrix_is_the_tables():
-    table, readme = table_matrix(), readme_matrix()
-    assert readme, "no cells read from the README's matrix"
-    for (concept, column), said in readme.items():
-        shown = table.get((concept, column), set())
-        assert shown == {said}, (
-            f"README says {concept} x {column}: {said}; the table's rows show "
-            f"{sorted(shown) or 'nothing'} (tests/parallel/combinations.py)")
-    for concept in {c for c, _ in readme}:
-        for column in COLUMNS:
-            if (concept, column) in table and concept != column:
-                assert (concept, column) in readme, (
-                    f"the table shows {concept} x {column} but the README's matrix is silent")
+def test_the_readme_matrix_is_kdists_combination_table():
+    readme = readme_matrix()
+    for (row, column), rule in combinations.matrix().items():
+        want = ("✓" + (f" ({rule.note})" if rule.note else "")) if rule.built else "refused"
+        assert readme.get((row, column)) == want, (
+            f"README's matrix says {row} x {column}: {readme.get((row, column))!r}; "
+            f"kdist/parallel/combinations.py says {want!r}")
+    assert set(readme) == set(combinations.matrix())
+
+
+def test_every_cell_of_the_table_is_shown_by_a_row():
+    shown = shown_by_rows()
+    for (row, column), rule in combinations.matrix().items():
+        want = "trains" if rule.built else "refused"
+        assert shown.get((row, column)) == {want}, (
+            f"{row} x {column} is {'built' if rule.built else 'refused'} in "
+            f"kdist/parallel/combinations.py, but tests/parallel/combinations.py's rows show "
+            f"{sorted(shown.get((row, column), ())) or 'nothing'}")
 
 
 def test_every_refusal_names_the_argument():

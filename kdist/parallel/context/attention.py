@@ -47,9 +47,9 @@ from kdist.online_softmax import (
     softmax_delta,
     varying_union,
 )
+from kdist.parallel.config import CONTEXT_PARALLEL
 from kdist.parallel.constraints import to_varying
 from kdist.parallel.context.layout import AXIS, SequenceLayout
-from kdist.parallel.layout import CONTEXT_PARALLEL
 
 # Queries and keys per tile when the model sets no attention_chunk_size: (B, N, 256, 256)
 # float32 logits per tile, whatever the sequence length; never kept.

@@ -62,7 +62,7 @@ def attention(q, k, v, *, mask=None, segment_ids=None, causal: bool = True,
         raise ValueError(f"A sequence of {length} tokens is not split over 'seq' here.")
     dist = active()
     key_valid = key_valid_from_mask(mask, q.shape[0], length)
-    options = dict(layout=layout, variant=dist.context_parallel, causal=causal,
+    options = dict(layout=layout, variant=dist.config.context.variant, causal=causal,
                    chunk_size=chunk_size)
     if in_manual_region():  # one device's tokens; the masks' data of every token
         return local_attention(q, k, v, segments=all_tokens(segment_ids),

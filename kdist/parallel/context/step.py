@@ -62,7 +62,8 @@ def loss_and_updates(model, compute, x, y, sample_weight, *, reorder: bool):
         raise ValueError("A 'seq' mesh axis splits each sequence, but this batch has no token "
                          "ids of known length (axis 1 of x or of x['token_ids']).")
     backbone = getattr(model, "backbone", None)
-    layout = check_length(length, dist.mesh_shape[AXIS], reorder and dist.load_balance,
+    balanced = reorder and dist.config.context.load_balance
+    layout = check_length(length, dist.mesh_shape[AXIS], balanced,
                           getattr(backbone, "max_sequence_length", None))
     order = jnp.asarray(layout.order(), jnp.int32)
     pin = BatchLayout((REPLICA_AXES, AXIS), dist.device_mesh)

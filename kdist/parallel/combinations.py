@@ -1,0 +1,114 @@
+"""Which parallelism features combine: one table, as data.
+
+A *feature* is a mesh axis of size > 1 (``data``, ``fsdp``, ``model``, ``stage``, ``seq``,
+``replica``) or kdist's gradient exchange (``reduction``: float32/bfloat16 sums;
+``8-bit``: float8/int8 codes). Every pair of features has one :class:`Rule`: built (with a
+caveat the README's matrix shows), or refused with the reason and what to use instead.
+:func:`check` refuses a configuration containing a refused pair — the only place that does;
+the planner's search (:mod:`kdist.planning.search`), the recipes' flags, the README's
+matrix and the tests read the same table.
+
+Example:
+    >>> rule("stage", "fsdp").built
+    True
+    >>> check({"fsdp", "model"}, "fsdp=4,model=2")  # every pair built: no error
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+FEATURES = {
+    "data": "replicas holding whole weights (data parallel)",
+    "fsdp": "replicas holding a shard of every weight (ZeRO-3)",
+    "model": "tensor parallelism",
+    "stage": "pipeline stages",
+    "seq": "context parallelism (each sequence's tokens split)",
+    "replica": "DiLoCo replica groups (sync_every)",
+    "reduction": "kdist's gradient reduction (gradient_reduction='float32'/'bfloat16')",
+    "8-bit": "8-bit gradient codes (gradient_reduction='float8'/'int8')",
+}
+# The README's matrix: these rows against every axis.
+MATRIX_ROWS = ("stage", "seq", "replica", "reduction", "8-bit")
+MATRIX_COLUMNS = ("data", "fsdp", "model", "stage", "seq", "replica")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How two features combine. ``note``: for a built pair, a caveat (shown in the
+    matrix); for a refused one, why and what to use instead (the error's text)."""
+
+    a: str
+    b: str
+    built: bool
+    note: str = ""
+
+
+def _built(a, b, note=""):
+    return Rule(a, b, True, note)
+
+
+def _refused(a, b, note):
+    return Rule(a, b, False, note)
+
+
+_NOT_YET = ("has not been built or tested together with {b} yet. Use {a} with data, fsdp "
+            "and model, or leave {b} out.")
+
+RULES: tuple[Rule, ...] = (
+    _built("data", "fsdp"), _built("data", "model"), _built("fsdp", "model"),
+    _built("stage", "data"), _built("stage", "fsdp"),
+    _built("stage", "model", "XLA inside the stage"),
+    _built("seq", "data"), _built("seq", "fsdp"), _built("seq", "model"),
+    _built("replica", "data"), _built("replica", "fsdp"), _built("replica", "model"),
+    _refused("stage", "seq", _NOT_YET),
+    _refused("stage", "replica", _NOT_YET),
+    _refused("seq", "replica", _NOT_YET),
+    _built("reduction", "data"), _built("reduction", "fsdp"), _built("reduction", "model"),
+    _refused("reduction", "stage", _NOT_YET),
+    _built("reduction", "seq", "causal LMs, no dropout"),
+    _built("reduction", "replica", "nested"),
+    _built("8-bit", "data"), _built("8-bit", "fsdp"), _built("8-bit", "model"),
+    _refused("8-bit", "stage", _NOT_YET),
+    _refused("8-bit", "seq", _NOT_YET),
+    _built("8-bit", "replica", "nested"),
+)
+_BY_PAIR = {frozenset((r.a, r.b)): r for r in RULES}
+assert len(_BY_PAIR) == len(RULES), "a pair of features is in the table twice"
+assert all({r.a, r.b} <= set(FEATURES) for r in RULES)
+
+
+def rule(a: str, b: str) -> Rule:
+    """The rule for two features (``reduction`` and ``8-bit`` exclude each other: they are
+    one setting, never a pair)."""
+    for f in (a, b):
+        if f not in FEATURES:
+            raise ValueError(f"Unknown feature {f!r}; known: {sorted(FEATURES)}.")
+    found = _BY_PAIR.get(frozenset((a, b)))
+    if found is None:
+        raise ValueError(f"The combination table has no rule for {a} x {b}.")
+    return found
+
+
+def _describe(feature: str) -> str:
+    return {"reduction": "gradient_reduction='float32'/'bfloat16'",
+            "8-bit": "gradient_reduction='float8'/'int8'",
+            "replica": "DiLoCo replica groups (sync_every)"}.get(feature, f"the '{feature}' axis")
+
+
+def check(features, spec: str) -> None:
+    """Raises ``ValueError`` for the first refused pair among ``features`` (a set of
+    :data:`FEATURES` names), with the table's reason, naming the mesh spec and argument."""
+    for a, b in itertools.combinations(sorted(features), 2):
+        r = rule(a, b)
+        if not r.built:
+            first, second = (r.a, r.b)
+            reason = r.note.format(a=_describe(first), b=_describe(second))
+            raise ValueError(f"Mesh spec {spec!r}: {_describe(first)} {reason}")
+
+
+def matrix() -> dict[tuple[str, str], Rule]:
+    """``(row, column) -> Rule`` for the README's matrix (rows :data:`MATRIX_ROWS`,
+    columns :data:`MATRIX_COLUMNS`; a feature against itself is left out)."""
+    return {(r, c): rule(r, c) for r in MATRIX_ROWS for c in MATRIX_COLUMNS if r != c}

@@ -1,0 +1,182 @@
+"""One parallelism configuration: the mesh's axis sizes and one frozen record per feature.
+
+:func:`kdist.distribution` builds a :class:`Parallelism` from its arguments, checks each
+feature's own settings here and every combination against the one table of
+:mod:`kdist.parallel.combinations`, and hands it to the distribution; every module of
+:mod:`kdist.parallel` (and the planner, the recipes, the callbacks) reads the feature it
+owns from ``dist.config`` — nothing else holds a setting.
+
+Example:
+    >>> config = Parallelism.build("stage=2,fsdp=4", 8, pipeline_microbatches=4)
+    >>> config.pipeline, config.features
+    (Pipeline(microbatches=4, repeats=1), frozenset({'fsdp', 'stage'}))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+from kdist.parallel import combinations
+from kdist.parallel.mesh import MESH_AXES, mesh_spec, parse_mesh
+
+GRADIENT_REDUCTIONS = (None, "float32", "bfloat16", "float8", "int8")
+COMPRESSED = ("float8", "int8")  # 8-bit codes on the wire
+CONTEXT_PARALLEL = ("all_gather", "ring")  # how attention crosses a sequence split
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """The ``stage`` axis' schedule: microbatches per step (per replica group) and
+    circular repeats (stages per device)."""
+
+    microbatches: int
+    repeats: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """How attention crosses a sequence split over ``seq``: ``"all_gather"`` or ``"ring"``;
+    ``load_balance``: causal models' tokens in the balanced ("zigzag") layout."""
+
+    variant: str = "all_gather"
+    load_balance: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """DiLoCo over the ``replica`` axis: inner steps between syncs and the outer SGD."""
+
+    sync_every: int
+    outer_learning_rate: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradients:
+    """Who reduces the gradients: None (XLA's partitioner) or kdist's reduction in
+    ``"float32"``/``"bfloat16"``, or 8-bit codes (``"float8"``/``"int8"``, optionally with
+    error feedback)."""
+
+    reduction: str | None = None
+    error_feedback: bool = False
+
+    @property
+    def compressed(self) -> bool:
+        return self.reduction in COMPRESSED
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """The mesh and every feature's settings (None: the feature is off).
+
+    ``features`` names what is on, in the terms of :mod:`kdist.parallel.combinations`:
+    the axes of size > 1, ``"replica"`` for DiLoCo (also with one group),
+    ``"reduction"`` / ``"8-bit"`` for kdist's gradient exchange.
+    """
+
+    sizes: tuple[tuple[str, int], ...]
+    pipeline: Pipeline | None = None
+    context: Context | None = None
+    replicas: Replicas | None = None
+    gradients: Gradients = Gradients()
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """``{axis: size}`` for every axis of :data:`kdist.parallel.mesh.MESH_AXES`."""
+        return dict(self.sizes)
+
+    @property
+    def spec(self) -> str:
+        return mesh_spec(self.mesh)
+
+    @property
+    def features(self) -> frozenset[str]:
+        found = {a for a, n in self.sizes if n > 1}
+        if self.replicas is not None:
+            found.add("replica")
+        if self.gradients.reduction is not None:
+            found.add("8-bit" if self.gradients.compressed else "reduction")
+        return frozenset(found)
+
+    @classmethod
+    def build(cls, spec: str, num_devices: int, *, gradient_reduction=None,
+              error_feedback=False, sync_every=None, outer_learning_rate=0.7,
+              outer_momentum=0.9, outer_nesterov=True, pipeline_microbatches=None,
+              pipeline_repeats=1, context_parallel="all_gather",
+              load_balance=True) -> Parallelism:
+        """Parses ``spec``, checks every setting (a ``ValueError`` naming the argument and
+        its valid values) and every combination (:func:`combinations.check`)."""
+        sizes = parse_mesh(spec, num_devices)
+        config = cls(
+            sizes=tuple((a, sizes[a]) for a in MESH_AXES),
+            pipeline=_pipeline(spec, sizes, pipeline_microbatches, pipeline_repeats),
+            context=_context(sizes, context_parallel, load_balance),
+            replicas=_replicas(spec, sizes, sync_every, outer_learning_rate, outer_momentum,
+                               outer_nesterov),
+            gradients=_gradients(gradient_reduction, error_feedback),
+        )
+        combinations.check(config.features, spec)
+        return config
+
+
+def _gradients(reduction, error_feedback) -> Gradients:
+    if reduction not in GRADIENT_REDUCTIONS:
+        raise ValueError(f"gradient_reduction must be None (XLA places the reductions), "
+                         f"'float32', 'bfloat16', 'float8' or 'int8'; got {reduction!r}.")
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"error_feedback must be True or False; got {error_feedback!r}.")
+    if error_feedback and reduction not in COMPRESSED:
+        raise ValueError(
+            f"error_feedback=True carries the error of 8-bit gradient codes to the next step; "
+            f"it needs gradient_reduction='float8' or 'int8', got {reduction!r}.")
+    return Gradients(reduction, error_feedback)
+
+
+def _context(sizes, variant, load_balance) -> Context | None:
+    if variant not in CONTEXT_PARALLEL:
+        raise ValueError(f"context_parallel must be one of {CONTEXT_PARALLEL} (how attention "
+                         f"crosses a sequence split over 'seq'); got {variant!r}.")
+    if not isinstance(load_balance, bool):
+        raise ValueError(f"load_balance must be True or False; got {load_balance!r}.")
+    return Context(variant, load_balance) if sizes["seq"] > 1 else None
+
+
+def _replicas(spec, sizes, sync_every, learning_rate, momentum, nesterov) -> Replicas | None:
+    if sync_every is None:
+        if sizes["replica"] > 1:
+            raise ValueError(
+                f"Mesh spec {spec!r} has a replica axis of {sizes['replica']}: replica groups "
+                f"synchronise every few steps (DiLoCo) and need sync_every=H, e.g. "
+                f"kdist.distribution({spec!r}, sync_every=50). For synchronous data "
+                f"parallelism put those devices on 'data'.")
+        return None
+    if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) \
+            or sync_every < 1:
+        raise ValueError(f"sync_every must be a positive integer (inner steps between "
+                         f"syncs, e.g. 50); got {sync_every!r}.")
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real) \
+            or not math.isfinite(learning_rate) or learning_rate <= 0:
+        raise ValueError(f"outer_learning_rate must be a finite number > 0 (DiLoCo: 0.7); "
+                         f"got {learning_rate!r}.")
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) \
+            or not 0 <= momentum < 1:
+        raise ValueError(f"outer_momentum must be a number in [0, 1) (DiLoCo: 0.9); got "
+                         f"{momentum!r}.")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"outer_nesterov must be True or False; got {nesterov!r}.")
+    return Replicas(int(sync_every), float(learning_rate), float(momentum), nesterov)
+
+
+def _pipeline(spec, sizes, microbatches, repeats) -> Pipeline | None:
+    from kdist.parallel.stages import check_settings
+
+    stages = sizes["stage"]
+    if stages == 1 and microbatches not in (None, 1):
+        raise ValueError(f"pipeline_microbatches={microbatches!r} needs a 'stage' mesh axis of "
+                         f"size > 1; mesh '{spec}' has none. Add e.g. 'stage=2' to the spec, "
+                         f"or leave pipeline_microbatches out.")
+    microbatches = check_settings(stages, microbatches, repeats)
+    return Pipeline(microbatches, repeats) if stages > 1 else None
