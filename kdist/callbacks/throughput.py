@@ -53,7 +53,7 @@ from kdist.callbacks.run_log import (
 from kdist.callbacks.step_clock import StepClock
 from kdist.callbacks.stragglers import InputTimer, Stragglers
 from kdist.optim import AdamW
-from kdist.parallel.replicas import DiLoCo
+from kdist.parallel.step import state_optimizer
 
 __all__ = ["JSONL_NAME", "TENSORBOARD_DIR", "Throughput", "parse_profile_steps"]
 
@@ -187,7 +187,7 @@ class Throughput(keras.callbacks.Callback):
         self._steps_per_execution = int(getattr(model, "steps_per_execution", 1) or 1)
         updates = int(keras.ops.convert_to_numpy(optimizer.iterations))  # > 0 when resumed
         self._initial_fit_steps = updates * self._accumulation
-        optimizer = optimizer.inner() if isinstance(optimizer, DiLoCo) else optimizer
+        optimizer = state_optimizer(model)  # DiLoCo's schedule is its inner optimizer's
         self._schedule_value = ScheduleValue(_keras_compat.learning_rate_schedule(optimizer))
         self._schedule_counts_updates = isinstance(optimizer, AdamW)
 

@@ -119,12 +119,10 @@ def _run(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size, with_gra
     batch = P(replica_axes or None, seq_axis, None)  # a split sequence: tokens over seq
     in_specs = (batch, P(model_axis, None), P(replica_axes or None, seq_axis))
     out_specs = (P(), batch, P(model_axis, fsdp_axis)) if with_grads else P()
-    from kdist.parallel.constraints import manual_axes
+    from kdist.parallel import region
 
-    names = set(jax.sharding.get_abstract_mesh().axis_names if mesh is None
-                else mesh.axis_names) - (manual_axes() or set())
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names=names)(hidden, table, labels)
+    return region.shard_map(fn, mesh=mesh, axes=mesh.axis_names, in_specs=in_specs,
+                            out_specs=out_specs)(hidden, table, labels)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -150,15 +148,17 @@ _fused_cross_entropy.defvjp(_fwd, _bwd)
 def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int, length: int | None = None):
     """(jax mesh, replica axes, model axis, fsdp axis, seq axis or None) of the active kdist
     distribution, or None when there is none (one device)."""
-    from kdist.parallel.constraints import in_manual_region, manual_axes
+    from kdist.parallel import region
     from kdist.parallel.layout import active
     from kdist.parallel.mesh import REPLICA_AXES
 
     dist = active()
-    manual = manual_axes()
-    if dist is None or manual is None:
-        return None  # one device, or every axis already manual
+    if dist is None:
+        return None  # one device
+    manual = region.current().manual
     shape = dist.mesh_shape
+    if all(a in manual for a, n in shape.items() if n > 1):
+        return None  # every axis already manual: per device
     if manual and all(a in manual for a in (*REPLICA_AXES, "seq") if shape[a] > 1):
         return None  # already per device (kdist.parallel.reduction): model left to XLA
     # In a replica group's region (kdist.parallel.replicas) the others axes are its own.
@@ -178,8 +178,7 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int, length: int | None 
             f"the model with loss_chunk_size=None."
         )
     seq = "seq" if shape.get("seq", 1) > 1 and length and length % shape["seq"] == 0 else None
-    mesh = None if in_manual_region() else dist.device_mesh.backend_mesh  # None: context's
-    return mesh, replicas, model, fsdp, seq
+    return dist.device_mesh.backend_mesh, replicas, model, fsdp, seq
 
 
 def _seq_size() -> int:
@@ -223,14 +222,15 @@ def auto_chunk_size(batch, length, vocabulary_size: int, table_rows: int | None 
     if not all(isinstance(n, int) and n > 0 for n in (batch, length, vocabulary_size)):
         return None
     platform = platform or jax.default_backend()
-    from kdist.parallel.constraints import in_manual_region, manual_batch_axes
+    from kdist.parallel import region
     from kdist.parallel.layout import current_mesh_shape
 
     shape = current_mesh_shape()
     # The whole step's rows (tokens: a device holds 1/seq of each row's under context
     # parallelism).
-    rows = batch * math.prod(shape[a] for a in manual_batch_axes()) * (
-        _seq_size() if in_manual_region() else 1)
+    scope = region.current()
+    rows = batch * math.prod(shape[a] for a in scope.batch_axes) * (
+        _seq_size() if scope.tokens_split else 1)
     per_position = 4 * rows * vocabulary_size
     if platform != "cpu" or vocabulary_size < AUTO_MIN_VOCABULARY \
             or per_position * length < AUTO_MIN_LOGITS_BYTES:

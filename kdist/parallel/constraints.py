@@ -1,87 +1,37 @@
-"""Activation sharding inside a model, and the per-device (``shard_map``) region.
+"""Activation sharding inside a model, and the types of per-device blocks.
 
 * :func:`shard_batch` pins an activation's batch dimension to the replica axes.
 * :func:`gathered` constrains a weight to its layout minus ``fsdp``: FSDP's all-gather.
-* :func:`manual_region` marks the tracing of a per-device computation (explicit gradient
-  reduction, a pipeline stage, ring attention): there the constraints above step aside,
-  since every array is already one device's block; :func:`to_varying` types a scan carry
-  as varying over the manual axes like the blocks it meets.
+* Inside a per-device region (:mod:`kdist.parallel.region`: explicit gradient reduction,
+  a pipeline stage, a replica group) both constrain over the axes still automatic there
+  only, since over the manual ones every array is already one device's block;
+  :func:`to_varying` types a scan carry as varying over the manual axes like the blocks it
+  meets.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 from collections.abc import Sequence
 
 import jax
 import keras
 from keras.distribution import TensorLayout
 
+from kdist.parallel import region
 from kdist.parallel.layout import BatchLayout, active
 from kdist.parallel.mesh import REPLICA_AXES
-
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def manual_region(batch_axes: Sequence[str] = (), axes: Sequence[str] | None = None):
-    """Marks the tracing of a per-device computation (a ``shard_map`` body).
-
-    ``batch_axes``: the manual axes over which the batch is split here (each device holds
-    a contiguous block of rows); regions nest, and :func:`manual_batch_axes` gives them
-    all, so per-device code (``kdist.parallel.dropout``) can find its rows' offset.
-    ``axes``: every manual axis of the region, when some mesh axes stay with XLA's
-    partitioner (``shard_map(axis_names=...)``): kdist's constraints (``shard_batch``,
-    ``gathered``) and the fused loss's ``shard_map`` then still apply over the others.
-    None: every axis is manual, and they step aside.
-
-    Example:
-        >>> with manual_region(("data",)):
-        ...     assert in_manual_region() and manual_batch_axes() == ("data",)
-    """
-    previous = (getattr(_state, "manual", False), manual_batch_axes(),
-                getattr(_state, "axes", frozenset()))
-    everything = axes is None or previous[2] is None
-    _state.manual = True
-    _state.batch_axes = tuple(a for a in REPLICA_AXES if a in {*previous[1], *batch_axes})
-    _state.axes = None if everything else previous[2] | set(axes)
-    try:
-        yield
-    finally:
-        _state.manual, _state.batch_axes, _state.axes = previous
-
-
-def in_manual_region() -> bool:
-    """Whether a per-device computation is being traced (see :func:`manual_region`)."""
-    return getattr(_state, "manual", False)
-
-
-def manual_batch_axes() -> tuple[str, ...]:
-    """The manual axes the batch is split over in the regions being traced, in the batch
-    layout's order (outermost first): a device's rows are block ``axis_index(axes)``."""
-    return getattr(_state, "batch_axes", ())
-
-
-def manual_axes() -> frozenset | None:
-    """The manual axes of the regions being traced: empty outside any, None when every
-    axis is manual (see :func:`manual_region`)."""
-    axes = getattr(_state, "axes", frozenset())
-    return None if axes is None else frozenset(axes)
 
 
 def _constrain(x, axes, dist):
     """``x`` constrained to ``axes`` (one entry per dimension: None, an axis or a tuple),
-    the manual axes left out; inside a partly manual region, as a bare ``PartitionSpec``
+    the manual axes left out; inside a per-device region, as a bare ``PartitionSpec``
     of the region's mesh (a ``NamedSharding`` of the whole mesh is refused there)."""
-    manual = manual_axes()
-    if not in_manual_region():
+    manual = region.current().manual
+    if not manual:
         layout = BatchLayout(axes, dist.device_mesh) if any(
             isinstance(a, tuple) for a in axes) else TensorLayout(axes, dist.device_mesh)
         return keras.distribution.distribute_tensor(x, layout)
-    if manual is None:
-        return x
 
     def keep(a):
         if isinstance(a, tuple):
@@ -108,7 +58,7 @@ def shard_batch(x):
     batch = x.shape[0]
     if dist is None or not isinstance(batch, int):
         return x
-    manual = manual_axes() or frozenset()
+    manual = region.current().manual
     axes = tuple(a for a in REPLICA_AXES if dist.mesh_shape[a] > 1 and a not in manual)
     seq = dist.mesh_shape.get("seq", 1)
     split = seq > 1 and "seq" not in manual and len(x.shape) > 1 and isinstance(

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 from jax.extend.random import threefry2x32_p
 
-from kdist.parallel.constraints import in_manual_region, manual_batch_axes
+from kdist.parallel import region
 
 _U32 = jnp.uint32
 
@@ -98,8 +98,8 @@ class Dropout(keras.layers.Dropout):
     """
 
     def call(self, inputs, training=False):
-        axes = manual_batch_axes()
-        if not (training and self.rate > 0 and in_manual_region() and axes):
+        axes = region.current().batch_axes
+        if not (training and self.rate > 0 and axes):
             return super().call(inputs, training=training)
         if self.noise_shape is not None:
             raise ValueError(

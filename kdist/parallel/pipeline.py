@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kdist.parallel.constraints import manual_region, to_varying
+from kdist.parallel import region, rules
+from kdist.parallel.constraints import to_varying
 from kdist.parallel.layout import active, divisors
 from kdist.parallel.mesh import REPLICA_AXES
 from kdist.parallel.stages import Schedule, bubble_fraction, check_settings  # noqa: F401
@@ -104,7 +105,11 @@ def schedule_for(batch, num_layers: int, training=None) -> Schedule | None:
     if stages == 1:
         return None
     dist = active()
-    replicas = math.prod(dist.mesh_shape.get(a, 1) for a in REPLICA_AXES)
+    # Rows are cut into microbatches per replica group; inside a region that splits rows
+    # already (per-device loss, replica groups) ``batch`` is a block, and only the replica
+    # axes still automatic divide it further.
+    automatic = region.current().automatic(REPLICA_AXES)
+    replicas = math.prod(dist.mesh_shape.get(a, 1) for a in REPLICA_AXES if a in automatic)
     if not isinstance(batch, int) or batch % (replicas * microbatches):
         if not training:
             return None
@@ -144,6 +149,16 @@ def _from_microbatches(a, schedule: Schedule):
     return a.reshape((g * m * rows,) + a.shape[3:])
 
 
+# The logical axes of the stack's input and of the keyword arguments LayerStack passes on
+# (kdist.models.scan): what the stages' shard_map splits over its manual axes.
+INPUT_AXES = {
+    "x": ("batch", "length", "embed"),
+    "attention_mask": ("batch", None, None, "length"),  # key padding under a split sequence
+    "positions": ("batch", "length"),
+    "segment_ids": ("batch", "length"),
+}
+
+
 def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None):
     """``x`` ``(B, T, D)`` through the stacked layers with the pipeline ``schedule``.
 
@@ -151,75 +166,68 @@ def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None)
     weight slices ``w`` to ``h``; ``weights`` are the stacked arrays (``(L, ...)`` or
     ``(R, L / R, ...)``, layers sharded over ``stage``); ``kwargs`` go to every layer —
     those with one row per batch row (masks, positions) are cut into microbatches like
-    ``x``; ``seed`` (a dropout seed, or None) is folded with each device's batch shard;
-    ``layouts``: each weight's mesh axes per dimension (its variable's layout; default:
-    only the layer dimension over ``stage``). Returns ``(B, T, D)`` on every stage.
+    ``x`` (their axes: :data:`INPUT_AXES`); ``seed`` (a dropout seed, or None) is folded
+    with each device's batch shard; ``layouts``: each weight's mesh axes per dimension (its
+    variable's layout; default: only the layer dimension over ``stage``). Returns
+    ``(B, T, D)`` on every stage.
 
-    The replica axes (``data``, ``fsdp``) are manual here too, each device working on its
-    own rows: each stage's weights are all-gathered over ``fsdp`` once per step (not once
-    per iteration), and their gradient, accumulated on the device over the schedule's
-    iterations, leaves through one reduce-scatter over ``fsdp`` and one all-reduce of the
-    shard over ``data`` — where XLA's partitioner would reduce every iteration's partial
-    gradient. The price: the stage's weights and their gradient unsharded over ``fsdp``
-    during the step. ``model`` stays with XLA (tensor parallelism inside each stage).
+    Every axis but ``model`` is manual in the stages (:mod:`kdist.parallel.region`): each
+    device works on its own rows (the batch axes) and, under a ``seq`` axis, its own tokens
+    (attention then runs per device, :mod:`kdist.parallel.context`); ``model`` stays with
+    XLA (tensor parallelism inside each stage). Axes an enclosing region made manual (a
+    replica group, the per-device loss of the explicit reduction) stay its: the stages'
+    ``shard_map`` takes the others, and is differentiable nested. Each stage's weights are
+    all-gathered over ``fsdp`` once per step (not once per iteration) where this region
+    makes ``fsdp`` manual, and their gradient, accumulated on the device over the
+    schedule's iterations, leaves through kdist's one gradient reduction
+    (:func:`kdist.parallel.reduction.use`: a reduce-scatter over ``fsdp``, an all-reduce
+    of the shard over the other summed axes) — where XLA's partitioner would reduce every
+    iteration's partial gradient. The price: the stage's weights and their gradient
+    unsharded over ``fsdp`` during the step.
     """
+    from kdist.parallel import reduction
+
+    sizes = active().mesh_shape
     batch = x.shape[0]
     per_row = {k for k, v in kwargs.items() if v.ndim and v.shape[0] == batch}
     xm = _to_microbatches(x, schedule)  # (M, b, T, D), b split over the replica axes
     kwm = {k: _to_microbatches(v, schedule) if k in per_row else v for k, v in kwargs.items()}
     lead = 1 if schedule.repeats == 1 else 2
-    # Every axis but model is manual: seq has size 1 here (refused with a pipeline), and
-    # JAX's partial-auto lowering of debug callbacks handles only one automatic axis.
-    manual = frozenset(a for a in schedule.mesh.axis_names if a != "model")
+    # Every axis but model manual (JAX's partial-auto lowering of debug callbacks handles
+    # only one automatic axis); those already manual around us are not ours to split.
+    wanted = frozenset(a for a in schedule.mesh.axis_names if a != "model")
+    new = region.current().automatic(wanted)
     if layouts is None:
         layouts = [(None,) * (lead - 1) + (AXIS,) for _ in weights]
-    layouts = [tuple(a if a in manual else None for a in axes) for axes in layouts]
-    w_specs = [P(*axes) for axes in layouts]
-    fsdp_dims = tuple(axes.index("fsdp") if "fsdp" in axes else None for axes in layouts)
-    rows = P(None, REPLICA_AXES)
+    w_specs = [P(*(a if a in new else None for a in axes)) for axes in layouts]
+    summed = reduction.summed_axes(new, sizes)
+    plans = tuple(reduction.gradient_plan(axes, new, summed, sizes) for axes in layouts)
+
+    def spec(name):  # a microbatched array: (M, ...) with the logical axes of `name`
+        return P(None, *rules.activation_spec(INPUT_AXES.get(name, ("batch",)), sizes, new))
+
     program = functools.partial(_stage_program, layer, schedule, lead, frozenset(per_row),
-                                fsdp_dims)
-    out = jax.shard_map(
-        program, mesh=schedule.mesh, axis_names=manual,
-        in_specs=(w_specs, rows, {k: rows if k in per_row else P() for k in kwm},
+                                plans)
+    # The rows here are microbatch slices, not blocks of the global batch: no batch axes
+    # for dropout's global row offsets (each device folds its own seed instead, below).
+    out = region.shard_map(
+        program, mesh=schedule.mesh, axes=wanted,
+        in_specs=(w_specs, spec("x"), {k: spec(k) if k in per_row else P() for k in kwm},
                   None if seed is None else P()),
-        out_specs=rows)(list(weights), xm, kwm, seed)
+        out_specs=spec("x"))(list(weights), xm, kwm, seed)
     return _from_microbatches(out, schedule)
 
 
-def _stage_program(layer, schedule: Schedule, lead, per_row, fsdp_dims, weights, xm, kwargs,
+def _stage_program(layer, schedule: Schedule, lead, per_row, plans, weights, xm, kwargs,
                    seed):
     """One device's program (inside ``shard_map``): its stage's part of the schedule, on its
     rows."""
+    from kdist.parallel import reduction
+
     if seed is not None:  # each device's rows their own dropout masks
         seed = jax.random.fold_in(seed, jax.lax.axis_index(REPLICA_AXES))
-    weights = [_whole(w, dim) for w, dim in zip(weights, fsdp_dims)]
-    with manual_region():
-        return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _whole(weight, fsdp_dim):
-    """This device's stage weight whole over ``fsdp``, typed varying over the rows' axes (it
-    meets this device's rows): its gradient is reduced only by the backward pass below,
-    once, after the schedule (kdist.parallel.reduction does the same for a whole step)."""
-    if fsdp_dim is not None:
-        weight = jax.lax.all_gather(weight, "fsdp", axis=fsdp_dim, tiled=True)
-    return to_varying(weight, set(REPLICA_AXES))
-
-
-def _whole_fwd(weight, fsdp_dim):
-    return _whole(weight, fsdp_dim), None
-
-
-def _whole_bwd(fsdp_dim, _, grad):
-    if fsdp_dim is not None:  # into this device's shard: a reduce-scatter
-        grad = jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=fsdp_dim, tiled=True)
-    rest = tuple(a for a in REPLICA_AXES if a != "fsdp" or fsdp_dim is None)
-    return (jax.lax.psum(grad, rest),)  # over the replicas holding the same shard
-
-
-_whole.defvjp(_whole_fwd, _whole_bwd)
+    weights = [reduction.use(w, None, plan) for w, plan in zip(weights, plans)]
+    return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed)
 
 
 def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
@@ -281,7 +289,9 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
 
     init = (zeros, jnp.zeros_like(xm) if repeats > 1 else jnp.zeros((), xm.dtype),
             jnp.zeros(xm.shape, wire))
-    init = tuple(to_varying(c, {AXIS, *REPLICA_AXES}) for c in init)
+    sizes = schedule.mesh.shape
+    init = tuple(to_varying(c, {a for a in region.current().manual if sizes[a] > 1})
+                 for c in init)
     (_, _, out), _ = jax.lax.scan(step, init, jnp.arange(schedule.iterations))
     # Only the last stage wrote: the sum over stages is its outputs, now on every stage.
     return jax.lax.psum(out, AXIS).astype(xm.dtype)

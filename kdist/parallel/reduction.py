@@ -45,8 +45,8 @@ import keras
 from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
-from kdist.parallel import compression
-from kdist.parallel.constraints import in_manual_region, manual_axes, manual_region, varying_axes
+from kdist.parallel import compression, region
+from kdist.parallel.constraints import varying_axes
 from kdist.parallel.context import step as context_step
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import BatchLayout, active
@@ -58,10 +58,34 @@ RESIDUAL_SUFFIX = "_gradient_residual"
 _LOSS_REDUCTIONS = ("sum_over_batch_size", "mean_with_sample_weight", "sum")
 
 
+def summed_axes(axes, sizes) -> tuple[str, ...]:
+    """Of a per-device region's manual ``axes``, those a gradient computed in it is partial
+    over (sizes > 1): the batch axes but ``replica`` (DiLoCo's groups sum nothing per step;
+    they average parameters in the sync step), and ``seq`` (each device its tokens). The one
+    definition the per-device loss and the pipeline's stages share.
+
+    Example:
+        >>> summed_axes({"replica", "data", "seq", "stage"}, {"replica": 2, "data": 2, "seq": 2})
+        ('data', 'seq')
+    """
+    return tuple(a for a in (*REPLICA_AXES, "seq")
+                 if a in axes and a != "replica" and sizes.get(a, 1) > 1)
+
+
 def gradient_axes(dist) -> tuple[str, ...]:
-    """The mesh axes a step's gradients are summed over: the batch axes of size > 1, less
-    ``replica`` (replica groups average parameters only in DiLoCo's sync step)."""
-    return tuple(a for a in REPLICA_AXES if dist.mesh_shape.get(a, 1) > 1 and a != "replica")
+    """The batch axes a step's gradients are summed over (:func:`summed_axes` of them)."""
+    return summed_axes(REPLICA_AXES, dist.mesh_shape)
+
+
+def gradient_plan(layout_axes, manual, summed, sizes, reduction: str = "float32") -> _Plan:
+    """How a weight with these layout axes enters a region whose new manual axes are
+    ``manual`` (gathered over ``fsdp`` there if it is among them) and how its gradient
+    leaves it: summed over ``summed`` in ``reduction``'s type (or 8-bit codes)."""
+    spec = [a if a in manual else None for a in layout_axes]
+    model = sizes.get("model", 1) > 1 and "model" not in manual
+    return _Plan(tuple(summed), tuple(sorted(sizes.items())),
+                 next((i for i, a in enumerate(spec) if a == "fsdp"), None), reduction,
+                 P(*(a if a == "model" else None for a in layout_axes)) if model else None)
 
 
 def check(dist, model) -> None:
@@ -175,32 +199,25 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
     # A split sequence (kdist.parallel.context): each device holds its own tokens, so the
     # loss and every gradient are partial over `seq` too, and summed over it like a replica.
     summed = axes + context_step.summed_axes()
-    sizes = tuple(sorted(dist.mesh_shape.items()))
     layouts = [dist.get_variable_layout(v).axes for v in model.trainable_variables]
     specs = [P(*(a if a in axes else None for a in layout)) for layout in layouts]
-    model_axis = dist.mesh_shape.get("model", 1) > 1
-    plans = [_Plan(summed, sizes, next((i for i, a in enumerate(s) if a == "fsdp"), None),
-                   dist.config.gradients.reduction,
-                   P(*(a if a == "model" else None for a in layout)) if model_axis else None)
-             for s, layout in zip(specs, layouts)]
+    plans = [gradient_plan(layout, axes, summed, dist.mesh_shape,
+                           dist.config.gradients.reduction) for layout in layouts]
     combine = _loss_reduction(model)
     # Manual: the batch axes, and axes of size 1 (nothing to partition; leaving them to
-    # XLA made XLA:CPU's bfloat16 all-reduce promotion crash, jaxlib 0.10.2) not already
-    # manual in an enclosing region.
-    outer = manual_axes() or frozenset()
-    manual = {a for a, n in dist.mesh_shape.items()
-              if (a in summed or n == 1) and a not in outer}
+    # XLA made XLA:CPU's bfloat16 all-reduce promotion crash, jaxlib 0.10.2); those an
+    # enclosing region made manual already stay so (region.shard_map).
+    manual = {a for a, n in dist.mesh_shape.items() if a in summed or n == 1}
 
     def local(trainable, residuals, non_trainable, metrics, x, y, sample_weight,
               optimizer_variables):
         def device_loss(trainable, residuals):
             residuals = [None] * len(trainable) if residuals is None else [
                 r[0] for r in residuals]
-            full = [_use(w, r, plan) for w, r, plan in zip(trainable, residuals, plans)]
-            with manual_region(axes, axes=manual):
-                loss, (unscaled, y_pred, new_non_trainable, new_metrics) = compute(
-                    full, non_trainable, metrics, x, y, sample_weight, training=True,
-                    optimizer_variables=optimizer_variables)
+            full = [use(w, r, plan) for w, r, plan in zip(trainable, residuals, plans)]
+            loss, (unscaled, y_pred, new_non_trainable, new_metrics) = compute(
+                full, non_trainable, metrics, x, y, sample_weight, training=True,
+                optimizer_variables=optimizer_variables)
             if summed:  # this device's loss on its rows (and tokens) -> on all of them
                 loss, unscaled = _combine((loss, unscaled), combine, sample_weight, summed)
             return loss, (unscaled, y_pred, new_non_trainable, new_metrics)
@@ -215,21 +232,19 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
                   for t in (x, y, sample_weight)]
     in_specs = (specs, residual_specs, P(), P(), *data_specs, P())
     out_specs = (P(), (P(), context_step.output_spec(axes), P(), P()), specs, residual_specs)
-    # Nested in a replica group's region (kdist.parallel.replicas): its mesh from context.
-    mesh = None if in_manual_region() else dist.device_mesh.backend_mesh
-    region = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                           axis_names=manual)
+    per_device = region.shard_map(local, mesh=dist.device_mesh.backend_mesh, axes=manual,
+                                  in_specs=in_specs, out_specs=out_specs, batch_axes=axes)
 
     # The gradients are computed inside the region (above) and handed to the caller's
     # differentiation by a custom_vjp: JAX 0.10 cannot differentiate through a shard_map
     # nested in another (DiLoCo's per-group region) -- its residuals name the outer axes.
     @jax.custom_vjp
     def run(trainable, residuals, rest):
-        loss, aux, _, _ = region(trainable, residuals, *rest)
+        loss, aux, _, _ = per_device(trainable, residuals, *rest)
         return loss, aux
 
     def run_fwd(trainable, residuals, rest):
-        loss, aux, grads, new_residuals = region(trainable, residuals, *rest)
+        loss, aux, grads, new_residuals = per_device(trainable, residuals, *rest)
         return (loss, aux), (grads, new_residuals)
 
     def run_bwd(saved, cotangents):
@@ -253,7 +268,7 @@ def _combine(losses, reduction, sample_weight, axes):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _use(weight, residual, plan):
+def use(weight, residual, plan):
     """The full weight from this device's shard; its gradient is reduced on the way back.
 
     The result is typed as varying over every batch axis (it meets per-device rows), so
@@ -267,12 +282,12 @@ def _use(weight, residual, plan):
 
 
 def _use_fwd(weight, residual, plan):
-    return _use(weight, residual, plan), residual
+    return use(weight, residual, plan), residual
 
 
 def _use_bwd(plan, residual, grad):
     # grad: the sum of every use of the weight on this device.
-    if plan.model_spec is None:
+    if plan.model_spec is None or not plan.axes:
         shard, residual = _reduce(grad, residual, plan)
     else:  # per device over `model` too (a nested shard_map): see _reduce
         spec = plan.model_spec
@@ -283,7 +298,7 @@ def _use_bwd(plan, residual, grad):
     return shard.astype(grad.dtype), residual
 
 
-_use.defvjp(_use_fwd, _use_bwd)
+use.defvjp(_use_fwd, _use_bwd)
 
 
 def _reduce(grad, residual, plan):

@@ -27,7 +27,6 @@ the loss's mean for Keras' logs (4 bytes).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -36,9 +35,8 @@ import keras
 from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
-from kdist.parallel import reduction
+from kdist.parallel import reduction, region
 from kdist.parallel import train_step as stateful
-from kdist.parallel.constraints import manual_region
 from kdist.parallel.layout import BatchLayout, active
 
 AXIS = "replica"
@@ -164,6 +162,16 @@ class DiLoCo(keras.optimizers.Optimizer):
         # inner updates, and kdist.callbacks.Throughput finds the micro-batches per update.
         self.gradient_accumulation_steps = parts.inner.gradient_accumulation_steps
 
+    # kdist.parallel.step.StepOwner: DiLoCo runs the training step itself.
+    def kdist_train_step(self, model, state, data):
+        return train_step(model, state, data, sync=True)
+
+    def kdist_make_train_function(self, model, force: bool):
+        return make_train_function(model, force)
+
+    def kdist_state_optimizer(self):
+        return self.groups.inner
+
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise TypeError("DiLoCo steps only through kdist's train step "
                         "(kdist.parallel.replicas.train_step), inside each replica group.")
@@ -230,13 +238,6 @@ def wrap(dist, optimizer):
                   groups.outer_momentum, groups.outer_nesterov)
 
 
-def state_optimizer(model):
-    """The optimizer whose variables ``compute_loss_and_updates`` is given: DiLoCo's inner
-    one (a group's slice of its stacked state), else the model's."""
-    optimizer = getattr(model, "optimizer", None)
-    return optimizer.inner() if isinstance(optimizer, DiLoCo) else optimizer
-
-
 def _outer_update(optimizer, theta, momentum, delta):
     """SGD with (Nesterov) momentum on the outer gradient, as the paper's PyTorch SGD:
     ``m = mu m + delta; theta -= lr (delta + mu m)`` (``lr m`` without Nesterov)."""
@@ -270,10 +271,8 @@ def train_step(model, state, data, sync: bool):
     def group(theta, params, inner_state, momenta, non_trainable, metrics, x, y, sw):
         params = [p[0] for p in params]
         inner_state = [v[0] for v in inner_state]
-        with manual_region((AXIS,), axes=manual) if groups > 1 else contextlib.nullcontext():
-            unscaled, y_pred, params, non_trainable, inner_state, metrics = (
-                stateful.apply_step(model, inner, residuals, params, non_trainable,
-                                    inner_state, metrics, x, y, sw))
+        unscaled, y_pred, params, non_trainable, inner_state, metrics = stateful.apply_step(
+            model, inner, residuals, params, non_trainable, inner_state, metrics, x, y, sw)
         if sync:  # the only collective across groups: the outer gradient's mean
             delta = [mean(t - p) for t, p in zip(theta, params)]  # one all-reduce each
             theta, momenta = zip(*(_outer_update(optimizer, t, m, d)
@@ -290,11 +289,9 @@ def train_step(model, state, data, sync: bool):
             non_trainable, metrics, x, y, sample_weight)
     in_specs = (P(), rows, rows, P(), P(), P(), rows, rows, rows)
     out_specs = (P(), rows, rows, P(), P(), P(), P(), rows)
-    mesh = dist.device_mesh.backend_mesh
-    manual = {AXIS}
-    if groups > 1:
-        run = jax.shard_map(group, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                            axis_names=manual)
+    if groups > 1:  # each group's arrays its own; its other axes left to the layers below
+        run = region.shard_map(group, mesh=dist.device_mesh.backend_mesh, axes={AXIS},
+                               in_specs=in_specs, out_specs=out_specs, batch_axes=(AXIS,))
     else:  # one group: the whole mesh (XLA:CPU refuses a 1-device manual all-reduce)
         run = group
     (new_theta, params, inner_state, momenta, non_trainable, metrics, unscaled,

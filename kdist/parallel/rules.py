@@ -40,6 +40,16 @@ LOGICAL_TO_MESH: dict[str, str] = {
 FALLBACK_MESH: dict[str, str] = {"vocab": "stage"}
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "position", "norm",
                 "layers")
+# Activations' logical axes -> mesh axes, beside the weights' rules: the batch is split over
+# every replica axis at once, a sequence's tokens over seq (context parallelism), heads
+# over model. The layouts of what crosses into a per-device region (a pipeline's stages,
+# context attention, the per-device loss) come from here (activation_spec).
+ACTIVATION_TO_MESH: dict[str, tuple[str, ...]] = {
+    "batch": ("replica", "data", "fsdp"),
+    "length": ("seq",),
+    "heads": ("model",),
+    "kv_heads": ("model",),
+}
 
 Axes = tuple[str | None, ...]
 
@@ -148,3 +158,23 @@ def declared_axes(variable) -> Axes | None:
         if name in pending:
             return pending[name]
     return logical_axes_for(variable.path)
+
+
+def activation_spec(logical: Sequence[str | None], sizes: Mapping[str, int],
+                    axes=None) -> tuple:
+    """The ``PartitionSpec`` entries of an activation with these logical axes (one per
+    dimension; None: not split): each dimension over its mesh axes of size > 1 — only those
+    in ``axes`` when given (a ``shard_map``'s specs may name only its own manual axes).
+
+    Example:
+        >>> activation_spec(("batch", "length", None), {"data": 2, "fsdp": 4, "seq": 2})
+        (('data', 'fsdp'), 'seq', None)
+        >>> activation_spec(("batch", "length", None), {"data": 2, "seq": 2}, axes={"seq"})
+        (None, 'seq', None)
+    """
+    out = []
+    for name in logical:
+        mesh = tuple(a for a in ACTIVATION_TO_MESH.get(name, ()) if sizes.get(a, 1) > 1
+                     and (axes is None or a in axes))
+        out.append(None if not mesh else mesh[0] if len(mesh) == 1 else mesh)
+    return tuple(out)

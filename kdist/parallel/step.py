@@ -12,6 +12,8 @@ reordered, before the loss runs either way.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from kdist.parallel import reduction, replicas, rules
 from kdist.parallel import train_step as stateful
 from kdist.parallel.context import step as context_step
@@ -34,6 +36,36 @@ STEP_FEATURES = {
                 "(kdist.models.scan.LayerStack), which a 'stage' mesh axis splits into "
                 "pipeline stages (kdist.parallel.pipeline); nothing else is per layer",
 }
+
+
+@runtime_checkable
+class StepOwner(Protocol):
+    """An optimizer that runs the training step itself, around Keras' (the outermost step
+    wrapper): DiLoCo's replica groups (:class:`kdist.parallel.replicas.DiLoCo`). The
+    routing here asks for these methods, never for a class."""
+
+    def kdist_train_step(self, model, state, data):
+        """Keras' JAX ``train_step(state, data)`` contract."""
+
+    def kdist_make_train_function(self, model, force: bool):
+        """Sets ``model.train_function`` (Keras' ``make_train_function`` contract)."""
+
+    def kdist_state_optimizer(self):
+        """The optimizer whose variables the loss sees (a group's slice of its state)."""
+
+
+def step_owner(model) -> StepOwner | None:
+    """The model's optimizer if it owns the training step (:class:`StepOwner`), else None."""
+    optimizer = getattr(model, "optimizer", None)
+    return optimizer if isinstance(optimizer, StepOwner) else None
+
+
+def state_optimizer(model):
+    """The optimizer whose variables ``compute_loss_and_updates`` is given: a step owner's
+    (DiLoCo's inner one), else the model's."""
+    owner = step_owner(model)
+    return owner.kdist_state_optimizer() if owner is not None else getattr(
+        model, "optimizer", None)
 
 
 def supports(model, feature: str) -> bool:
@@ -109,8 +141,8 @@ def prepare(model) -> None:
             f"{type(model).__name__} is stacked over layers, so nothing would be split into "
             f"stages. Build the model after setting this distribution with scan_layers=True "
             f"(or the default None, which stacks under a 'stage' axis).")
-    if isinstance(model.optimizer, replicas.DiLoCo):
-        if not model.optimizer.built:  # adds the residuals to its inner optimizer
+    if step_owner(model) is not None:
+        if not model.optimizer.built:  # DiLoCo's build adds the residuals to its inner one
             model.optimizer.build(model.trainable_variables)
     elif dist.config.gradients.error_feedback and "gradient_reduction" in requested_features():
         if not model.optimizer.built:
@@ -120,7 +152,7 @@ def prepare(model) -> None:
 
 def _residual_indices(model):
     dist = active()
-    optimizer = replicas.state_optimizer(model)
+    optimizer = state_optimizer(model)
     if dist is None or not dist.config.gradients.error_feedback or optimizer is None:
         return None
     return reduction.residual_indices(model.trainable_variables, optimizer)
@@ -128,10 +160,11 @@ def _residual_indices(model):
 
 def train_step(model, keras_train_step, state, data):
     """Keras' ``train_step``, or kdist's where a step feature keeps state of its own
-    (:mod:`kdist.parallel.train_step`); under DiLoCo its sync step (``fit`` alternates
-    it with the inner step, :func:`make_train_function`)."""
-    if isinstance(getattr(model, "optimizer", None), replicas.DiLoCo):
-        return replicas.train_step(model, state, data, sync=True)
+    (:mod:`kdist.parallel.train_step`); the step owner's (:class:`StepOwner`: under
+    DiLoCo its sync step, which ``fit`` alternates with the inner step)."""
+    owner = step_owner(model)
+    if owner is not None:
+        return owner.kdist_train_step(model, state, data)
     indices = _residual_indices(model)
     if indices is None:
         return keras_train_step(state, data)
@@ -139,10 +172,11 @@ def train_step(model, keras_train_step, state, data):
 
 
 def make_train_function(model, keras_make, force: bool = False):
-    """Keras' ``make_train_function``; under DiLoCo two programs, the sync step every
-    ``sync_every`` steps (:func:`kdist.parallel.replicas.make_train_function`)."""
-    if isinstance(getattr(model, "optimizer", None), replicas.DiLoCo):
-        return replicas.make_train_function(model, force)
+    """Keras' ``make_train_function``, or the step owner's (DiLoCo: two programs, the sync
+    step every ``sync_every`` steps)."""
+    owner = step_owner(model)
+    if owner is not None:
+        return owner.kdist_make_train_function(model, force)
     return keras_make(force)
 
 
@@ -155,7 +189,7 @@ def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_
     """
     indices = _residual_indices(model) if training else None
     residuals = None if indices is None else [optimizer_variables[i] for i in indices]
-    if training and isinstance(getattr(model, "optimizer", None), replicas.DiLoCo):
+    if training and step_owner(model) is not None:
         # A group's slice of the inner optimizer's state: nothing for Keras' loss scaling
         # (which maps it to model.optimizer's variables; DiLoCo scales nothing).
         optimizer_variables = []

@@ -72,6 +72,8 @@ CONFIGS = {
 # momentum is synchronous data-parallel SGD, i.e. one device's SGD.
 EXACT_DILOCO = dict(sync_every=1, outer_learning_rate=1.0, outer_momentum=0.0, optimizer="sgd",
                     steps=4)
+# DiLoCo (AdamW inside, H = 2) over 2 rounds, against data-parallel groups.
+DILOCO_LIKE = dict(sync_every=2, steps=4, like={"mesh": "replica=2,data=4", "sync_every": 2})
 
 TABLE: list[Row] = [
     # --- data, fsdp, model: XLA's partitioner reduces the gradients -----------------------
@@ -107,10 +109,16 @@ TABLE: list[Row] = [
     trains("stage=2,data=4", "llama", config="scanned", rows=16, task={"loss_chunk_size": 8}),
     trains("stage=2,data=4", "bert", config="scanned"),
     trains("stage=4,data=2", "gpt", config="deep", rows=16, tolerance="bfloat16"),
-    refused("stage=2,data=4", "8-bit x stage", "has not been built or tested together",
-            gradient_reduction="int8"),
-    refused("stage=2,data=4", "reduction x stage", "has not been built or tested together",
-            gradient_reduction="float32"),
+    # kdist's reduction around the pipeline: the stages' region nested in the per-device loss
+    trains("stage=2,fsdp=2,model=2", "gpt", config="deep", rows=16, gradient_reduction="float32"),
+    trains("stage=4,data=2", "gpt llama", config="deep", rows=16, gradient_reduction="float32"),
+    trains("stage=2,data=4", "bert", config="scanned", gradient_reduction="float32"),
+    trains("stage=2,fsdp=2,model=2", "gpt", config="deep", rows=16,
+           gradient_reduction="bfloat16", tolerance="bfloat16_gradients"),
+    trains("stage=4,data=2", "gpt", config="deep", rows=16, gradient_reduction="bfloat16",
+           tolerance="bfloat16_gradients"),
+    trains("stage=2,data=4", "gpt", config="deep", rows=16, gradient_reduction="int8",
+           tolerance="8bit"),
     # --- seq: context parallelism (every mesh meets both variants, with and without
     # documents; tests/parallel/test_context.py checks each variant x layout x mask per op)
     trains("seq=8", "gpt llama-documents", context_parallel="all_gather"),
@@ -129,11 +137,21 @@ TABLE: list[Row] = [
     trains("seq=2,fsdp=2,model=2", "gpt llama-documents", context_parallel="ring"),
     trains("seq=2,fsdp=2,model=2", "gpt-documents llama", context_parallel="all_gather"),
     trains("seq=2,fsdp=2,model=2", "gpt", context_parallel="ring", gradient_reduction="float32"),
-    refused("seq=2,fsdp=4", "8-bit x seq", "has not been built or tested together",
-            gradient_reduction="int8"),
-    refused("seq=2,data=4", "8-bit x seq",
-            "has not been built or tested together",
-            gradient_reduction="float8", error_feedback=True),
+    trains("seq=2,fsdp=4", "gpt", context_parallel="ring", gradient_reduction="int8",
+           tolerance="8bit"),
+    # --- stage x seq: each stage's tokens split over seq ------------------------------------
+    trains("stage=2,seq=2,fsdp=2", "gpt llama-documents", config="deep", rows=16,
+           context_parallel="ring"),
+    trains("stage=2,seq=2,fsdp=2", "bert", config="scanned", context_parallel="all_gather"),
+    trains("stage=2,seq=2,model=2", "gpt llama", config="deep", rows=16,
+           context_parallel="all_gather"),
+    trains("stage=2,seq=4", "gpt", config="deep", rows=16, context_parallel="ring"),
+    trains("stage=2,seq=4", "llama-documents", config="deep", rows=16,
+           context_parallel="all_gather"),
+    trains("stage=2,seq=2,fsdp=2", "gpt", config="deep", rows=16, context_parallel="ring",
+           pipeline_repeats=2),  # circular repeats under seq
+    trains("stage=2,seq=2,data=2", "gpt", config="deep", rows=16, context_parallel="ring",
+           gradient_reduction="float32"),
     # --- replica: DiLoCo groups -------------------------------------------------------------
     trains("replica=2,fsdp=4", "gpt", config={"dropout": 0.1}, **EXACT_DILOCO),
     trains("replica=2,data=2,model=2", "gpt", **EXACT_DILOCO),
@@ -143,13 +161,11 @@ TABLE: list[Row] = [
     trains("replica=2,data=4", "gpt", gradient_reduction="int8", tolerance="8bit", sync_every=2,
            steps=8, like={"mesh": "replica=2,data=4", "sync_every": 2}),
     # One group with a plain average is plain training: tests/parallel/test_replicas.py.
-    # --- axes not (yet) combined with one another -----------------------------------------
-    refused("stage=2,seq=2,fsdp=2", "stage x seq", "has not been built or tested together"),
-    refused("stage=2,replica=2,fsdp=2", "stage x replica",
-            "has not been built or tested together",
-            sync_every=10),
-    refused("seq=2,replica=2,fsdp=2", "seq x replica", "has not been built or tested together",
-            sync_every=10),
-    refused("seq=2,fsdp=4", "seq x replica", "has not been built or tested together",
-            sync_every=5),
+    # DiLoCo whose groups are pipelines or split sequences computes what DiLoCo with
+    # data-parallel groups computes (the same rows per group), over 2 rounds.
+    trains("replica=2,stage=2,data=2", "gpt", config="deep", rows=16, **DILOCO_LIKE),
+    trains("replica=2,seq=2,fsdp=2", "gpt llama-documents", context_parallel="ring",
+           **DILOCO_LIKE),
+    trains("replica=2,stage=2,seq=2", "gpt", config="deep", rows=16, **DILOCO_LIKE),
+    trains("replica=2,stage=2,seq=2", "gpt", config="deep", rows=16, **EXACT_DILOCO),
 ]

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kdist.parallel.constraints import in_manual_region
+from kdist.parallel import region
 from kdist.parallel.context.attention import local_attention
 from kdist.parallel.context.layout import AXIS, all_tokens, current_layout
 from kdist.parallel.layout import active
@@ -64,15 +63,17 @@ def attention(q, k, v, *, mask=None, segment_ids=None, causal: bool = True,
     key_valid = key_valid_from_mask(mask, q.shape[0], length)
     options = dict(layout=layout, variant=dist.config.context.variant, causal=causal,
                    chunk_size=chunk_size)
-    if in_manual_region():  # one device's tokens; the masks' data of every token
+    if region.current().tokens_split:  # one device's tokens; the masks' data of every token
         return local_attention(q, k, v, segments=all_tokens(segment_ids),
                                key_valid=all_tokens(key_valid), **options)
     sizes = dist.mesh_shape
-    replicas = tuple(a for a in REPLICA_AXES if sizes[a] > 1)
+    mesh = dist.device_mesh.backend_mesh
+    axes = region.current().automatic(mesh.axis_names)  # a replica group's are its own
+    replicas = tuple(a for a in REPLICA_AXES if sizes[a] > 1 and a in axes)
     # A batch that does not divide over the replicas (one prompt) is computed by each.
     rows = replicas if replicas and q.shape[0] % math.prod(sizes[a] for a in replicas) == 0 \
         else None
-    heads = P(rows, AXIS, "model" if sizes["model"] > 1 else None, None)
+    heads = P(rows, AXIS, "model" if sizes["model"] > 1 and "model" in axes else None, None)
     side = [x for x in (segment_ids, key_valid) if x is not None]
 
     def per_device(q, k, v, *side_data):
@@ -83,5 +84,5 @@ def attention(q, k, v, *, mask=None, segment_ids=None, causal: bool = True,
 
     # The masks' data of every token (B, L): replicated over seq, as the inputs are.
     in_specs = (heads, heads, heads) + (P(rows, None),) * len(side)
-    return jax.shard_map(per_device, mesh=dist.device_mesh.backend_mesh, in_specs=in_specs,
-                         out_specs=heads)(q, k, v, *side)
+    return region.shard_map(per_device, mesh=mesh, axes=axes, in_specs=in_specs,
+                            out_specs=heads)(q, k, v, *side)

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdist.parallel.constraints import in_manual_region
+from kdist.parallel import region
 from kdist.parallel.layout import active
 
 AXIS = "seq"
-_state = threading.local()
 
 
 def seq_size() -> int:
@@ -119,17 +117,13 @@ def sequence_layout(layout: SequenceLayout | None):
         >>> with sequence_layout(SequenceLayout(16, 8, balanced=True)):
         ...     pass
     """
-    previous = getattr(_state, "layout", None)
-    _state.layout = layout
-    try:
+    with region.entered(region.current().with_sequence(layout)):
         yield
-    finally:
-        _state.layout = previous
 
 
 def step_layout() -> SequenceLayout | None:
-    """The layout the training step set, or None."""
-    return getattr(_state, "layout", None)
+    """The layout the training step set (in the region being traced), or None."""
+    return region.current().sequence
 
 
 def current_layout(length) -> SequenceLayout | None:
@@ -141,7 +135,7 @@ def current_layout(length) -> SequenceLayout | None:
     if n == 1 or not isinstance(length, int):
         return None
     layout = step_layout()
-    if in_manual_region():
+    if region.current().tokens_split:
         return layout if layout is not None and layout.local_length == length else None
     if layout is not None and layout.length == length:
         return layout
@@ -159,7 +153,7 @@ def token_positions(length):
     layout = current_layout(length)
     if layout is None:
         return None
-    if in_manual_region():
+    if region.current().tokens_split:
         return layout.local_positions()
     return jnp.asarray(layout.order(), jnp.int32) if layout.balanced else None
 
@@ -168,7 +162,7 @@ def all_tokens(x):
     """``(B, T, ...)`` of every token, in layout order, from a layer's ``(B, L, ...)``: the
     all-gather over ``seq`` of each device's share inside the per-device region, else ``x``
     itself (the whole sequence)."""
-    if x is None or not in_manual_region():
+    if x is None or not region.current().tokens_split:
         return x
     return jax.lax.all_gather(x, AXIS, axis=1, tiled=True)
 
@@ -189,7 +183,7 @@ def document_positions(segment_ids, layout: SequenceLayout):
                               true_order[:, 1:] != true_order[:, :-1]], axis=1)
     first = jax.lax.cummax(jnp.where(starts, positions, 0), axis=1)  # (B, T)
     within = jnp.take(positions - first, jnp.asarray(layout.order()), axis=1)  # layout order
-    if not in_manual_region():
+    if not region.current().tokens_split:
         return within
     start = jax.lax.axis_index(AXIS) * layout.local_length
     return jax.lax.dynamic_slice_in_dim(within, start, layout.local_length, axis=1)
