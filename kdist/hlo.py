@@ -67,6 +67,28 @@ class Collective:
     executions: int = 1  # per run of the program: the trip counts of the loops around it
     groups: tuple | None = None  # the devices of each replica group, when printed
 
+    def axes(self, mesh_shape) -> frozenset:
+        """The mesh axes this collective communicates over: those along which the devices
+        of one of its replica groups (or a collective-permute's source and target) differ.
+        ``mesh_shape``: ``{axis: size}`` in the mesh's order (device ``i`` of a group is
+        ``np.unravel_index(i, sizes)``). Unknown groups count as every axis.
+
+        Example:
+            >>> c = Collective("ar", "all-reduce", 4.0, 2, 4.0, groups=((0, 2), (1, 3)))
+            >>> sorted(c.axes({"data": 2, "model": 2}))
+            ['data']
+        """
+        import numpy as np
+
+        names, sizes = list(mesh_shape), [int(n) for n in mesh_shape.values()]
+        if self.groups is None:
+            return frozenset(a for a, n in zip(names, sizes) if n > 1)
+        found = set()
+        for group in self.groups:
+            coords = np.array(np.unravel_index(np.asarray(group), sizes)).T  # (members, axes)
+            found.update(names[i] for i in np.nonzero((coords != coords[0]).any(0))[0])
+        return frozenset(found)
+
     def crosses(self, block: int) -> bool:
         """Whether a replica group spans devices of different blocks of ``block``
         consecutive devices (e.g. DiLoCo's replica groups: ``block`` = devices per group).
@@ -147,6 +169,10 @@ def replica_groups(line: str, num_devices: int | None = None) -> tuple | None:
                      for g in re.findall(r"\{([\d,\s]*)\}", m.group(1)))
     if "replica_groups={}" in line and num_devices is not None:
         return (tuple(range(num_devices)),)
+    m = re.search(r"source_target_pairs=\{(\{[\d,\s]*\}(?:,\s*\{[\d,\s]*\})*)\}", line)
+    if m:  # a collective-permute: each (source, target) pair as a group
+        return tuple(tuple(int(d) for d in g.split(",") if d.strip())
+                     for g in re.findall(r"\{([\d,\s]*)\}", m.group(1)))
     return None
 
 

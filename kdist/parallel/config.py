@@ -93,6 +93,20 @@ class Parallelism:
         return mesh_spec(self.mesh)
 
     @property
+    def step_reduction(self) -> str | None:
+        """The gradient exchange the step's per-device loss runs with
+        (:mod:`kdist.parallel.reduction`): the one asked for; else float32 for replica
+        groups with a split sequence — inside a group, XLA's partitioner cannot reshard a
+        split sequence's keys and values among the automatic axes (a check failure in
+        ``ExpandDeviceGroupsWithIota``, jaxlib 0.10.2), so there every device computes its
+        own rows and tokens; None: XLA's partitioner reduces."""
+        if self.gradients.reduction is not None:
+            return self.gradients.reduction
+        if self.replicas is not None and self.mesh["seq"] > 1:
+            return "float32"
+        return None
+
+    @property
     def features(self) -> frozenset[str]:
         found = {a for a, n in self.sizes if n > 1}
         if self.replicas is not None:

@@ -201,7 +201,9 @@ def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None)
         layouts = [(None,) * (lead - 1) + (AXIS,) for _ in weights]
     w_specs = [P(*(a if a in new else None for a in axes)) for axes in layouts]
     summed = reduction.summed_axes(new, sizes)
-    plans = tuple(reduction.gradient_plan(axes, new, summed, sizes) for axes in layouts)
+    inside = tuple(sorted(region.current().automatic(sizes) - new))  # model
+    plans = tuple(reduction.gradient_plan(axes, new, summed, sizes, automatic=inside)
+                  for axes in layouts)
 
     def spec(name):  # a microbatched array: (M, ...) with the logical axes of `name`
         return P(None, *rules.activation_spec(INPUT_AXES.get(name, ("batch",)), sizes, new))

@@ -77,27 +77,31 @@ def gradient_axes(dist) -> tuple[str, ...]:
     return summed_axes(REPLICA_AXES, dist.mesh_shape)
 
 
-def gradient_plan(layout_axes, manual, summed, sizes, reduction: str = "float32") -> _Plan:
+def gradient_plan(layout_axes, manual, summed, sizes, reduction: str = "float32",
+                  automatic=("model",)) -> _Plan:
     """How a weight with these layout axes enters a region whose new manual axes are
     ``manual`` (gathered over ``fsdp`` there if it is among them) and how its gradient
-    leaves it: summed over ``summed`` in ``reduction``'s type (or 8-bit codes)."""
+    leaves it: summed over ``summed`` in ``reduction``'s type (or 8-bit codes).
+    ``automatic``: the axes still left to XLA's partitioner inside the region; the
+    reduction runs per device of those too (see :func:`_reduce`)."""
     spec = [a if a in manual else None for a in layout_axes]
-    model = sizes.get("model", 1) > 1 and "model" not in manual
+    auto = tuple(a for a in automatic if sizes.get(a, 1) > 1 and a not in manual)
+    auto_spec = P(*(a if a in auto else None for a in layout_axes)) if auto else None
     return _Plan(tuple(summed), tuple(sorted(sizes.items())),
                  next((i for i, a in enumerate(spec) if a == "fsdp"), None), reduction,
-                 P(*(a if a == "model" else None for a in layout_axes)) if model else None)
+                 auto, auto_spec)
 
 
 def check(dist, model) -> None:
     """Refuses, before compiling, what explicit reduction cannot compute like the
     1-device run: dropout layers other than kdist's, a loss reduction it does not know."""
-    asked = dist.config.gradients.reduction
+    asked = requested_by(dist)
     foreign = sorted(layer.name for layer in _keras_compat.all_layers(model)
                      if isinstance(getattr(layer, "rate", None), float) and layer.rate > 0
                      and not isinstance(layer, Dropout))
     if foreign:
         raise ValueError(
-            f"gradient_reduction={asked!r} computes each device's rows in a manual region, "
+            f"{asked} computes each device's rows in a manual region, "
             f"where layers {', '.join(foreign[:3])} would draw the same random mask on every "
             f"device. Use kdist.parallel.dropout.Dropout (it draws each "
             f"device's rows of the global mask), a rate of 0, or gradient_reduction=None.")
@@ -106,7 +110,7 @@ def check(dist, model) -> None:
     reduction = _loss_reduction(model)
     if reduction not in _LOSS_REDUCTIONS:
         raise ValueError(
-            f"gradient_reduction={asked!r} combines the devices' losses as "
+            f"{asked} combines the devices' losses as "
             f"the loss' reduction does; {type(model).__name__}'s loss has reduction "
             f"{reduction!r}, expected one of {_LOSS_REDUCTIONS} (a single loss). Use such a "
             f"loss or gradient_reduction=None.")
@@ -117,10 +121,10 @@ def _check_split_sequence(dist, model) -> None:
     task whose loss is a sum of per-token terms (it declares ``"token_reordering"``), not
     for one that reads positions across the sequence (BERT's masked positions, its first
     token). Dropout masks there would repeat across a row's token shares."""
-    name, asked = type(model).__name__, dist.config.gradients.reduction
+    name, asked = type(model).__name__, requested_by(dist)
     if "token_reordering" not in getattr(model, "step_features", frozenset()):
         raise ValueError(
-            f"gradient_reduction={asked!r} on mesh {dist.spec} computes each "
+            f"{asked} on mesh {dist.spec} computes each "
             f"device's loss on its share of every sequence's tokens; {name}'s loss reads "
             f"tokens across the whole sequence (it does not declare the 'token_reordering' "
             f"step feature). Use gradient_reduction=None on this mesh (XLA's reductions) or "
@@ -129,10 +133,18 @@ def _check_split_sequence(dist, model) -> None:
                      if isinstance(layer, Dropout) and layer.rate > 0)
     if dropout:
         raise ValueError(
-            f"gradient_reduction={asked!r} on mesh {dist.spec}: dropout "
+            f"{asked} on mesh {dist.spec}: dropout "
             f"layers ({', '.join(dropout[:3])}) would draw the same mask for every 'seq' "
             f"share of a row in the per-device region (not built for a split sequence). "
             f"Use a dropout rate of 0, gradient_reduction=None, or a mesh without 'seq'.")
+
+
+def requested_by(dist) -> str:
+    """What asked for the per-device loss, for error messages."""
+    if dist.config.gradients.reduction is not None:
+        return f"gradient_reduction={dist.config.gradients.reduction!r}"
+    return ("DiLoCo's replica groups with a split sequence (which compute the loss per "
+            "device: kdist.parallel.config.Parallelism.step_reduction)")
 
 
 def _loss_reduction(model):
@@ -152,7 +164,8 @@ class _Plan:
     sizes: tuple[tuple[str, int], ...]
     fsdp_dim: int | None  # the weight's dimension sharded over fsdp
     reduction: str
-    model_spec: P | None  # the weight's spec over `model` when model > 1
+    automatic: tuple[str, ...]  # axes of size > 1 the partitioner still has in the region
+    auto_spec: P | None  # the weight's spec over them (None: there are none)
 
 
 def residual_layout(dist, variable):
@@ -201,13 +214,15 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
     summed = axes + context_step.summed_axes()
     layouts = [dist.get_variable_layout(v).axes for v in model.trainable_variables]
     specs = [P(*(a if a in axes else None for a in layout)) for layout in layouts]
-    plans = [gradient_plan(layout, axes, summed, dist.mesh_shape,
-                           dist.config.gradients.reduction) for layout in layouts]
-    combine = _loss_reduction(model)
     # Manual: the batch axes, and axes of size 1 (nothing to partition; leaving them to
     # XLA made XLA:CPU's bfloat16 all-reduce promotion crash, jaxlib 0.10.2); those an
     # enclosing region made manual already stay so (region.shard_map).
     manual = {a for a, n in dist.mesh_shape.items() if a in summed or n == 1}
+    inside = tuple(sorted(region.current().automatic(dist.mesh_shape) - manual))
+    plans = [gradient_plan(layout, axes, summed, dist.mesh_shape,
+                           dist.config.step_reduction, automatic=inside)
+             for layout in layouts]
+    combine = _loss_reduction(model)
 
     def local(trainable, residuals, non_trainable, metrics, x, y, sample_weight,
               optimizer_variables):
@@ -287,14 +302,14 @@ def _use_fwd(weight, residual, plan):
 
 def _use_bwd(plan, residual, grad):
     # grad: the sum of every use of the weight on this device.
-    if plan.model_spec is None or not plan.axes:
+    if plan.auto_spec is None or not plan.axes:
         shard, residual = _reduce(grad, residual, plan)
-    else:  # per device over `model` too (a nested shard_map): see _reduce
-        spec = plan.model_spec
+    else:  # per device over the automatic axes too (a nested shard_map): see _reduce
+        spec = plan.auto_spec
         in_specs = (spec, None if residual is None else spec)
         shard, residual = jax.shard_map(functools.partial(_reduce, plan=plan),
                                         in_specs=in_specs, out_specs=(spec, in_specs[1]),
-                                        axis_names={"model"})(grad, residual)
+                                        axis_names=set(plan.automatic))(grad, residual)
     return shard.astype(grad.dtype), residual
 
 
@@ -304,9 +319,10 @@ use.defvjp(_use_fwd, _use_bwd)
 def _reduce(grad, residual, plan):
     """One device's gradient -> its reduced shard (and the 8-bit codes' new residual).
 
-    Under a ``model`` axis this runs per device of it too: cutting a gradient into 8-bit
-    blocks then never moves data between the devices of a tensor-parallel group, and
-    XLA:CPU's promotion of bfloat16 all-reduces (to float32) crashed on all-reduces left
+    Under the axes still automatic in the region (``model``; a pipeline's ``stage`` around
+    which this reduction runs) this runs per device of them too: cutting a gradient into
+    8-bit blocks then never moves data between the devices of a tensor-parallel group, and
+    XLA:CPU's promotion of bfloat16 all-reduces (to float32) aborts on all-reduces left
     partly to the partitioner (jaxlib 0.10.2).
     """
     if not plan.axes:  # one replica (e.g. model=8): nothing to sum

@@ -130,24 +130,27 @@ def shard_map(fn, *, mesh, axes, in_specs, out_specs, batch_axes=()):
 
 def _differentiable(body, mapped, in_specs, out_specs, axes):
     """``mapped(body)`` with a ``custom_vjp`` whose forward pass runs ``jax.vjp(body)``
-    inside the ``shard_map`` and returns its residuals, each device's stacked on a leading
-    axis over ``axes``; the backward pass hands them back to a second ``shard_map`` that
-    applies the vjp. Integer inputs get no cotangent."""
+    inside the ``shard_map`` and returns its residuals, each stacked on a leading axis over
+    the new manual axes it varies over (a first, abstract trace finds them: the backward
+    pass must see every residual with the type it had); the backward pass hands them to a
+    second ``shard_map`` that applies the vjp. Integer inputs get no cotangent."""
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from kdist.parallel.constraints import to_varying
+    from kdist.parallel.constraints import to_varying, varying_axes
 
-    stacked = P(axes)
-    tree = {}
+    saved = {}
 
-    def forward(*args):
-        out, vjp = jax.vjp(body, *args)
-        leaves, tree["vjp"] = jax.tree.flatten(vjp)
-        return out, [to_varying(leaf, axes)[None] for leaf in leaves]
+    def traced(stack):
+        def forward(*args):
+            out, vjp = jax.vjp(body, *args)
+            leaves, saved["tree"] = jax.tree.flatten(vjp)
+            saved["varying"] = [varying_axes(leaf) & set(axes) for leaf in leaves]
+            return out, [stack(leaf)[None] for leaf in leaves]
+        return forward
 
     def backward(residuals, cotangent):
-        vjp = jax.tree.unflatten(tree["vjp"], [r[0] for r in residuals])
+        vjp = jax.tree.unflatten(saved["tree"], [r[0] for r in residuals])
         return jax.tree.map(lambda g: None if g.dtype == jax.dtypes.float0 else g,
                             vjp(cotangent))
 
@@ -156,12 +159,17 @@ def _differentiable(body, mapped, in_specs, out_specs, axes):
         return mapped(body, in_specs=in_specs, out_specs=out_specs)(*args)
 
     def run_fwd(*args):
-        out, residuals = mapped(forward, in_specs=in_specs,
-                                out_specs=(out_specs, stacked))(*args)
-        return out, residuals
+        # Abstractly first (everything stacked over every axis) to learn the residuals'
+        # types; then for real, each over the axes it varies over.
+        jax.eval_shape(mapped(traced(lambda leaf: to_varying(leaf, axes)), in_specs=in_specs,
+                              out_specs=(out_specs, P(axes))), *args)
+        saved["specs"] = [P(tuple(a for a in axes if a in v) or None)
+                          for v in saved["varying"]]
+        return mapped(traced(lambda leaf: leaf), in_specs=in_specs,
+                      out_specs=(out_specs, saved["specs"]))(*args)
 
     def run_bwd(residuals, cotangent):
-        return mapped(backward, in_specs=(stacked, out_specs),
+        return mapped(backward, in_specs=(saved["specs"], out_specs),
                       out_specs=in_specs)(residuals, cotangent)
 
     run.defvjp(run_fwd, run_bwd)

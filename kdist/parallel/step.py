@@ -79,7 +79,7 @@ def requested_features() -> frozenset:
     """The step features the active distribution asks for."""
     dist = active()
     features = set()
-    if dist is not None and dist.config.gradients.reduction:
+    if dist is not None and dist.config.step_reduction:
         features.add("gradient_reduction")
     if dist is not None and dist.mesh_shape.get("seq", 1) > 1:
         features.add("context_parallel")
@@ -111,11 +111,11 @@ def check_compile(model) -> None:
                 f"mesh without 'stage', or a kdist GPT or BERT task.")
         if not supports(model, feature):
             raise ValueError(
-                f"The distribution asks for gradient_reduction="
-                f"{dist.config.gradients.reduction!r}, which "
+                f"The distribution asks for {reduction.requested_by(dist)}, which "
                 f"{type(model).__name__} does not support (it does not declare the "
                 f"'{feature}' step feature), so it would silently train with XLA's "
-                f"reductions. Build the distribution with {feature}=None.")
+                f"reductions. Build the distribution with gradient_reduction=None (and "
+                f"without replica groups on a split sequence).")
 
 
 def optimizer_for(model, optimizer):

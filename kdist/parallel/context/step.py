@@ -13,15 +13,17 @@ nothing in it but the summation order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-import keras
 from jax.sharding import PartitionSpec as P
 
+from kdist.parallel import region
+from kdist.parallel.constraints import shard_batch
 from kdist.parallel.context.layout import AXIS, SequenceLayout, sequence_layout, step_layout
-from kdist.parallel.layout import BatchLayout, active
+from kdist.parallel.layout import active
 from kdist.parallel.mesh import REPLICA_AXES
 
 
@@ -66,14 +68,14 @@ def loss_and_updates(model, compute, x, y, sample_weight, *, reorder: bool):
     layout = check_length(length, dist.mesh_shape[AXIS], balanced,
                           getattr(backbone, "max_sequence_length", None))
     order = jnp.asarray(layout.order(), jnp.int32)
-    pin = BatchLayout((REPLICA_AXES, AXIS), dist.device_mesh)
 
     def arrange(a):
         if not _per_token(a, length):
             return a
         if layout.balanced:  # into layout order: device i's two chunks side by side
             a = jnp.take(a, order, axis=1)
-        return keras.distribution.distribute_tensor(a, pin) if _divides(a, dist) else a
+        # Rows over the replica axes (those still automatic here), tokens over seq.
+        return shard_batch(a) if _divides(a, dist) else a
 
     x, y, sample_weight = jax.tree.map(arrange, (x, y, sample_weight))
     with sequence_layout(layout):
@@ -86,7 +88,8 @@ def loss_and_updates(model, compute, x, y, sample_weight, *, reorder: bool):
 
 
 def _divides(a, dist) -> bool:
-    return a.shape[0] % dist.num_model_replicas == 0
+    rows = math.prod(dist.mesh_shape[a] for a in region.current().automatic(REPLICA_AXES))
+    return a.shape[0] % rows == 0
 
 
 def row_spec(array, batch_axes) -> P:
