@@ -35,7 +35,7 @@ class Row:
         settings.update(self.run.get("task", {}))
         if "like" in self.run:
             settings["like"] = ",".join(f"{k}={v}" for k, v in self.run["like"].items())
-        return " ".join([self.mesh, *(f"{k}={v}" for k, v in settings.items())])
+        return "+".join([self.mesh, *(f"{k}={v}" for k, v in settings.items())])
 
     def settings(self) -> dict:
         """The harness' keyword arguments: run settings, named configs resolved, options."""
