@@ -8,14 +8,16 @@ STAMP := $(VENV)/.installed-stamp
 HOST8 := --host-devices 8
 QUIET := TF_CPP_MIN_LOG_LEVEL=2
 
-.PHONY: setup run test lint clean bench
+.PHONY: setup run test lint clean bench help
 
-setup: $(STAMP)
+setup: $(STAMP)  ## create .venv and install kdist with its test extras (once; a few minutes)
 
+# pip's own output is the progress of the install (~3 GB: JAX, Keras, TensorFlow, torch).
 $(STAMP): pyproject.toml
+	@echo "Installing kdist and its dependencies into $(VENV) (about 3 GB; a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,hf-test]"
+	$(BIN)/python -m pip install --progress-bar on -e ".[test,hf-test]"
 	touch $(STAMP)
 
 run: setup  ## GPT pretraining on the embedded corpus over 8 host devices (ARGS="--steps 50" ...)
@@ -36,8 +38,11 @@ bench: setup  ## every benchmark script; tables printed, JSON in benchmarks/resu
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	PYTHON=$(BIN)/python benchmarks/run_all.sh
 
-lint: setup
+lint: setup  ## ruff on kdist, recipes, tests and benchmarks
 	$(BIN)/ruff check kdist recipes tests benchmarks
 
-clean:
+clean:  ## remove .venv, runs/ and pytest's cache
 	rm -rf $(VENV) runs .pytest_cache
+
+help:  ## this list: every target and what it does
+	@awk -F ':.*## ' '/^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
