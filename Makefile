@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --progress-bar on -e ".[test,hf-test]"
 	touch $(STAMP)
 
-run: setup  ## GPT pretraining on the embedded corpus over 8 host devices (ARGS="--steps 50" ...)
-	$(QUIET) $(BIN)/python recipes/gpt_pretrain.py $(HOST8) $(ARGS)
+# EXTRA_ARGS go after ARGS, so they win: tests/test_docs.py runs the README's own
+# `make run ARGS="..."` lines as written, with EXTRA_ARGS="--steps 4 ..." from the environment.
+run: setup  ## GPT pretraining on the embedded corpus over 8 host devices (ARGS="--steps 50" ...; EXTRA_ARGS after them)
+	$(QUIET) $(BIN)/python recipes/gpt_pretrain.py $(HOST8) $(ARGS) $(EXTRA_ARGS)
 
 .PHONY: bert-pretrain bert-finetune
 bert-pretrain: setup  ## BERT masked-LM pretraining on the embedded corpus (runs/bert_pretrain)
