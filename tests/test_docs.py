@@ -63,6 +63,17 @@ def test_every_path_and_module_name_mentioned_exists():
     assert not missing, missing
 
 
+def test_make_help_lists_every_target_with_what_it_does():
+    env = {k: v for k, v in child_environment().items() if k != "MAKEFLAGS"}
+    done = subprocess.run(["make", "-s", "help"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    listed = dict(re.findall(r"^  make (\S+) +(.+)$", done.stdout, flags=re.M))
+    targets = set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), flags=re.M))
+    assert targets <= set(listed), (targets, listed)
+    assert all(len(text) > 10 for text in listed.values())
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A directory where the README's commands run as a user's would in the checkout: the
