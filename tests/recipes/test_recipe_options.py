@@ -41,26 +41,26 @@ def flags(name) -> set[str]:
     return {s for action in parser._actions for s in action.option_strings}
 
 
-@pytest.mark.parametrize("name", RECIPE_MODULES)
-def test_every_recipe_has_the_same_mesh_schedule_run_and_checkpoint_flags(name):
-    missing = [f for f in SHARED if f not in flags(name)]
-    assert not missing, f"{name} lacks {missing}"
+def test_every_recipe_has_the_same_mesh_schedule_run_and_checkpoint_flags():
+    for name in RECIPE_MODULES:
+        missing = [f for f in SHARED if f not in flags(name)]
+        assert not missing, f"{name} lacks {missing}"
 
 
 @pytest.mark.parametrize("name", RECIPE_MODULES)
-@pytest.mark.parametrize("steps", STEPS)
-def test_no_default_refuses_a_legal_steps_value(name, steps):
+def test_no_default_refuses_a_legal_steps_value(name):
     """`--steps 20` failed with '--warmup-steps (30) must be less than --steps (20)', a
     flag the user never typed; `--steps 70` with '--steps must be a multiple of
     --eval-every (50)'."""
-    args = parse(name, ["--steps", str(steps)])
-    chosen = recipe_options.settle_defaults(args)
-    assert 0 <= args.warmup_steps < steps or args.warmup_steps == 0
-    assert args.warmup_steps <= args._defaults["warmup_steps"]
-    assert steps % args.eval_every == 0
-    assert steps // args.eval_every <= max(20, steps // 10)  # not a validation every step
-    for line in chosen:  # the log says what each adapted default chose, and why
-        assert line.startswith(("--warmup-steps", "--eval-every")) and "default" in line
+    for steps in STEPS:
+        args = parse(name, ["--steps", str(steps)])
+        chosen = recipe_options.settle_defaults(args)
+        assert 0 <= args.warmup_steps < steps or args.warmup_steps == 0, steps
+        assert args.warmup_steps <= args._defaults["warmup_steps"]
+        assert steps % args.eval_every == 0, steps
+        assert steps // args.eval_every <= max(20, steps // 10), steps  # not every step
+        for line in chosen:  # the log says what each adapted default chose, and why
+            assert line.startswith(("--warmup-steps", "--eval-every")) and "default" in line
 
 
 def test_what_the_defaults_choose_is_said():
@@ -75,16 +75,16 @@ def test_what_the_defaults_choose_is_said():
     assert (args.warmup_steps, args.eval_every) == (30, 50)
 
 
-@pytest.mark.parametrize("name", RECIPE_MODULES)
-def test_a_typed_value_that_cannot_work_is_refused_naming_it(name):
-    args = parse(name, ["--steps", "20", "--warmup-steps", "30"])
-    with pytest.raises(ValueError, match=r"--warmup-steps \(30\) must be less than --steps "
-                                         r"\(20\).*Pass e.g. --warmup-steps 4"):
-        recipe_options.settle_defaults(args)
-    args = parse(name, ["--steps", "70", "--eval-every", "50"])
-    with pytest.raises(ValueError, match=r"--steps \(70\) must be a multiple of --eval-every "
-                                         r"\(50\)\. Pass e.g\. --eval-every 35"):
-        recipe_options.settle_defaults(args)
+def test_a_typed_value_that_cannot_work_is_refused_naming_it():
+    for name in RECIPE_MODULES:
+        args = parse(name, ["--steps", "20", "--warmup-steps", "30"])
+        with pytest.raises(ValueError, match=r"--warmup-steps \(30\) must be less than "
+                                             r"--steps \(20\).*Pass e.g. --warmup-steps 4"):
+            recipe_options.settle_defaults(args)
+        args = parse(name, ["--steps", "70", "--eval-every", "50"])
+        with pytest.raises(ValueError, match=r"--steps \(70\) must be a multiple of "
+                                             r"--eval-every \(50\)\. Pass e.g\. --eval-every 35"):
+            recipe_options.settle_defaults(args)
 
 
 def test_the_batch_default_rounds_up_to_the_mesh_a_typed_batch_does_not():
