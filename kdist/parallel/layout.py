@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Sequence
 
 import keras
@@ -247,7 +248,10 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     if not isinstance(load_balance, bool):
         raise ValueError(f"load_balance must be True or False; got {load_balance!r}.")
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
-    sizes = parse_mesh(spec, len(devices))
+    try:
+        sizes = parse_mesh(spec, len(devices))
+    except ValueError as e:
+        raise ValueError(_host_devices_hint(spec, devices) or str(e)) from None
     if sizes["seq"] > 1 and (sizes["stage"] > 1 or sizes["replica"] > 1):
         raise ValueError(
             f"Mesh spec {spec!r}: the 'seq' axis has not been built or tested together with "
@@ -255,6 +259,13 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     _check_replica_settings(spec, sizes, sync_every, outer_learning_rate, outer_momentum,
                             outer_nesterov)
     _check_untested_combinations(spec, sizes, gradient_reduction, sync_every)
+    if sync_every is not None and "replica" not in _named_axes(spec):
+        raise ValueError(
+            f"sync_every={sync_every} trains replica groups with DiLoCo (the model's weights "
+            f"then change only every {sync_every} steps), but mesh spec {spec!r} names no "
+            f"'replica' axis. Name one: e.g. 'replica=2,fsdp=4' for two groups, or "
+            f"'replica=1,...' for DiLoCo's outer step on a single group; or leave sync_every "
+            f"out for plain training.")
     microbatches = _pipeline_settings(spec, sizes, gradient_reduction, pipeline_microbatches,
                                       pipeline_repeats)
     grid = device_grid(devices, sizes)
@@ -268,6 +279,24 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                              pipeline_microbatches=microbatches,
                              pipeline_repeats=pipeline_repeats,
                              context_parallel=context_parallel, load_balance=load_balance)
+
+
+def _named_axes(spec: str) -> set[str]:
+    return {part.partition("=")[0].strip().lower() for part in str(spec).split(",")}
+
+
+def _host_devices_hint(spec, devices) -> str | None:
+    """On a CPU with fewer devices than the spec's sizes need: the fix is
+    ``kdist.force_host_devices`` (a CPU starts as one device), said in the message."""
+    needed = math.prod(int(n) for n in re.findall(r"=\s*(\d+)", str(spec)))
+    platform = getattr(devices[0], "platform", None) or str(devices[0]).partition(":")[0]
+    if needed <= len(devices) or platform.lower() != "cpu":  # keras lists "cpu:0" strings
+        return None
+    return (f"Mesh spec {spec!r} needs {needed} devices, but JAX sees {len(devices)} CPU "
+            f"device(s). On a CPU, present the cores as {needed} devices: call "
+            f"kdist.force_host_devices({needed}) first thing in the script, before anything "
+            f"uses JAX (the recipes' --host-devices {needed}); or use a mesh of "
+            f"{len(devices)} device(s), e.g. 'auto'.")
 
 
 def _check_untested_combinations(spec, sizes, gradient_reduction, sync_every):
