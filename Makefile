@@ -8,18 +8,22 @@ STAMP := $(VENV)/.installed-stamp
 HOST8 := --host-devices 8
 QUIET := TF_CPP_MIN_LOG_LEVEL=2
 
-.PHONY: setup run test test-fast lint clean bench
+.PHONY: setup run test test-fast lint clean bench help
 
-setup: $(STAMP)
+setup: $(STAMP)  ## create .venv and install kdist with its test extras (once; a few minutes)
 
+# pip's own output is the progress of the install (~3 GB: JAX, Keras, TensorFlow, torch).
 $(STAMP): pyproject.toml
+	@echo "Installing kdist and its dependencies into $(VENV) (about 3 GB; a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,hf-test]"
+	$(BIN)/python -m pip install --progress-bar on -e ".[test,hf-test]"
 	touch $(STAMP)
 
-run: setup  ## GPT pretraining on the embedded corpus over 8 host devices (ARGS="--steps 50" ...)
-	$(QUIET) $(BIN)/python recipes/gpt_pretrain.py $(HOST8) $(ARGS)
+# EXTRA_ARGS go after ARGS, so they win: tests/test_docs.py runs the README's own
+# `make run ARGS="..."` lines as written, with EXTRA_ARGS="--steps 4 ..." from the environment.
+run: setup  ## GPT pretraining on the embedded corpus over 8 host devices (ARGS="--steps 50" ...; EXTRA_ARGS after them)
+	$(QUIET) $(BIN)/python recipes/gpt_pretrain.py $(HOST8) $(ARGS) $(EXTRA_ARGS)
 
 .PHONY: bert-pretrain bert-finetune
 bert-pretrain: setup  ## BERT masked-LM pretraining on the embedded corpus (runs/bert_pretrain)
@@ -45,8 +49,11 @@ bench: setup  ## every benchmark script; tables printed, JSON in benchmarks/resu
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	PYTHON=$(BIN)/python benchmarks/run_all.sh
 
-lint: setup
+lint: setup  ## ruff on kdist, recipes, tests and benchmarks
 	$(BIN)/ruff check kdist recipes tests benchmarks
 
-clean:
-	rm -rf $(VENV) runs .pytest_cache
+clean:  ## remove .venv, runs/, pytest's cache and .cache/ (compiled programs, tokenizers)
+	rm -rf $(VENV) runs .pytest_cache .cache
+
+help:  ## this list: every target and what it does
+	@awk -F ':.*## ' '/^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)

@@ -20,30 +20,38 @@ if "KERAS_BACKEND" not in os.environ:
     os.environ["KERAS_BACKEND"] = "jax"
 
 # ruff: noqa: E402
-import keras
+# TensorFlow (which keras-hub and TFDS import) writes six lines of native start-up noise on
+# a CPU machine; they are dropped, anything else it writes is kept (kdist/noise.py).
+from kdist.noise import native_noise_filtered, probe_tensorflow_devices
 
-if keras.backend.backend() != "jax":
-    raise ImportError(
-        f"kdist needs Keras on the JAX backend, but Keras was loaded with the "
-        f"'{keras.backend.backend()}' backend. Set KERAS_BACKEND=jax in the environment, or "
-        f"import kdist before keras."
+with native_noise_filtered():
+    import keras
+
+    if keras.backend.backend() != "jax":
+        raise ImportError(
+            f"kdist needs Keras on the JAX backend, but Keras was loaded with the "
+            f"'{keras.backend.backend()}' backend. Import kdist before keras (it selects "
+            f"the JAX backend when none was chosen), or set KERAS_BACKEND=jax in the "
+            f"environment."
+        )
+
+    from kdist import (
+        callbacks,
+        data,
+        flops,
+        hf,  # Hugging Face checkpoints in and out
+        models,
+        optim,
+        parallel,
     )
+    from kdist.multihost import initialize
+    from kdist.parallel import KdistDistribution, distribution, force_host_devices, parse_mesh
 
-from kdist import (
-    callbacks,
-    data,
-    flops,
-    hf,  # Hugging Face checkpoints in and out
-    models,
-    optim,
-    parallel,
-)
-from kdist.multihost import initialize
-from kdist.parallel import KdistDistribution, distribution, force_host_devices, parse_mesh
+    # isort: split
+    from kdist import hlo, planning  # planning: `kdist plan`
+    from kdist import planning as plan  # its former name: kdist.plan.plan(...) still works
 
-# isort: split
-from kdist import hlo, planning  # planning: `kdist plan`
-from kdist import planning as plan  # its former name: kdist.plan.plan(...) still works
+    probe_tensorflow_devices()  # its one "failed call to cuInit" line, filtered here
 
 __version__ = "0.1.0"
 

@@ -99,7 +99,9 @@ def add_plan_parser(subparsers) -> None:
                    help="tokens per sequence (default: the preset's context)")
     p.add_argument("--precision", default="float32",
                    choices=["float32", "f32", "bf16", "bfloat16"])
-    p.add_argument("--remat", default="none", choices=["none", "block"])
+    p.add_argument("--remat", nargs="?", const="block", default="none",
+                   choices=["none", "block"],
+                   help="rematerialise each block (--remat alone: block), as in the recipes")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--pipeline-microbatches", type=int, default=None,
                    help="with a stage axis: microbatches per step (default: one per stage)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -153,10 +154,40 @@ def _process_lines(intervals: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple[Path, str]:
-    """Plots a run into a PNG (loss, tokens/s, MFU, step time against step) and summarises it.
+def loss_series(rows: list[dict[str, Any]]) -> dict[str, tuple[list, list]]:
+    """The report's loss curves: ``"train"``, each step's own loss (the intervals'
+    ``step_losses``; logs written before kdist recorded them fall back to Keras' running
+    epoch mean, ``"train_mean"``), and ``"validation"``, with the step-0 point a recipe
+    records before training.
 
-    Works on a finished or a running run. Returns the PNG's path and the summary text.
+    Example:
+        >>> loss_series([{"kind": "interval", "step": 2, "loss": 3.5,
+        ...               "step_losses": [[1, 4.0], [2, 3.0]]},
+        ...              {"kind": "validation", "step": 0, "val_loss": 4.2}])["train"]
+        ([1, 2], [4.0, 3.0])
+    """
+    pairs = [p for r in rows if r.get("kind") == "interval" for p in r.get("step_losses") or ()]
+    out = {"train": ([p[0] for p in pairs], [p[1] for p in pairs])}
+    if not pairs:
+        out["train_mean"] = _series(rows, "interval", "loss")
+    out["validation"] = _series(rows, "validation", "val_loss")
+    return out
+
+
+def titles(rows: list[dict[str, Any]], run_dir: str | Path) -> dict[str, str]:
+    """The figure's titles, each short enough for its panel (the peak's long description
+    wrapped under the MFU panel's title; the run named by its directory)."""
+    configs = [r for r in rows if r.get("kind") == "config"]
+    peak = str(configs[-1].get("peak", "")) if configs else ""
+    text = summarize(rows, Path(run_dir).name or str(run_dir)).splitlines()[0]
+    return {"figure": textwrap.shorten(text, 100, placeholder=" ..."),
+            "mfu": "MFU" + ("\n" + textwrap.fill(f"peak {peak}", 60) if peak else "")}
+
+
+def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple[Path, str]:
+    """Plots a run into a PNG (loss per step with the validations, tokens/s, MFU, step time
+    against step) and summarises it. Works on a finished or a running run. Returns the
+    PNG's path and the summary text.
 
     Example:
         >>> png, text = write_report("runs/gpt_pretrain")  # doctest: +SKIP
@@ -170,9 +201,14 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple
     output = Path(output) if output else Path(run_dir) / REPORT_PNG
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
     (loss_ax, tps_ax), (mfu_ax, time_ax) = axes
+    names = titles(rows, run_dir)
 
-    loss_ax.plot(*_series(rows, "interval", "loss"), label="train (running epoch mean)")
-    loss_ax.plot(*_series(rows, "validation", "val_loss"), "o-", label="validation")
+    losses = loss_series(rows)
+    if "train_mean" in losses:
+        loss_ax.plot(*losses["train_mean"], label="train (running epoch mean)")
+    else:
+        loss_ax.plot(*losses["train"], linewidth=0.8, label="train (each step)")
+    loss_ax.plot(*losses["validation"], "o-", label="validation")
     loss_ax.set(title="loss", xlabel="step", ylabel="loss")
     loss_ax.legend()
 
@@ -183,9 +219,8 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple
     steps, hfu = _series(rows, "interval", "hfu")
     if hfu:
         mfu_ax.plot(steps, hfu, "--", label="HFU (with remat recompute)")
-    configs = [r for r in rows if r.get("kind") == "config"]
-    peak = configs[-1].get("peak", "") if configs else ""
-    mfu_ax.set(title=f"MFU (peak {peak})", xlabel="step", ylabel="model FLOPs utilisation")
+    mfu_ax.set(xlabel="step", ylabel="model FLOPs utilisation")
+    mfu_ax.set_title(names["mfu"], fontsize=9)
     mfu_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     mfu_ax.legend()
 
@@ -195,7 +230,7 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple
     time_ax.legend()
 
     text = summarize(rows, run_dir)
-    fig.suptitle(text.splitlines()[0], fontsize=10)
+    fig.suptitle(names["figure"], fontsize=10)
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=100)
     plt.close(fig)

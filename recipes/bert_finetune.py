@@ -4,8 +4,9 @@ Runs with no arguments: the offline task `stdlib-packages` (from 8 lines of sour
 predict which of 6 standard-library packages it comes from; files split between train
 and validation), starting from the pretraining run in runs/bert_pretrain if there is one
 (`python recipes/bert_pretrain.py` makes it), else from scratch — it says which. Reports
-the held-out accuracy against the majority-class baseline and writes model.keras,
-log.csv and summary.json to --output-dir.
+the held-out accuracy against the majority-class baseline and writes model.keras, its
+vocabulary.txt, log.csv and summary.json to --output-dir, and the classifier in Hugging Face
+format, with its tokenizer and label names, to OUTPUT_DIR/hf (or --export-dir).
 
 Arithmetic of the defaults:
     examples per step = 32 windows of at most 128 tokens
@@ -15,80 +16,65 @@ Arithmetic of the defaults:
     python recipes/bert_finetune.py --init-from ~/models/bert-base-uncased   # Hugging Face
     python recipes/bert_finetune.py --from-scratch
     python recipes/bert_finetune.py --task glue/sst2 --data-dir ~/tensorflow_datasets
+The mesh, checkpoint and schedule flags are gpt_pretrain.py's (recipes/recipe_options.py):
+running the same command again resumes exactly; a finished run is left alone.
 """
 
-import argparse
 import json
 import time
 from pathlib import Path
 
-import kdist  # before keras: it selects Keras' JAX backend if none is chosen
-
-# isort: split
-import jax
-import keras
+import recipe_options as options
 from recipe_flags import (
     check_sequence_length,
-    check_warmup,
     existing_path,
     int_at_least,
-    nonnegative_float,
-    nonnegative_int,
-    positive_float,
-    positive_int,
     probability,
 )
 
 DEFAULT_PRETRAINED = "runs/bert_pretrain"
+SEQUENCE_LENGTH = 128  # the default, at most the model's positions
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pretrained", default=None,
-                   help=f"a bert_pretrain output directory (default: {DEFAULT_PRETRAINED} "
-                        f"if it exists)")
-    p.add_argument("--init-from", default=None,
+def build_parser():
+    """Every flag, its type (a bad value fails here, naming the flag) and default."""
+    p = options.recipe_parser(__doc__)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--pretrained", default=None,
+                   help=f"a bert_pretrain output directory (None: {DEFAULT_PRETRAINED} if it "
+                        f"exists)")
+    g.add_argument("--init-from", default=None,
                    type=existing_path("--init-from", "Hugging Face BERT directory"),
                    help="a local Hugging Face BERT directory (config.json, safetensors, "
                         "vocab.txt): its encoder, a new classifier head")
-    p.add_argument("--from-scratch", action="store_true",
+    g.add_argument("--from-scratch", action="store_true",
                    help="random initialisation (with --preset) instead of pretrained weights")
-    p.add_argument("--preset", default="bert-tiny", help="model shape when from scratch")
-    p.add_argument("--vocabulary-size", default=8192,
+    g.add_argument("--preset", default="bert-tiny", help="model shape when from scratch")
+    g.add_argument("--vocabulary-size", default=8192,
                    type=int_at_least("--vocabulary-size", 256,
                                      "special tokens and the corpus's characters"),
                    help="WordPiece vocabulary trained on the corpus, when from scratch")
-    p.add_argument("--task", default="stdlib-packages",
+    g.add_argument("--task", default="stdlib-packages",
                    help="stdlib-packages (offline) or a TFDS dataset name, e.g. glue/sst2")
-    p.add_argument("--data-dir", default=None, help="TFDS data directory")
-    p.add_argument("--download", action="store_true", help="let TFDS download the dataset")
-    p.add_argument("--mesh", default="auto", help="e.g. auto, fsdp=8, data=2,model=4")
-    p.add_argument("--host-devices", type=positive_int("--host-devices", 8), default=None,
-                   help="present the CPU as this many devices (kdist.force_host_devices); "
-                        "default: the devices JAX finds")
-    p.add_argument("--steps", type=positive_int("--steps", 300), default=300,
-                   help="optimizer steps")
-    p.add_argument("--global-batch-size", type=positive_int("--global-batch-size", 32),
-                   default=32)
-    p.add_argument("--sequence-length", default=128,
+    g.add_argument("--data-dir", default=None, help="TFDS data directory")
+    g.add_argument("--download", action="store_true", help="let TFDS download the dataset")
+    g.add_argument("--sequence-length", default=None,
                    type=int_at_least("--sequence-length", 3, "[CLS] text [SEP]"),
-                   help="tokens per example, at most the model's positions")
-    p.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--learning-rate", type=positive_float("--learning-rate", 1e-3),
-                   default=1e-3, help="peak, after warmup")
-    p.add_argument("--warmup-steps", type=nonnegative_int("--warmup-steps", 30), default=30,
-                   help="less than --steps")
-    p.add_argument("--weight-decay", type=nonnegative_float("--weight-decay", 0.01),
-                   default=0.01)
-    p.add_argument("--dropout", type=probability("--dropout", 0.1), default=0.1,
+                   help="tokens per example; None: 128, or the model's positions if fewer")
+    g.add_argument("--dropout", type=probability("--dropout", 0.1), default=0.1,
                    help="backbone dropout, in [0, 1)")
-    p.add_argument("--classifier-dropout", type=probability("--classifier-dropout", 0.1),
+    g.add_argument("--classifier-dropout", type=probability("--classifier-dropout", 0.1),
                    default=0.1, help="in [0, 1)")
-    p.add_argument("--eval-every", type=positive_int("--eval-every", 100), default=100,
-                   help="steps between validations (each on the whole validation split)")
-    p.add_argument("--output-dir", default="runs/bert_finetune")
-    p.add_argument("--seed", type=nonnegative_int("--seed", 0), default=0)
-    return p.parse_args(argv)
+    g.add_argument("--export-dir", default=None,
+                   help="where the Hugging Face classifier goes (None: OUTPUT_DIR/hf)")
+    options.add_shared_flags(p, output_dir="runs/bert_finetune", log_every=20, steps=300,
+                             learning_rate=1e-3, warmup_steps=30, eval_every=100,
+                             weight_decay=0.01, global_batch_size=32)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def pretrained_source(args):
@@ -116,18 +102,11 @@ def pretrained_source(args):
     return directory
 
 
-def check_args(args):
-    """Refuses flags that are each valid but wrong together, before anything is built."""
-    if args.steps % args.eval_every and args.steps > args.eval_every:
-        raise ValueError(f"--steps ({args.steps}) must be positive and a multiple of "
-                         f"--eval-every ({args.eval_every}).")
-    check_warmup(args)
-    if args.from_scratch:
-        kdist.models.presets.preset_config(kdist.models.BERT_PRESETS, args.preset)
-
-
 def check_model_fits(args, config, tokenizer, where):
-    """--sequence-length and the vocabulary against the model's config, before it is built."""
+    """--sequence-length (None: fitted to the model) and the vocabulary against the model's
+    config, before it is built."""
+    if args.sequence_length is None:
+        args.sequence_length = min(SEQUENCE_LENGTH, config["max_sequence_length"])
     check_sequence_length(args, config["max_sequence_length"], where)
     if tokenizer.vocabulary_size() > config["vocabulary_size"]:
         raise ValueError(f"The vocabulary has {tokenizer.vocabulary_size()} tokens but the model "
@@ -136,56 +115,66 @@ def check_model_fits(args, config, tokenizer, where):
                          f"vocabulary.txt the model was pretrained with.")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.host_devices:  # before anything starts JAX's devices
-        kdist.force_host_devices(args.host_devices)
-    check_args(args)
-    eval_every = min(args.eval_every, args.steps)
-    source = pretrained_source(args)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-
-    keras.utils.set_random_seed(args.seed)
-    keras.distribution.set_distribution(kdist.distribution(args.mesh))
-    precision = args.precision
-    if precision == "auto":
-        precision = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
-
+def source_model(args, kdist, source):
+    """``(tokenizer, backbone config, where)`` of the model this run starts from."""
     if args.init_from is not None:  # a Hugging Face directory: its tokenizer and config
         tokenizer = kdist.hf.load_tokenizer(args.init_from)
         config = kdist.hf.backbone_config(args.init_from)
         if "num_segments" not in config:
             raise ValueError(f"--init-from {args.init_from} is not a BERT checkpoint; "
                              f"fine-tune GPT-2 or Llama with recipes/gpt_finetune.py.")
-        check_model_fits(args, config, tokenizer, f"--init-from {args.init_from}")
-    elif source is not None:
+        return tokenizer, config, f"--init-from {args.init_from}"
+    if source is not None:
         tokenizer = kdist.data.load_word_piece(source / "vocabulary.txt")
         config = json.loads((source / "summary.json").read_text())["backbone_config"]
         config = {k: v for k, v in config.items() if k not in ("name", "trainable", "dtype")}
-        check_model_fits(args, config, tokenizer, f"--pretrained {source}")
-    else:
-        tokenizer = kdist.data.word_piece_tokenizer(kdist.data.load_corpus(),
-                                                    args.vocabulary_size)
-        config = kdist.models.presets.preset_config(
-            kdist.models.BERT_PRESETS, args.preset, vocabulary_size=tokenizer.vocabulary_size())
-        check_model_fits(args, config, tokenizer, f"--preset {args.preset}")
+        return tokenizer, config, f"--pretrained {source}"
+    kdist.models.presets.preset_config(kdist.models.BERT_PRESETS, args.preset)  # the name
+    tokenizer = kdist.data.word_piece_tokenizer(kdist.data.load_corpus(), args.vocabulary_size)
+    config = kdist.models.presets.preset_config(
+        kdist.models.BERT_PRESETS, args.preset, vocabulary_size=tokenizer.vocabulary_size())
+    return tokenizer, config, f"--preset {args.preset}"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    chosen = options.settle_defaults(args)  # --help and every flag error come before this line
+    options.check_together(args)
+    source = pretrained_source(args)
+    import recipe_run as run  # the first import of kdist, JAX and Keras
+
+    import kdist
+
+    # isort: split
+    import jax
+    import keras
+
+    run.start(args)
+    if args.from_scratch:
+        kdist.models.presets.preset_config(kdist.models.BERT_PRESETS, args.preset)
+    output_dir = Path(args.output_dir)
+    export_dir = Path(args.export_dir or output_dir / "hf")
+    state = run.run_state(args, output_dir)
+    if state.finished:
+        return state.leave_alone(args)
+    tokenizer, config, where = source_model(args, kdist, source)
+    check_model_fits(args, config, tokenizer, where)
+    cost = kdist.models.BertClassifier.cost_model_for(config)
+    precision = run.prepare(args, state, cost, chosen)
+
     data = kdist.data.classification_dataset(
-        args.task, tokenizer, args.sequence_length, args.global_batch_size, seed=args.seed,
-        data_dir=args.data_dir, download=args.download,
+        args.task, tokenizer, args.sequence_length, args.global_batch_size // args.grad_accum,
+        seed=args.seed, data_dir=args.data_dir, download=args.download,
     )
     for split in ("train", "validation"):
         kdist.data.check_token_ids(getattr(data, split).token_ids, config["vocabulary_size"],
                                    f"The encoded {split} examples of --task {args.task}")
     if args.init_from is not None:  # streamed into the sharded backbone
-        backbone = kdist.models.BertBackbone.from_pretrained(args.init_from,
-                                                             dropout=args.dropout)
-    elif source is not None:
-        backbone = kdist.models.BertBackbone(**{**config, "dropout": args.dropout})
+        backbone = kdist.models.BertBackbone.from_pretrained(
+            args.init_from, dropout=args.dropout, remat=run.remat(args))
     else:
-        backbone = kdist.models.BertBackbone.from_preset(
-            args.preset, vocabulary_size=tokenizer.vocabulary_size(), dropout=args.dropout)
+        backbone = kdist.models.BertBackbone(**{**config, "dropout": args.dropout,
+                                                "remat": run.remat(args)})
     model = kdist.models.BertClassifier(backbone, data.num_classes,
                                         classifier_dropout=args.classifier_dropout)
     if args.init_from is not None:
@@ -202,8 +191,10 @@ def main(argv=None):
             decay_steps=max(1, args.steps - args.warmup_steps),
             weight_decay=args.weight_decay,
             beta_2=0.98,
+            gradient_accumulation_steps=args.grad_accum,
         )
     )
+    callbacks, start_step = run.fit_callbacks(args, state, model, data.train)
     mesh = keras.distribution.distribution().spec
     print(f"task {data.task.name}: {data.num_classes} classes {data.class_names}, "
           f"{data.train_examples:,} training / {data.validation_examples:,} validation "
@@ -212,34 +203,40 @@ def main(argv=None):
           f"{precision}, {model.count_params():,} parameters")
 
     before = model.evaluate(data.validation, verbose=0, return_dict=True)["loss"]
+    callbacks[0].record_validation({"loss": before}, step=start_step)  # the report's first point
     print(f"validation loss before fine-tuning: {before:.4f}")
     start = time.time()
     history = model.fit(
         data.train,
         validation_data=data.validation,
-        epochs=args.steps // eval_every,
-        steps_per_epoch=eval_every,
+        epochs=args.steps // args.eval_every,
+        steps_per_epoch=args.eval_every * args.grad_accum,
         shuffle=False,
-        callbacks=[keras.callbacks.CSVLogger(str(output_dir / "log.csv"))],
+        callbacks=callbacks,
     )
     wall = time.time() - start
     origin = args.init_from or (str(source) if source else None)
     accuracy = history.history["val_accuracy"][-1]
     print(f"held-out accuracy {accuracy:.4f} vs majority-class baseline "
           f"{data.majority_baseline:.4f} ({'pretrained' if origin else 'from scratch'}, "
-          f"{args.steps} steps in {wall:.0f} s)")
-
-    model.save(output_dir / "model.keras")
+          f"steps {start_step + 1}-{args.steps} in {wall:.0f} s)")
+    # Every process joins the export's gathers; it carries the tokenizer and label names.
+    model.save_pretrained(export_dir, tokenizer=tokenizer, label_names=data.class_names)
     summary = dict(
-        vars(args), mesh=mesh, precision=precision, wall_seconds=wall,
-        initialised_from=origin or "scratch", accuracy=accuracy,
+        run.flag_values(args), mesh=mesh, precision=precision, wall_seconds=wall,
+        resumed_from_step=start_step, initialised_from=origin or "scratch", accuracy=accuracy,
         validation_loss_before=before,
         majority_baseline=data.majority_baseline, class_names=data.class_names,
         train_examples=data.train_examples, validation_examples=data.validation_examples,
-        history=history.history,
+        history=history.history, export_dir=str(export_dir),
     )
+    if jax.process_count() > 1:
+        return summary
+    model.save(output_dir / "model.keras")
+    tokenizer.save_assets(str(output_dir))  # vocabulary.txt, for kdist.hf.export_saved
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    print(f"outputs written to {output_dir.resolve()}: model.keras, log.csv, summary.json")
+    print(f"outputs written to {output_dir.resolve()}: model.keras, vocabulary.txt, log.csv, "
+          f"summary.json, throughput.jsonl; Hugging Face classifier in {export_dir.resolve()}")
     return summary
 
 

@@ -53,3 +53,26 @@ def test_report_says_why_an_mfu_is_missing(tmp_path, capsys):
     (tmp_path / "throughput.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert cli.main(["report", str(tmp_path)]) == 0
     assert "MFU not reported (1.2 TFLOP/s per device exceeds" in capsys.readouterr().out
+
+
+def test_report_plots_each_steps_loss_the_step_0_validation_and_titles_that_fit(tmp_path):
+    """The report drew Keras' running epoch mean (a sawtooth dropping at every epoch),
+    no point before training, and a peak description wider than its panel."""
+    from kdist.run_report import loss_series, read_rows, titles
+
+    write_run(tmp_path)
+    rows = read_rows(tmp_path)
+    for row in rows:
+        if row["kind"] == "interval":
+            row["step_losses"] = [[s, 9 - s / 10] for s in range(row["step"] - 9, row["step"] + 1)]
+    rows.insert(1, {"kind": "validation", "step": 0, "val_loss": 9.1})
+    rows[0]["peak"] = ("0.197 TFLOP/s float32 per device (measured, best of 5 runs "
+                       "(unreliable: runs varied 2.3x; load 3.1 on 2 cores): cpu)")
+    curves = loss_series(rows)
+    assert curves["train"][0] == list(range(1, 31)) and "train_mean" not in curves
+    assert curves["validation"][0] == [0, 10, 20, 30]
+    names = titles(rows, tmp_path / "a" / "very" / "long" / "run-directory-name")
+    assert all(len(line) <= 100 for text in names.values() for line in text.splitlines())
+    assert names["figure"].startswith("run run-directory-name:")
+    rows = [r for r in read_rows(tmp_path) if r["kind"] != "validation"]  # an older log
+    assert loss_series(rows)["train_mean"][0] == [10, 20, 30]

@@ -86,3 +86,17 @@ def utilisation(flops: ModelFlops, peak: Peak, tokens_per_s_per_device: float) -
     elif peak.unreliable:
         out["mfu_unreliable"] = f"{peak.source} peak: {peak.unreliable}"
     return out
+
+
+def shown_mfu(row: dict[str, Any]) -> float | None:
+    """The MFU the progress bar shows for an interval row: only a figure to trust — none
+    above 1 and none against a peak that is itself unreliable (measured under load), whose
+    figures stay in the run log beside ``mfu_unreliable``.
+
+    Example:
+        >>> shown_mfu({"mfu": 0.5}), shown_mfu({"mfu": 0.5, "mfu_unreliable": "busy"})
+        (0.5, None)
+    """
+    if row.get("mfu") is None or row.get("mfu_unreliable"):
+        return None
+    return round(row["mfu"], 4)

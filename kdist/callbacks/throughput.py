@@ -3,23 +3,22 @@
 What is measured, and how (all wall-clock, ``time.perf_counter()`` on the host):
 
 * **Step time**, **compile time** (the first step's), **goodput** (the share of wall time
-  since ``on_train_begin`` spent in productive steps: not in compilation, evaluation,
-  reported stalls — :meth:`Throughput.report_stall`, e.g. a synchronous checkpoint save,
-  or a profiler trace starting and writing — or pauses between epochs): see
-  :mod:`kdist.callbacks.step_clock`. The hook timings keep Keras' asynchronous dispatch:
-  this callback is ``async_safe``.
-* **Tokens** are counted from ``global_batch_size x sequence_length``; with gradient
-  accumulation each ``fit`` step is one micro-batch of ``global_batch_size / N`` sequences
-  and ``step`` counts optimizer updates. With ``steps_per_execution = k`` the batch hooks
-  fire once per k steps and each call counts k steps.
-* **MFU** = model FLOPs per token x tokens/s per device / the device's dense peak. The
-  FLOPs come from the model's cost model (``cost_model().flops_per_token``: any family that
-  has one, yours included; remat recompute excluded), else ``flops_per_token=``, else
-  ``6 x trainable parameters`` (labelled so in the config row). With remat on, **HFU**
-  (hardware FLOPs) is logged too. The peak is the data-sheet table's, the user's, or one
-  measured on this machine and kept per machine (:mod:`kdist.callbacks.peak`). **An MFU
-  above 1 is never reported** (:mod:`kdist.callbacks.mfu`): ``mfu`` is then None and
-  ``mfu_unreliable`` says why; a peak measured under load is flagged in every row too.
+  since ``on_train_begin`` in productive steps: not compilation, evaluation, reported
+  stalls — :meth:`Throughput.report_stall`, e.g. a synchronous checkpoint save or a
+  profiler trace — or pauses between epochs): :mod:`kdist.callbacks.step_clock`. The
+  hooks keep Keras' asynchronous dispatch: this callback is ``async_safe``.
+* **Tokens**: ``global_batch_size x sequence_length`` per optimizer step (``step``); with
+  gradient accumulation each ``fit`` step is one micro-batch of ``global_batch_size / N``
+  sequences; with ``steps_per_execution = k`` each batch hook counts k steps.
+* **MFU** = model FLOPs per token x tokens/s per device / the device's dense peak. FLOPs:
+  the model's cost model (any family with ``cost_model()``; remat recompute excluded),
+  else ``flops_per_token=``, else ``6 x trainable parameters`` (so labelled); with remat,
+  **HFU** too. The peak: the data-sheet table's, the user's, or measured here and kept per
+  machine (:mod:`kdist.callbacks.peak`). **An MFU above 1 is never reported**
+  (:mod:`kdist.callbacks.mfu`): ``mfu`` is None and ``mfu_unreliable`` says why; a peak
+  measured under load is flagged in every row, and such MFU is kept out of the progress bar.
+* **Loss**: ``loss`` is Keras' running epoch mean; ``step_losses`` each step's own
+  (:mod:`kdist.callbacks.step_loss`), which ``kdist report`` plots.
 
 Nothing in a batch hook touches ``self.model`` (on JAX that syncs the whole training state
 back into the Keras variables) or reads a device array; the model is read once, in
@@ -33,6 +32,7 @@ import contextlib
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,8 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
-from kdist.callbacks.mfu import ModelFlops, utilisation
+from kdist.callbacks.devices import fit_devices
+from kdist.callbacks.mfu import ModelFlops, shown_mfu, utilisation
 from kdist.callbacks.peak import device_peak
 from kdist.callbacks.run_log import (
     JSONL_NAME,
@@ -51,6 +52,7 @@ from kdist.callbacks.run_log import (
     parse_profile_steps,
 )
 from kdist.callbacks.step_clock import StepClock
+from kdist.callbacks.step_loss import StepLosses, per_optimizer_step
 from kdist.callbacks.stragglers import InputTimer, Stragglers
 from kdist.optim import AdamW
 from kdist.parallel.step import state_optimizer
@@ -79,19 +81,15 @@ class Throughput(keras.callbacks.Callback):
         peak_tflops: the per-device dense peak to use instead of the table/measurement.
         flops_per_token: training (model) FLOPs per token, instead of the model's cost
             model (e.g. BERT's masked-LM count at the masked positions actually trained).
-        tensorboard: also write TensorBoard scalars (needs TensorFlow; installed with
-            keras-hub).
-        profile_steps: ``(A, B)``: a JAX profiler trace of optimizer steps A..B
-            (1-based, inclusive), into ``log_dir/tensorboard`` (TensorBoard's profile tab,
-            with the ``tensorboard-plugin-profile`` package).
-        progress_bar: add ``tok/s`` and ``mfu`` to Keras' progress bar.
-        stragglers: with several processes, how a process waiting longer for its input
-            than the others is named (:class:`kdist.callbacks.stragglers.Stragglers`;
-            every interval row has ``input_wait_s``, process 0's the ``processes`` too).
+        tensorboard: also write TensorBoard scalars (needs TensorFlow, which keras-hub has).
+        profile_steps: ``(A, B)``: a JAX profiler trace of optimizer steps A..B (1-based,
+            inclusive) into ``log_dir/tensorboard`` (``tensorboard-plugin-profile``).
+        progress_bar: add ``tok/s`` and ``mfu`` (when reliable) to Keras' progress bar.
+        stragglers: how a process waiting longer for its input than the others is named
+            (:class:`kdist.callbacks.stragglers.Stragglers`; rows carry ``input_wait_s``).
 
-    Checkpoint stalls: a callback that blocks training (e.g. waits for a save) reports
-    the seconds with :meth:`report_stall`, or wraps the wait in ``with throughput.stall():``;
-    they are then excluded from goodput and from step times.
+    A callback that blocks training (e.g. waits for a save) reports the seconds with
+    :meth:`report_stall` or ``with throughput.stall():``: not goodput, not step time.
 
     Example:
         >>> import numpy as np, kdist
@@ -162,10 +160,14 @@ class Throughput(keras.callbacks.Callback):
         self._read_optimizer(model)
         self._flops = ModelFlops.of(model, self.sequence_length, self.causal_half,
                                     self.flops_per_token)
-        self._find_devices()
+        self._devices, self._local_devices, process = fit_devices()
+        self._is_writer = process == 0 and self.log_dir is not None
         dtype = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
         self._peak = device_peak(self._local_devices, dtype, self.peak_tflops)
         self._reset_counters()
+        steps = (self.params or {}).get("steps")  # an epoch entered half-way: see step_loss
+        self._step_losses = StepLosses(self._initial_fit_steps // steps if steps and
+                                       self._initial_fit_steps % steps else None)
         self._inputs.install(model)
         self.stragglers.begin()
         if self._is_writer:
@@ -179,11 +181,10 @@ class Throughput(keras.callbacks.Callback):
         optimizer = model.optimizer
         self._accumulation = int(getattr(optimizer, "gradient_accumulation_steps", None) or 1)
         if self.global_batch_size % self._accumulation:
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} is not divisible by the "
-                f"optimizer's gradient_accumulation_steps={self._accumulation}. Pass the "
-                f"sequences per optimizer step (micro-batch x accumulation steps)."
-            )
+            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by "
+                             f"the optimizer's gradient_accumulation_steps={self._accumulation}"
+                             f". Pass the sequences per optimizer step (micro-batch x "
+                             f"accumulation steps).")
         self._steps_per_execution = int(getattr(model, "steps_per_execution", 1) or 1)
         updates = int(keras.ops.convert_to_numpy(optimizer.iterations))  # > 0 when resumed
         self._initial_fit_steps = updates * self._accumulation
@@ -191,25 +192,14 @@ class Throughput(keras.callbacks.Callback):
         self._schedule_value = ScheduleValue(_keras_compat.learning_rate_schedule(optimizer))
         self._schedule_counts_updates = isinstance(optimizer, AdamW)
 
-    def _find_devices(self) -> None:
-        """The distribution's devices (all processes'), and this process's among them."""
-        import jax
-
-        distribution = keras.distribution.distribution()
-        if distribution is not None:
-            self._devices = list(distribution.device_mesh.backend_mesh.devices.flat)
-        else:
-            self._devices = [jax.devices()[0]]
-        local = [d for d in self._devices if d.process_index == jax.process_index()]
-        self._local_devices = local or jax.local_devices()[:1]
-        self._is_writer = jax.process_index() == 0 and self.log_dir is not None
-
     def _reset_counters(self) -> None:
         self._t0 = time.perf_counter()
         self._clock = StepClock()
         self._epoch = 0
         self._fit_steps = 0  # completed, as seen by the batch-end hook
         self._last_loss: float | None = None
+        self._losses: list[tuple[int, float]] = []  # (fit step, that step's loss)
+        self._mfu_hidden = False
         self._last_row_step = self._optimizer_step(0)
         self._interval_tokens = 0
         self._interval_s = 0.0
@@ -259,15 +249,16 @@ class Throughput(keras.callbacks.Callback):
         with self._lock:
             key = (self._epoch, batch - self._steps_per_execution + 1)
             loss = loss if isinstance(loss, (int, float)) else None
-            for seconds, step_loss in self._clock.end(key, now, loss):
-                self._count(seconds, step_loss)
+            for seconds, observed in self._clock.end(key, now, (self._epoch, batch + 1, loss)):
+                self._count(seconds, observed)
             if self.progress_bar and logs is not None and self._progress:
                 logs.update(self._progress)  # Keras' progress bar shows every logs key
         if self._pending or self._stop_trace_pending:  # once per interval
             self._flush()  # outside self._lock
 
-    def _count(self, seconds: float | None, loss: float | None) -> None:
+    def _count(self, seconds: float | None, observed: tuple) -> None:
         # With self._lock held: one execution is final (seconds None: it compiled).
+        epoch, done, loss = observed  # loss: Keras' running epoch mean
         n = self._steps_per_execution
         if seconds is not None:
             self._interval_s += seconds
@@ -276,6 +267,9 @@ class Throughput(keras.callbacks.Callback):
         self._fit_steps += n
         if loss is not None:
             self._last_loss = float(loss)
+            step_loss = self._step_losses.observe(epoch, done, loss)  # this step's own
+            if step_loss is not None:
+                self._losses.append((self._initial_fit_steps + self._fit_steps, step_loss))
         step = self._optimizer_step(self._fit_steps)
         if step - self._last_row_step >= self.log_every:
             self._emit_interval(step)
@@ -308,26 +302,35 @@ class Throughput(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         with self._lock:
-            for seconds, loss in self._clock.drain():  # after a gap (a hook never called)
-                self._count(seconds, loss)
+            for seconds, observed in self._clock.drain():  # after a gap (a hook not called)
+                self._count(seconds, observed)
             step = self._optimizer_step(self._fit_steps)
             if step > self._last_row_step:
                 self._emit_interval(step)
             if self._tracing:
                 self._tracing, self._stop_trace_pending = False, True
             wall = time.perf_counter() - self._t0
+            c = self._clock
             self._pending.append({
-                "kind": "end", "step": step, "time": time.time(),
-                "tokens": self._tokens(), "elapsed_s": wall,
-                "compile_s": self._clock.compile_s, "eval_s": self._clock.eval_s,
-                "stall_s": self._clock.stall_s, "productive_s": self._clock.productive_s,
-                "goodput": self._clock.goodput(wall),
-            })
+                "kind": "end", "step": step, "time": time.time(), "tokens": self._tokens(),
+                "elapsed_s": wall, "compile_s": c.compile_s, "eval_s": c.eval_s,
+                "stall_s": c.stall_s, "productive_s": c.productive_s, "goodput": c.goodput(wall)})
             self._training = False
         self._flush()
         with self._io_lock:
             self._log.close()
         InputTimer.uninstall(_keras_compat.callback_model(self))  # no state sync
+
+    def record_validation(self, logs: dict[str, float], step: int = 0) -> None:
+        """Logs a validation made outside ``fit`` (e.g. before training: the report's
+        step-0 point); written with the next rows (after ``on_train_begin``'s config row).
+
+        Example:
+            >>> Throughput(8, 16).record_validation({"loss": 9.07}, step=0)
+        """
+        val = {k if k.startswith("val_") else f"val_{k}": float(v) for k, v in logs.items()}
+        with self._lock:
+            self._pending.append({"kind": "validation", "step": step, "time": time.time(), **val})
 
     # === Stalls reported by other callbacks ===
 
@@ -384,6 +387,8 @@ class Throughput(keras.callbacks.Callback):
         row: dict[str, Any] = {"kind": "interval", "step": step, "epoch": self._epoch,
                                "time": time.time(), "tokens": self._tokens(),
                                "loss": self._last_loss, "lr": None, "_lr_at": lr_at,
+                               "step_losses": per_optimizer_step(self._losses,
+                                                                 self._accumulation),
                                "input_wait_s": waited / fetched * self._accumulation
                                if fetched else None}
         if self._interval_s > 0 and self._step_times:
@@ -399,9 +404,13 @@ class Throughput(keras.callbacks.Callback):
                 tflops_per_device=tflops,
                 **utilisation(self._flops, self._peak, tokens_per_s / n_dev),
             )
-            self._progress = {"tok/s": round(tokens_per_s, 1)}
-            if row["mfu"] is not None:
-                self._progress["mfu"] = round(row["mfu"], 4)
+            mfu = shown_mfu(row)
+            self._progress = {"tok/s": round(tokens_per_s, 1),
+                              **({} if mfu is None else {"mfu": mfu})}
+            if row.get("mfu_unreliable") and not self._mfu_hidden:
+                self._mfu_hidden = True  # once per fit: said, not shown
+                warnings.warn(f"Throughput: MFU is not shown in the progress bar: "
+                              f"{row['mfu_unreliable']} (see {JSONL_NAME}).", stacklevel=2)
         wall = time.perf_counter() - self._t0
         c = self._clock
         row.update(compile_s=c.compile_s, eval_s=c.eval_s, stall_s=c.stall_s, elapsed_s=wall,
@@ -412,6 +421,7 @@ class Throughput(keras.callbacks.Callback):
         self._last_row_step = step
         self._interval_tokens, self._interval_s = 0, 0.0
         self._step_times.clear()
+        self._losses.clear()
 
     def _flush(self) -> None:
         """Writes the pending rows: learning rate, memory, JSONL, TensorBoard.

@@ -26,10 +26,10 @@ from kdist.checkpointing.agreement import any_process, check_writable_everywhere
 from kdist.checkpointing.format import (
     TMP_MARK,
     CheckpointError,
+    clean_partial,
     committed_steps,
     fsync_tree,
     listing,
-    remove_partial,
 )
 from kdist.checkpointing.metadata import describe, write_commit_marker
 from kdist.checkpointing.restore import load_initial_weights, newest_intact
@@ -344,7 +344,7 @@ class Checkpoint(keras.callbacks.Callback):
         import orbax.checkpoint as ocp
 
         if jax.process_index() == 0:
-            self._clean_partial()
+            clean_partial(self.directory)  # temporary dirs; a step without its marker
         if jax.process_count() > 1:  # nobody lists steps while process 0 deletes
             from jax.experimental import multihost_utils
 
@@ -359,12 +359,6 @@ class Checkpoint(keras.callbacks.Callback):
                 create=True,
             ),
         )
-
-    def _clean_partial(self):
-        """Removes what an interrupted save left: temporary dirs, uncommitted step dirs."""
-        for p in remove_partial(self.directory):
-            warnings.warn(f"Checkpoint: removing {p}, left by an interrupted save.",
-                          stacklevel=3)
 
     def _save(self, loss, wait: bool):
         if self._saved_step == self.step:

@@ -9,9 +9,10 @@ A directory ``DIR`` holds one sub-directory per step, ``DIR/<step>/``:
   before orbax renames the directory into place.
 
 A step counts (is *committed*) only if its directory has its final name ``<step>`` and holds
-``kdist.json``. Anything else is left over from an interrupted save (``<step>.orbax-checkpoint-
-tmp*``, a final directory without ``kdist.json``) or was moved aside after it was found
-damaged (``<step>.damaged-<UTC time>``, kept for inspection, never deleted by kdist).
+``kdist.json``. A temporary directory (``<step>.orbax-checkpoint-tmp*``) is left over from
+an interrupted save and deleted; a final directory without ``kdist.json`` lost its marker
+after the commit and is moved aside like any damaged step (``<step>.damaged-<UTC time>``,
+kept for inspection, never deleted by kdist).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import shutil
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -102,19 +104,32 @@ def array_files(root: Path) -> list[Path]:
     return sorted(f for f in (root / ITEM_DIR).rglob("*") if f.is_file())
 
 
-def remove_partial(directory: Path) -> list[Path]:
-    """Deletes what interrupted saves left (temporary directories, final step directories
-    without ``kdist.json``); returns them.
+def remove_partial(directory: Path) -> tuple[list[Path], list[tuple[Path, Path]]]:
+    """Cleans what interrupted saves left: deletes temporary directories; moves aside
+    (:func:`move_aside`, never deletes) a final step directory without ``kdist.json`` — a
+    committed step whose marker was lost afterwards, whose arrays may be all there. Returns
+    ``(removed, [(step dir, where it went)])``.
 
     Example:
         >>> remove_partial(Path("/nonexistent"))
-        []
+        ([], [])
     """
     final, partial = step_dirs(directory)
-    stale = partial + [p for p in final.values() if not (p / METADATA_NAME).is_file()]
-    for p in stale:
+    for p in partial:
         shutil.rmtree(p, ignore_errors=True)
-    return stale
+    unmarked = [p for p in final.values() if not (p / METADATA_NAME).is_file()]
+    return partial, [(p, move_aside(p)) for p in unmarked]
+
+
+def clean_partial(directory: Path) -> None:
+    """:func:`remove_partial`, with a warning for each directory removed or moved aside."""
+    removed, moved = remove_partial(directory)
+    for p in removed:
+        warnings.warn(f"Checkpoint: removed {p}, left by an interrupted save.", stacklevel=3)
+    for p, aside in moved:
+        warnings.warn(f"Checkpoint: step {p.name} has no {METADATA_NAME} (its commit marker "
+                      f"was lost); moved it aside to {aside}, kept for inspection.",
+                      stacklevel=3)
 
 
 def move_aside(step_dir: Path) -> Path:

@@ -18,7 +18,7 @@ from kdist.checkpointing.format import (
     step_dirs,
 )
 from kdist.checkpointing.state import restore_tree
-from kdist.checkpointing.verify import verify_step
+from kdist.checkpointing.verify import check_files
 
 
 def inspect_directory(directory: str | os.PathLike, read_arrays: bool = False) -> tuple[str, bool]:
@@ -27,14 +27,15 @@ def inspect_directory(directory: str | os.PathLike, read_arrays: bool = False) -
 
     Every committed step is verified from its recorded sizes and SHA-256 checksums (steps
     saved without checksums: sizes only). With ``read_arrays``, every array of every step
-    is also read back (onto one device). Only committed steps (renamed into place, with
-    ``kdist.json``) are listed as steps; partial saves and steps moved aside as damaged
-    are listed as such.
+    is also read back (onto one device), and each file's size and verified SHA-256 are
+    listed under its step. Only committed steps (renamed into place, with ``kdist.json``)
+    are listed as steps; partial saves and steps moved aside as damaged are listed as such.
+    A relative ``directory`` is read from the current directory.
 
     Example:
         >>> text, ok = inspect_directory("runs/gpt_pretrain/checkpoints")  # doctest: +SKIP
     """
-    directory = Path(directory)
+    directory = Path(directory).expanduser().absolute()  # orbax reads absolute paths only
     if not directory.is_dir():
         raise ValueError(f"{directory} is not a directory. Pass a checkpoint directory "
                          f"(the recipes' --checkpoint-dir, default OUTPUT_DIR/checkpoints).")
@@ -47,7 +48,7 @@ def inspect_directory(directory: str | os.PathLike, read_arrays: bool = False) -
     lines.append(f"{'step':>8}  {'size':>10}  {'loss':>9}  {'saved (UTC)':20}  status")
     for s, p in final.items():
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-        problems = verify_step(p)
+        files, problems = check_files(p)
         meta = {}
         if (p / METADATA_NAME).is_file():
             try:
@@ -66,6 +67,10 @@ def inspect_directory(directory: str | os.PathLike, read_arrays: bool = False) -
         lines.append(f"{s:>8}  {size / 2**20:>8.1f}MB  "
                      f"{'' if loss is None else f'{loss:.4f}':>9}  "
                      f"{meta.get('wall_time_utc', ''):20}  {status}")
+        if read_arrays:
+            lines += [f"{'':>10}{row['file']}  {row['bytes']:,} bytes  "
+                      + (f"sha256 {row['sha256']} " if row["sha256"] else "size only, ")
+                      + ("verified" if row["ok"] else "DAMAGED") for row in files]
     for p in partial:
         lines.append(f"{'':>8}  partial save {p.name} (ignored; removed on the next run)")
     for p in aside:

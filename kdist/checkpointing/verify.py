@@ -44,23 +44,42 @@ def verify_step(step_dir: str | os.PathLike, checksums: bool = True) -> list[str
         >>> verify_step("runs/gpt/checkpoints/200")  # doctest: +SKIP
         []
     """
+    return check_files(step_dir, checksums)[1]
+
+
+def check_files(step_dir: str | os.PathLike,
+                checksums: bool = True) -> tuple[list[dict], list[str]]:
+    """What :func:`verify_step` checked, file by file, and the problems it found: one row
+    ``{"file", "bytes", "sha256", "ok"}`` per file ``kdist.json`` lists (``sha256``: the
+    recorded checksum the file was hashed against, None where the step recorded none or
+    ``checksums`` is off) — what ``kdist inspect --read`` prints.
+
+    Example:
+        >>> check_files("runs/gpt/checkpoints/200")[0][0]["file"]  # doctest: +SKIP
+        'default/manifest.ocdbt'
+    """
     step_dir = Path(step_dir)
     try:
         meta = read_metadata(step_dir)
     except CheckpointError as e:
-        return [str(e)]
-    problems = []
+        return [], [str(e)]
+    rows, problems = [], []
     sums = meta.get("checksums") or {}
     for rel, size in meta.get("files", {}).items():
         f = step_dir / rel
+        problem = None
         if not f.is_file():
-            problems.append(f"{f} is missing")
+            problem = f"{f} is missing"
         elif f.stat().st_size != size:
-            problems.append(f"{f} has {f.stat().st_size} bytes, {size} were written "
-                            f"(truncated or overwritten)")
+            problem = (f"{f} has {f.stat().st_size} bytes, {size} were written "
+                       f"(truncated or overwritten)")
         elif checksums and rel in sums and file_checksum(f) != sums[rel]:
-            problems.append(f"{f} has the recorded size but not the recorded {CHECKSUM} "
-                            f"checksum (its bytes changed after the save: corrupt)")
+            problem = (f"{f} has the recorded size but not the recorded {CHECKSUM} "
+                       f"checksum (its bytes changed after the save: corrupt)")
+        rows.append({"file": rel, "bytes": size, "ok": problem is None,
+                     "sha256": sums.get(rel) if checksums else None})
+        if problem:
+            problems.append(problem)
     if not meta.get("files"):
         problems.append(f"{step_dir / METADATA_NAME} lists no files")
-    return problems
+    return rows, problems

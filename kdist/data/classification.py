@@ -207,9 +207,10 @@ class ClassificationBatches(keras.utils.PyDataset):
     """Batches ``(inputs, labels, sample_weights)`` of encoded examples.
 
     Training (``shuffle=True``, endless): a pure function of (seed, step, process), as
-    :class:`kdist.data.LMBatches`. Evaluation (``shuffle=False``): every example exactly
-    once, in order; the last batch is filled up with weight-0 copies, so a weighted metric
-    is exact over the whole split.
+    :class:`kdist.data.LMBatches`; index 0 is global step ``start_step`` (set by the
+    ``Checkpoint`` callback on resume, so no batch is repeated or skipped). Evaluation
+    (``shuffle=False``): every example exactly once, in order; the last batch is filled up
+    with weight-0 copies, so a weighted metric is exact over the whole split.
 
     Example:
         >>> ds = ClassificationBatches(np.ones((5, 8), "int32"), np.full(5, 8),
@@ -219,8 +220,10 @@ class ClassificationBatches(keras.utils.PyDataset):
     """
 
     def __init__(self, token_ids, lengths, labels, global_batch_size: int, seed: int = 0,
-                 shuffle: bool = True, process_index: int = 0, process_count: int = 1):
+                 shuffle: bool = True, process_index: int = 0, process_count: int = 1,
+                 start_step: int = 0):
         super().__init__()
+        self.start_step = start_step
         self.token_ids, self.lengths, self.labels = token_ids, lengths, labels
         self.shuffle = shuffle
         self.global_batch_size = global_batch_size
@@ -242,7 +245,7 @@ class ClassificationBatches(keras.utils.PyDataset):
         if self.num_steps is not None and not 0 <= index < self.num_steps:
             raise IndexError(f"Batch {index} is out of range for {self.num_steps} batches.")
         if self.shuffle:
-            rows = self.sampler.rows(index)
+            rows = self.sampler.rows(self.start_step + index)
             weights = np.ones(len(rows), np.float32)
         else:
             samples = self.sampler.samples(index)

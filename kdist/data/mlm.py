@@ -38,8 +38,10 @@ from kdist.data.wordpiece import CLS, MASK, PAD, SEP, word_piece_tokenizer
 from kdist.parallel.layout import replica_count
 
 
-def pack_segments(documents, tokenizer, sequence_length: int) -> dict[str, np.ndarray]:
+def pack_segments(documents, tokenizer, sequence_length: int,
+                  progress=None) -> dict[str, np.ndarray]:
     """Packs documents' lines into ``[CLS] A [SEP] B [SEP]`` rows (see the module docstring).
+    ``progress(n)`` (e.g. a ``keras.utils.Progbar``'s ``update``) is told every document.
 
     Returns ``token_ids`` ``(N, T)``, ``segment_ids`` ``(N, T)`` (uint8) and ``lengths``
     ``(N,)`` (real tokens per row; the rest is ``[PAD]``).
@@ -72,7 +74,9 @@ def pack_segments(documents, tokenizer, sequence_length: int) -> dict[str, np.nd
         rows.append(row)
         segments.append([0] * (len(a) + 2) + [1] * (len(row) - len(a) - 2))
 
-    for document in documents:
+    for done, document in enumerate(documents, 1):
+        if progress is not None:
+            progress(done)
         lines = [line for line in document.splitlines() if line.strip()]
         if not lines:
             continue
@@ -101,9 +105,13 @@ def pack_segments(documents, tokenizer, sequence_length: int) -> dict[str, np.nd
 
 
 def packed_store(documents, tokenizer, sequence_length: int, path: Path) -> dict[str, np.ndarray]:
-    """:func:`pack_segments`, computed once into ``path`` (``.npz``) and loaded after."""
+    """:func:`pack_segments`, computed once into ``path`` (``.npz``) and loaded after; the
+    first time (minutes for the embedded corpus on 2 cores) says so and shows progress."""
     if not path.exists():
-        packed = pack_segments(documents, tokenizer, sequence_length)
+        print(f"Packing {len(documents):,} documents into {path.name} (once; later runs "
+              f"reuse it)", flush=True)
+        bar = keras.utils.Progbar(len(documents), unit_name="document")
+        packed = pack_segments(documents, tokenizer, sequence_length, progress=bar.update)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npz")
         np.savez(tmp, **packed)

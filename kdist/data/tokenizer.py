@@ -90,5 +90,7 @@ def byte_pair_tokenizer(corpus, vocabulary_size: int, cache_dir: Path | None = N
     """
     directory = (cache_dir or cache_root()) / f"bpe-{corpus.fingerprint}-{vocabulary_size}"
     if not (directory / "merges.txt").exists():
+        print(f"Training a {vocabulary_size:,}-entry byte-pair vocabulary on the corpus (once; "
+              f"cached in {directory})", flush=True)
         train_byte_pair(corpus.train, vocabulary_size, directory)
     return load_byte_pair(directory)

@@ -103,6 +103,8 @@ def word_piece_tokenizer(corpus, vocabulary_size: int = 8192,
     path = (cache_dir or cache_root()) / f"wordpiece-{corpus.fingerprint}-{vocabulary_size}" / (
         "vocabulary.txt")
     if jax.process_index() == 0 and not path.exists():
+        print(f"Training a {vocabulary_size:,}-entry WordPiece vocabulary on the corpus (once; "
+              f"cached in {path.parent})", flush=True)
         train_word_piece(corpus.train, vocabulary_size, path)
     if jax.process_count() > 1:
         _use_process_zeros_vocabulary(path)

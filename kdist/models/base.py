@@ -225,6 +225,19 @@ class Task:
         self.check_token_arrays(x, None, "predict")
         return super().predict(x, *args, **self._with_id_check(kwargs))
 
+    # One batch: the same host check (an id past the table would train on a 0.0 loss).
+    def train_on_batch(self, x, y=None, *args, **kwargs):
+        self.check_token_arrays(x, y, "train_on_batch")
+        return super().train_on_batch(x, y, *args, **kwargs)
+
+    def test_on_batch(self, x, y=None, *args, **kwargs):
+        self.check_token_arrays(x, y, "test_on_batch")
+        return super().test_on_batch(x, y, *args, **kwargs)
+
+    def predict_on_batch(self, x):
+        self.check_token_arrays(x, None, "predict_on_batch")
+        return super().predict_on_batch(x)
+
     def check_token_arrays(self, x, y, where: str) -> None:
         """Raises ``ValueError`` if array-like token ids in ``x`` (or ``y``, for a language
         model) lie outside ``[0, vocabulary_size)``. Datasets and generators pass unchecked

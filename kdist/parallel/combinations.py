@@ -64,7 +64,7 @@ RULES: tuple[Rule, ...] = (
     _built("replica", "data"), _built("replica", "fsdp"), _built("replica", "model"),
     _built("stage", "seq", "tokens split in every stage"),
     _built("stage", "replica", "a pipeline per group"),
-    _built("seq", "replica"),
+    _built("seq", "replica", "causal LMs, no dropout"),
     _built("reduction", "data"), _built("reduction", "fsdp"), _built("reduction", "model"),
     _built("reduction", "stage"),
     _built("reduction", "seq", "causal LMs, no dropout"),

@@ -158,7 +158,18 @@ def _context(sizes, variant, load_balance) -> Context | None:
     return Context(variant, load_balance) if sizes["seq"] > 1 else None
 
 
+def _named_axes(spec: str) -> set[str]:
+    return {part.partition("=")[0].strip().lower() for part in str(spec).split(",")}
+
+
 def _replicas(spec, sizes, sync_every, learning_rate, momentum, nesterov) -> Replicas | None:
+    if sync_every is not None and "replica" not in _named_axes(spec):
+        raise ValueError(
+            f"sync_every={sync_every} trains replica groups with DiLoCo (the model's weights "
+            f"then change only every {sync_every} steps), but mesh spec {spec!r} names no "
+            f"'replica' axis. Name one: e.g. 'replica=2,fsdp=4' for two groups, or "
+            f"'replica=1,...' for DiLoCo's outer step on a single group; or leave sync_every "
+            f"out for plain training.")
     if sync_every is None:
         if sizes["replica"] > 1:
             raise ValueError(

@@ -14,6 +14,7 @@ Everything else in kdist asks :func:`active` for the distribution in force.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import keras
@@ -210,17 +211,34 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
         >>> keras.distribution.set_distribution(kdist.distribution("auto"))
     """
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
-    config = Parallelism.build(
-        spec, len(devices), gradient_reduction=gradient_reduction,
-        error_feedback=error_feedback, sync_every=sync_every,
-        outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
-        outer_nesterov=outer_nesterov, pipeline_microbatches=pipeline_microbatches,
-        pipeline_repeats=pipeline_repeats, context_parallel=context_parallel,
-        load_balance=load_balance)
+    try:
+        config = Parallelism.build(
+            spec, len(devices), gradient_reduction=gradient_reduction,
+            error_feedback=error_feedback, sync_every=sync_every,
+            outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
+            outer_nesterov=outer_nesterov, pipeline_microbatches=pipeline_microbatches,
+            pipeline_repeats=pipeline_repeats, context_parallel=context_parallel,
+            load_balance=load_balance)
+    except ValueError as e:
+        raise ValueError(_host_devices_hint(spec, devices) or str(e)) from None
     grid = device_grid(devices, config.mesh)
     mesh = DeviceMesh(shape=grid.shape, axis_names=MESH_AXES, devices=grid)
     return KdistDistribution(mesh, config, auto_shard_dataset=auto_shard_dataset,
                              auto_shard=auto_shard, allow_replicated=allow_replicated)
+
+
+def _host_devices_hint(spec, devices) -> str | None:
+    """On a CPU with fewer devices than the spec's sizes need: the fix is
+    ``kdist.force_host_devices`` (a CPU starts as one device), said in the message."""
+    needed = math.prod(int(n) for n in re.findall(r"=\s*(\d+)", str(spec)))
+    platform = getattr(devices[0], "platform", None) or str(devices[0]).partition(":")[0]
+    if needed <= len(devices) or platform.lower() != "cpu":  # keras lists "cpu:0" strings
+        return None
+    return (f"Mesh spec {spec!r} needs {needed} devices, but JAX sees {len(devices)} CPU "
+            f"device(s). On a CPU, present the cores as {needed} devices: call "
+            f"kdist.force_host_devices({needed}) first thing in the script, before anything "
+            f"uses JAX (the recipes' --host-devices {needed}); or use a mesh of "
+            f"{len(devices)} device(s), e.g. 'auto'.")
 
 
 def active() -> KdistDistribution | None:

@@ -55,17 +55,27 @@ from kdist.planning.estimate import (
     theoretical_collective_bytes,
 )
 from kdist.planning.report import Plan
-from kdist.planning.search import candidate_meshes, choose_mesh, mesh_devices
+from kdist.planning.search import (
+    candidate_meshes,
+    check_model_axis,
+    choose_mesh,
+    mesh_devices,
+    model_axis_sizes,
+)
 from kdist.planning.units import (
     USABLE_FRACTION,
     default_device_memory,
+    device_memory_source,
     format_bytes,
     parse_bytes,
 )
 
+AUTO_TRIES = 3  # meshes mesh="auto" compiles at most before it says none fits
+
 __all__ = [
     "USABLE_FRACTION", "Plan", "abstract_batch", "build_abstract", "candidate_meshes",
-    "choose_mesh", "compile_plan", "compile_train_step", "compute_bytes", "cost_model_of",
+    "check_model_axis", "choose_mesh", "compile_plan", "compile_train_step", "compute_bytes",
+    "cost_model_of", "model_axis_sizes",
     "default_device_memory", "dimensions", "estimate", "format_bytes", "memory_breakdown",
     "mesh_devices", "mesh_spec", "parse_bytes", "plan", "precision_policy",
     "preset_backbone_config", "theoretical_collective_bytes", "xla_flops",
@@ -148,6 +158,7 @@ def plan(
         raise ValueError(f"grad_accum={grad_accum} must be a positive divisor of "
                          f"global_batch_size={global_batch_size}.")
     devices = list(devices) if devices is not None else jax.devices()
+    memory_source = "given" if device_memory is not None else device_memory_source(devices[0])
     device_memory = (parse_bytes(device_memory) if device_memory is not None
                      else default_device_memory(devices[0]))
     model_name, model_fn, cost, sequence_length = _resolve_model(
@@ -161,13 +172,17 @@ def plan(
             raise ValueError("mesh='auto' needs the model's cost model (a kdist preset, or a "
                              "model with a cost_model() method); for other models pass an "
                              "explicit mesh such as 'fsdp=8'.")
-        chosen, _, mesh_choice = choose_mesh(
+        chosen, table, mesh_choice = choose_mesh(
             cost, len(devices), device_memory, global_batch_size, sequence_length,
             precision=policy, remat=remat, grad_accum=grad_accum,
             context_parallel=context_parallel,
             pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats)
         mesh = mesh_spec(chosen)
+        auto_candidates = sorted((r for r in table if r.get("rank") is not None),
+                                 key=lambda r: r["rank"])[:AUTO_TRIES]
     sizes = _check_mesh(mesh, devices, global_batch_size, grad_accum)
+    if cost is not None:  # before compiling, with the sizes that can work here
+        check_model_axis(sizes, cost, len(devices))
     if sizes["seq"] > 1 and sequence_length:  # before compiling: the layout's own check
         from kdist.parallel.context import SequenceLayout
 
@@ -184,6 +199,10 @@ def plan(
 
     start = time.perf_counter()
     compiled, state, model_obj = run(sizes, remat, grad_accum)
+    if mesh_choice is not None and verify:  # an estimate can be wrong: compile to confirm
+        mesh, sizes, compiled, state, model_obj, mesh_choice = _verified_auto(
+            auto_candidates, (mesh, sizes, compiled, state, model_obj), mesh_choice,
+            device_memory, devices, global_batch_size, grad_accum, run, remat)
     seconds = time.perf_counter() - start
     if cost is None:
         cost = _task_cost_model(model_obj)
@@ -207,6 +226,7 @@ def plan(
                                         grad_accum, context_parallel, schedule),
         compile_seconds=seconds,
         mesh_choice=mesh_choice,
+        device_memory_source=memory_source,
         pipeline=(stages.summary(cost, sizes, global_batch_size, sequence_length,
                                  *schedule, compute_bytes(policy), grad_accum)
                   if sizes.get("stage", 1) > 1 and cost is not None else None),
@@ -215,6 +235,40 @@ def plan(
         result.suggestion = _report.suggest(
             result, _remat_ratio(cost, sequence_length, remat), run if verify else None)
     return result
+
+
+def _verified_auto(candidates, first, why, device_memory, devices, global_batch_size,
+                   grad_accum, run, remat):
+    """``mesh="auto"``: the planner's choice compiled; if the compiled program does not fit
+    although the estimate did, the next candidates in the planner's order (at most
+    :data:`AUTO_TRIES` in all), the first that fits — and ``why`` says what was tried."""
+    budget = device_memory * USABLE_FRACTION
+    tried, best = [], None
+    if not candidates:  # nothing was estimated to fit: choose_mesh's why says so
+        return (*first, why)
+    for n, row in enumerate(candidates):
+        if n == 0:
+            mesh, sizes, compiled, state, model_obj = first
+        else:
+            mesh = row["mesh"]
+            sizes = _check_mesh(mesh, devices, global_batch_size, grad_accum)
+            compiled, state, model_obj = run(sizes, remat, grad_accum)
+        total = memory_breakdown(compiled, state)["total"]
+        if best is None or total < best[0]:
+            best = (total, (mesh, sizes, compiled, state, model_obj))
+        if total <= budget:
+            break
+        tried.append(f"{mesh} (estimated {format_bytes(row.get('memory', float('nan')))}, "
+                     f"compiled {format_bytes(total)}: does not fit)")
+    else:
+        if tried:
+            why += "; compiled, none of the first fitting estimates fits: " + "; ".join(tried)
+        return (*best[1], why)
+    if tried:
+        why = (f"{mesh}: the estimate's first choices did not fit once compiled — "
+               + "; ".join(tried) + f" — so the next one, {mesh}, compiled to "
+               f"{format_bytes(total)}, fits. Analytic ranking: {why}")
+    return mesh, sizes, compiled, state, model_obj, why
 
 
 def _resolve_model(model, overrides, batch, sequence_length):

@@ -42,6 +42,7 @@ class Plan:
     mesh_choice: str | None = None
     suggestion: dict[str, Any] | None = None
     pipeline: dict[str, Any] | None = None  # kdist.planning.stages.summary, with a stage axis
+    device_memory_source: str = "given"  # where device_memory came from, in words
 
     @property
     def total(self) -> float:
@@ -62,10 +63,13 @@ class Plan:
     def report(self) -> str:
         """The plan as a few lines of text (what ``kdist plan`` prints)."""
         c = self.config
-        lines = [f"plan: {c['model']} ({self.parameters:,} parameters), mesh {mesh_spec(self.mesh)}"
-                 f" over {math.prod(self.mesh.values())} devices, global batch "
-                 f"{c['global_batch_size']} x {c['sequence_length']}, {c['precision']}, "
-                 f"remat {c['remat']}, gradient accumulation {c['grad_accum']}"]
+        lines = [f"device memory: {format_bytes(self.device_memory)} per device "
+                 f"({self.device_memory_source})"]
+        lines.append(f"plan: {c['model']} ({self.parameters:,} parameters), mesh "
+                     f"{mesh_spec(self.mesh)} over {math.prod(self.mesh.values())} devices, "
+                     f"global batch {c['global_batch_size']} x {c['sequence_length']}, "
+                     f"{c['precision']}, remat {c['remat']}, gradient accumulation "
+                     f"{c['grad_accum']}")
         if self.mesh_choice:
             lines.append(f"mesh auto: {self.mesh_choice}")
         lines += self._memory_lines() + self._flops_lines() + self._collective_lines()

@@ -44,6 +44,48 @@ def mesh_devices(spec: str, available: int) -> int:
         return available  # parse_mesh explains what is wrong
 
 
+# What a 'model' axis splits in every kdist family (the vocabulary too, but GPT pads it).
+MODEL_AXIS_SPLITS = ("num_heads", "num_key_value_heads", "intermediate_dim")
+
+
+def model_axis_sizes(num_devices: int, model: Any) -> list[int]:
+    """The ``model`` axis sizes a mesh over ``num_devices`` can have for ``model``: those
+    that divide the device count and every dimension the axis splits.
+
+    Example:
+        >>> model_axis_sizes(8, {"num_heads": 12, "intermediate_dim": 3072})
+        [1, 2, 4]
+    """
+    dims = dimensions(model) if not isinstance(model, Mapping) else {
+        k: v for k, v in model.items() if isinstance(v, int)}
+    return [m for m in range(1, num_devices + 1) if num_devices % m == 0
+            and all(dims[k] % m == 0 for k in MODEL_AXIS_SPLITS if dims.get(k))]
+
+
+def check_model_axis(mesh: Mapping[str, int], model: Any, num_devices: int) -> None:
+    """A ``ValueError`` before anything is built when the mesh's ``model`` axis does not
+    divide a dimension it splits, naming the sizes that would work on these devices (not
+    merely the dimension's divisors: 3, 6 or 12 cannot be a mesh axis over 8 devices).
+
+    Example:
+        >>> check_model_axis({"model": 8}, {"num_heads": 12}, 8)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: num_heads=12 does not divide by the 'model' mesh axis of size 8. ...
+    """
+    size = mesh.get("model", 1)
+    dims = dimensions(model) if not isinstance(model, Mapping) else dict(model)
+    wrong = [f"{k}={dims[k]}" for k in MODEL_AXIS_SPLITS
+             if isinstance(dims.get(k), int) and dims[k] % size]
+    if size > 1 and wrong:
+        sizes = model_axis_sizes(num_devices, dims)
+        raise ValueError(
+            f"{', '.join(wrong)} does not divide by the 'model' mesh axis of size {size}. "
+            f"Over {num_devices} devices the 'model' axis can be "
+            f"{', '.join(map(str, sizes))} for this model; put the other devices on fsdp "
+            f"or data (e.g. 'model={sizes[-1]},fsdp=-1').")
+
+
 def candidate_meshes(num_devices: int, model: Any, global_batch_size: int,
                      grad_accum: int = 1,
                      sequence_length: int | None = None) -> list[dict[str, int]]:
@@ -188,10 +230,13 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
             f"No mesh over {num_devices} devices suits this model and a global batch of "
             f"{global_batch_size}: the batch per step must divide by the data x fsdp axes. "
             f"Use a global batch that is a multiple of {num_devices}.")
-    fitting = [r for r in rows if r["fits"]]
+    fitting = sorted((r for r in rows if r["fits"]),
+                     key=lambda r: (r["bubble"], r["cost"], r["_mesh"]["model"],
+                                    r["_mesh"]["seq"]))
+    for rank, r in enumerate(fitting):  # the order to try them in (kdist.plan verifies)
+        r["rank"] = rank
     if fitting:
-        best = min(fitting, key=lambda r: (r["bubble"], r["cost"], r["_mesh"]["model"],
-                                           r["_mesh"]["seq"]))
+        best = fitting[0]
         why = (f"{best['mesh']}: fits ({format_bytes(best['memory'])} estimated of "
                f"{format_bytes(budget)} usable per device) with the least communication "
                f"({format_bytes(best['wire_bytes'])} per device per step; tensor- and "

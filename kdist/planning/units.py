@@ -63,3 +63,22 @@ def default_device_memory(device=None) -> int:
         return int(stats["bytes_limit"])
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total // max(1, jax.local_device_count())
+
+
+def device_memory_source(device=None) -> str:
+    """Where :func:`default_device_memory`'s figure comes from, in words (a plan's first
+    line says it, so a plan for a CPU host's share is never mistaken for an accelerator's).
+
+    Example:
+        >>> "device" in device_memory_source()
+        True
+    """
+    import jax
+
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return f"the {device.platform} device's own limit"
+    return (f"this host's physical memory shared by its {jax.local_device_count()} "
+            f"{device.platform} devices, as no device memory was given: pass "
+            f"--device-memory (e.g. 80GiB) to plan for an accelerator")

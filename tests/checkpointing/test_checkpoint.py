@@ -168,7 +168,7 @@ def test_damaged_newest_falls_back_or_names_the_file(tmp_path):
     assert str(biggest) in verify_step(tmp_path / "8")[0]
     with pytest.raises(CheckpointError, match=f"{biggest}.*truncated"):
         Checkpoint(tmp_path, data="restart").restore(fresh(None), step=8)
-    # A step directory without the commit marker does not count and is cleaned up; with no
+    # A step directory without the commit marker does not count (and is moved aside); with no
     # intact step left, nothing is moved aside.
     marker = (tmp_path / "4" / "kdist.json").read_bytes()
     (tmp_path / "4" / "kdist.json").unlink()
@@ -184,6 +184,19 @@ def test_damaged_newest_falls_back_or_names_the_file(tmp_path):
     aside = [p.name for p in tmp_path.iterdir() if ".damaged-" in p.name]
     assert len(aside) == 1 and aside[0].startswith("8.damaged-")
     assert committed_steps(tmp_path) == [4]
+
+
+def test_a_step_that_lost_only_its_marker_is_moved_aside_not_deleted(tmp_path):
+    run(tmp_path, epochs=1, save_every_steps=2)  # steps 2 and 4
+    (tmp_path / "4" / "kdist.json").unlink()  # the arrays are all there
+    arrays = sorted(p.relative_to(tmp_path / "4") for p in (tmp_path / "4").rglob("*"))
+    with pytest.warns(UserWarning, match=r"step 4 has no kdist.json \(its commit marker was "
+                                         r"lost\); moved it aside to .*4.damaged-"):
+        _, _, ckpt, _ = run(tmp_path, epochs=1, save_every_steps=2)  # resumes from 2
+    assert ckpt.restored_step == 2 and committed_steps(tmp_path) == [2, 4]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("4.damaged-")]
+    assert len(aside) == 1
+    assert sorted(p.relative_to(aside[0]) for p in aside[0].rglob("*")) == arrays
 
 
 def test_after_a_fallback_training_saves_the_damaged_steps_number_again(tmp_path):

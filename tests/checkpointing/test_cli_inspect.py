@@ -1,5 +1,7 @@
 """`kdist inspect` on a real checkpoint directory: listing, integrity, damage."""
 
+import hashlib
+
 from kdist import cli
 from tests.checkpointing.test_checkpoint import run
 
@@ -27,3 +29,21 @@ def test_inspect_lists_verifies_and_reports_damage(tmp_path, capsys):
 def test_inspect_explains_a_missing_directory(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_relative_path_reads_back_and_lists_what_was_verified(tmp_path, capsys,
+                                                                monkeypatch):
+    """`kdist inspect DIR --read` with DIR relative reported every step DAMAGED (orbax reads
+    absolute paths only), and a user may then delete good checkpoints."""
+    run(tmp_path / "ckpt", epochs=1, save_every_steps=2)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["inspect", "ckpt", "--read"]) == 0
+    out = capsys.readouterr().out
+    assert "DAMAGED" not in out
+    for step in ("2", "4"):
+        files = [f for f in sorted((tmp_path / "ckpt" / step / "default").rglob("*"))
+                 if f.is_file()]
+        for f in files:
+            digest = hashlib.sha256(f.read_bytes()).hexdigest()
+            assert f"{f.relative_to(tmp_path / 'ckpt' / step)}  {f.stat().st_size:,} bytes  " \
+                   f"sha256 {digest} verified" in out

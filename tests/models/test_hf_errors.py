@@ -141,3 +141,23 @@ def test_a_classifier_needs_num_classes_without_a_head(tmp_path):
     # A masked LM whose encoder GELU is not HF's exact one cannot match HF's head.
     with pytest.raises(ValueError, match="has no Hugging Face equivalent"):
         BertMaskedLM.from_pretrained(tmp_path, mlp_activation="gelu")
+
+
+def test_a_config_whose_model_type_does_not_match_its_fields_says_so(gpt2, tmp_path):
+    config = json.loads((gpt2[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    (tmp_path / "model.safetensors").write_bytes((gpt2[0] / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"says model_type 'bert' but has no "
+                                         r"'num_hidden_layers' field.*look like a 'gpt2' "
+                                         r"config: is model_type wrong\?"):
+        BertMaskedLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="says model_type 'bert' but has no"):
+        kdist.hf.backbone_config(tmp_path)
+
+
+def test_integer_weights_are_refused_not_cast(gpt2, tmp_path):
+    tensors = dict(gpt2[1])
+    tensors["transformer.h.0.mlp.c_fc.weight"] = np.ones((64, 256), "int32")
+    with pytest.raises(ValueError, match=r"tensor 'transformer.h.0.mlp.c_fc.weight' is stored "
+                                         r"as I32, not a floating-point type"):
+        GPTCausalLM.from_pretrained(edited(tmp_path, tensors))

@@ -31,7 +31,8 @@ def _model(mesh, config=TINY_GPT, **dist_options):
 def test_one_group_with_a_plain_average_is_plain_training():
     # 4 steps with H = 2: the last step is a sync, so the model's (outer) weights are the
     # plain run's. (H = 1 with inner SGD and several groups: tests/parallel/combinations.py.)
-    run = assert_trains_like_one_device("gpt", "fsdp=8", sync_every=2, steps=4, **PLAIN)
+    run = assert_trains_like_one_device("gpt", "replica=1,fsdp=8", sync_every=2, steps=4,
+                                        **PLAIN)
     assert int(run.model.optimizer.iterations) == 4
 
 

@@ -125,3 +125,36 @@ def test_any_family_is_planned_through_its_cost_model(capsys):
     assert p.mesh_choice and p.mesh["model"] == 2  # the cost model states its dimensions
     assert 1.0 < p.flops["xla"] / p.flops["formula"] < 1.2
     assert p.theoretical_collectives["all-reduce"] > 0
+
+
+def test_auto_compiles_its_choice_and_takes_the_next_when_the_estimate_was_wrong():
+    """gpt2-xl: auto chose data=2,fsdp=2,seq=2 as fitting (63.97 GiB estimated) and the
+    compiled plan then said 95.49 GiB, does not fit. Here, small: data=8 is estimated at
+    54 MiB and compiles to 61 MiB; with 58 MiB usable the next choice must be taken."""
+    memory = int(58 * 2**20 / 0.9)  # 58 MiB usable
+    p = plan("gpt-nano", mesh="auto", global_batch_size=16, sequence_length=256,
+             model_overrides=NANO, device_memory=memory, suggest=False)
+    assert p.fits and mesh_spec(p.mesh) == "data=4,fsdp=2"
+    assert "data=8 (estimated 54.11 MiB, compiled 60.90 MiB: does not fit)" in p.mesh_choice
+    assert p.report().splitlines()[1].startswith("plan: gpt-nano")
+
+
+def test_the_first_line_says_where_the_device_memory_came_from(capsys):
+    p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=64,
+             model_overrides=NANO, suggest=False)
+    first = p.report().splitlines()[0]
+    assert first.startswith("device memory: ") and "shared by its 8 cpu devices" in first
+    assert "pass --device-memory (e.g. 80GiB) to plan for an accelerator" in first
+    p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=64,
+             model_overrides=NANO, suggest=False, device_memory="80GiB")
+    assert p.report().splitlines()[0] == "device memory: 80.00 GiB per device (given)"
+
+
+def test_a_model_axis_is_refused_with_sizes_that_can_form_the_mesh(capsys):
+    """gpt2-small's 12 heads on model=8: the fix offered 3, 6 and 12, which 8 devices
+    cannot form."""
+    assert main(["plan", "--preset", "gpt2-small", "--mesh", "model=8",
+                 "--sequence-length", "128"]) == 2
+    err = capsys.readouterr().err
+    assert "num_heads=12 does not divide by the 'model' mesh axis of size 8. Over 8 " \
+           "devices the 'model' axis can be 1, 2, 4 for this model" in err

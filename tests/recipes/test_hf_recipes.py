@@ -106,7 +106,7 @@ def test_flags_and_directories_are_checked_before_any_work(tmp_path, capsys):
         gpt_finetune.main(["--init-from", str(tmp_path / "bert")])
     write_checkpoint(tmp_path / "gpt2", "gpt2")
     with pytest.raises(ValueError, match="--sequence-length 256 exceeds the 32 positions"):
-        gpt_finetune.main(["--init-from", str(tmp_path / "gpt2")])
+        gpt_finetune.main(["--init-from", str(tmp_path / "gpt2"), "--sequence-length", "256"])
     with pytest.raises(ValueError, match="Pass either --init-from DIR, --pretrained DIR or "
                                          "--from-scratch"):
         bert_finetune.main(["--init-from", str(tmp_path / "bert"), "--from-scratch"])

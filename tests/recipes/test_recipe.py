@@ -40,7 +40,8 @@ def test_recipe_flags_are_checked_before_work(tmp_path):
     with pytest.raises(ValueError, match="--steps \\(10\\) must be a multiple of --eval-every"):
         gpt_pretrain.main(["--steps", "10", "--eval-every", "4", "--output-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--grad-accum \\(3\\) must be a positive divisor"):
-        gpt_pretrain.main(["--grad-accum", "3", "--output-dir", str(tmp_path)])
+        gpt_pretrain.main(["--grad-accum", "3", "--global-batch-size", "16",
+                           "--output-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="describes 4 devices, but 8 are available"):
         gpt_pretrain.main(["--mesh", "fsdp=4", "--output-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--error-feedback needs --gradient-reduction float8"):
@@ -103,6 +104,8 @@ def parse_error(main, argv, capsys) -> str:
     (["--sample-length", "-1"], "argument --sample-length: must be >= 0; got -1"),
     (["--peak-tflops", "0"], "argument --peak-tflops: must be a positive number; got 0"),
     (["--seed", "-1"], "argument --seed: must be >= 0; got -1"),
+    (["--checkpoint-every", "-1"], "argument --checkpoint-every: must be >= 0; got -1"),
+    (["--remat", "all"], "argument --remat: invalid choice: 'all' (choose from 'none', 'block')"),
     (["--init-from", "/no/such/checkpoint"], "argument --init-from: /no/such/checkpoint: no such "
                                              "file or directory. Pass an existing checkpoint dir"),
     (["--encoding", "klingon"], "argument --encoding: unknown text encoding 'klingon'. Pass a "
@@ -120,8 +123,6 @@ def test_flags_wrong_together_fail_before_any_model(tmp_path):
                                          "--preset gpt-nano. Pass --sequence-length 256 or less"):
         gpt_pretrain.main(["--sequence-length", "512"] + out)
     with pytest.raises(ValueError, match=r"--warmup-steps \(30\) must be less than --steps "
-                                         r"\(10\).*Pass e.g. --warmup-steps 1"):
-        gpt_pretrain.main(["--steps", "10", "--eval-every", "10"] + out)
-    with pytest.raises(ValueError, match="--checkpoint-every must be >= 0"):
-        gpt_pretrain.main(["--checkpoint-every", "-1"] + out)
+                                         r"\(10\).*Pass e.g. --warmup-steps 2"):
+        gpt_pretrain.main(["--steps", "10", "--warmup-steps", "30"] + out)
     assert not (tmp_path / "out").exists()

@@ -26,6 +26,8 @@ from kdist.models.hf.stacked import StackedMap, stacked_map
 from kdist.models.hf.tensors import Split, TensorMap, Transpose
 
 MODEL_TYPE = "bert"
+# Fields every bert config.json has (to tell a mislabelled model_type in an error).
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "type_vocab_size")
 PREFIX = "bert."
 IGNORED = re.compile(r"(bert\.)?embeddings\.position_ids|cls\.predictions\.decoder\.(weight|bias)"
                      r"|cls\.seq_relationship\.(weight|bias)")

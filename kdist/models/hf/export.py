@@ -31,12 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kdist.models.hf import loading, stacked
+from kdist.models.hf import exported_config, loading, stacked
 from kdist.models.hf.checkpoint import CONFIG, INDEX, WEIGHTS
 from kdist.models.hf.tensors import TensorMap, assemble
 
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
+GENERATION_CONFIG = "generation_config.json"
+GPT2_DEFAULT_TOKEN = 50256  # what transformers assumes when config.json names no token ids
 
 
 def export_family(backbone):
@@ -135,7 +137,7 @@ def _numpy(dtype: str):
 
 
 def export(model, directory: str | os.PathLike, tokenizer=None, dtype: str = "float32",
-           max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES, label_names=None) -> Path:
     """Writes ``model`` (a kdist task or backbone, sharded or not) as a Hugging Face
     checkpoint in ``directory``; returns the directory.
 
@@ -143,9 +145,15 @@ def export(model, directory: str | os.PathLike, tokenizer=None, dtype: str = "fl
         tokenizer: a keras-hub ``BytePairTokenizer`` or ``WordPieceTokenizer`` whose files
             (``tokenizer.json`` / ``vocab.json`` + ``merges.txt`` / ``vocab.txt``) go beside
             the weights, so the directory is complete for ``from_pretrained`` and for
-            ``transformers``; None writes weights and config only.
+            ``transformers`` (which then gives the same ids); its special tokens' ids go
+            into ``config.json`` (and a causal LM's ``generation_config.json``). None
+            writes weights and config only.
         dtype: of the stored tensors: ``"float32"`` (exact) or ``"bfloat16"``/``"float16"``.
         max_shard_bytes: above this, weights are split into shards with an index.
+        label_names: a classifier's class names, in class order (``id2label``).
+
+    A model loaded with ``from_pretrained`` keeps its source ``config.json``'s fields
+    (:mod:`kdist.models.hf.exported_config`).
 
     Example:
         >>> lm = kdist.models.GPTCausalLM.from_preset("gpt-nano", vocabulary_size=512)
@@ -161,14 +169,7 @@ def export(model, directory: str | os.PathLike, tokenizer=None, dtype: str = "fl
     backbone = getattr(model, "backbone", model)
     family = export_family(backbone)
     config = _mapping_config(model, backbone)
-    paths = {w.path for w in model.weights}
-    hf_config = (family.hf_config(config, paths) if family.MODEL_TYPE == "bert"
-                 else family.hf_config(config))
-    if "num_classes" in config:
-        hf_config.update(num_labels=config["num_classes"],
-                         id2label={str(i): f"LABEL_{i}" for i in range(config["num_classes"])},
-                         label2id={f"LABEL_{i}": i for i in range(config["num_classes"])})
-    hf_config.update(torch_dtype=dtype)
+    hf_config = _hf_config(model, family, config, tokenizer, label_names, dtype)
     groups = _plan(model, family, config)
     shapes = {key: group[0][0].hf_shape for key, group in groups.items()}
     itemsize = np.dtype(_numpy(dtype)).itemsize
@@ -195,12 +196,38 @@ def export(model, directory: str | os.PathLike, tokenizer=None, dtype: str = "fl
             from kdist.models.hf.tokenizers import save_tokenizer
 
             save_tokenizer(tokenizer, directory, config["max_sequence_length"])
+        if family.MODEL_TYPE != "bert":  # what transformers' generate() reads
+            _atomic_text(directory / GENERATION_CONFIG,
+                         json.dumps(exported_config.generation_config(hf_config), indent=2))
         _atomic_text(directory / CONFIG, json.dumps(hf_config, indent=2))
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("kdist.hf.export")
     return directory
+
+
+def _hf_config(model, family, config: dict, tokenizer, label_names, dtype: str) -> dict:
+    """``config.json``: the family's fields, the source's kept where they read the same,
+    the tokenizer's token ids, a classifier's labels, the stored dtype."""
+    paths = {w.path for w in model.weights}
+    generated = (family.hf_config(config, paths) if family.MODEL_TYPE == "bert"
+                 else family.hf_config(config))
+    source = exported_config.source_config(model)
+    generated.update(exported_config.token_ids(tokenizer))
+    if (family.MODEL_TYPE == "gpt2" and "eos_token_id" not in generated
+            and not (source or {}).get("eos_token_id")
+            and config["vocabulary_size"] <= GPT2_DEFAULT_TOKEN):
+        # Unknown, and transformers' default (50256) is not a token of this vocabulary.
+        generated.update(bos_token_id=None, eos_token_id=None)
+    if "num_classes" in config:
+        generated.update(exported_config.labels(config["num_classes"], label_names, source))
+    elif label_names is not None:
+        raise ValueError("label_names is for a classifier (BertClassifier); this model has "
+                         "no classification head.")
+    hf_config = exported_config.merged(generated, source, family.backbone_config)
+    hf_config.update(torch_dtype=dtype)
+    return hf_config
 
 
 def _write_file(path: Path, keys, groups, shapes, dtype: str, writer: bool) -> None:

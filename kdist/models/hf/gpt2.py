@@ -24,6 +24,8 @@ from kdist.models.hf.stacked import StackedMap, stacked_map
 from kdist.models.hf.tensors import Pad, Split, TensorMap, Transpose
 
 MODEL_TYPE = "gpt2"
+# Fields every gpt2 config.json has (to tell a mislabelled model_type in an error).
+REQUIRED = ("n_embd", "n_layer", "n_head", "vocab_size")
 PREFIX = "transformer."
 # Stored buffers that are not weights: the causal mask of older checkpoints.
 IGNORED = re.compile(r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias")

@@ -23,6 +23,8 @@ from kdist.models.hf.tensors import Pad, Split, TensorMap, Transpose
 from kdist.models.rope import LLAMA3_FIELDS
 
 MODEL_TYPE = "llama"
+# Fields every llama config.json has (to tell a mislabelled model_type in an error).
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps")
 PREFIX = "model."
 IGNORED = re.compile(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 OPTIONAL: tuple[str, ...] = ()

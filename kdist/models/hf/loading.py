@@ -32,17 +32,19 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import keras
 import numpy as np
 
 from kdist import _keras_compat
-from kdist.models.hf import bert, gpt2, llama, stacked
+from kdist.models.hf import bert, exported_config, gpt2, llama, stacked
 from kdist.models.hf.checkpoint import HFCheckpoint, read_config
 from kdist.models.hf.tensors import TensorMap
 from kdist.parallel.layout import current_mesh_shape, divisors
 
 FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, bert, llama)}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors names of the weights kdist reads
 
 
 def family_for(model_type: str, cls=None) -> object:
@@ -71,7 +73,24 @@ def backbone_config(directory: str | os.PathLike) -> dict:
         12
     """
     config = read_config(directory)
-    return family_for(config["model_type"]).backbone_config(config)
+    return family_config(family_for(config["model_type"]), config, directory)
+
+
+def family_config(family, config: dict, directory) -> dict:
+    """``family.backbone_config(config)``; a field the family needs that the file lacks is a
+    ``ValueError`` saying which, and which family the file's fields look like instead."""
+    try:
+        return family.backbone_config(config)
+    except KeyError as e:
+        field = e.args[0]
+        looks = [name for name, other in FAMILIES.items() if other is not family
+                 and all(k in config for k in getattr(other, "REQUIRED", ()))]
+        hint = (f"; its fields look like a {' or '.join(repr(n) for n in looks)} config: is "
+                f"model_type wrong?" if looks else "")
+        raise ValueError(
+            f"{Path(directory) / 'config.json'} says model_type {family.MODEL_TYPE!r} but has "
+            f"no {field!r} field, which a {family.MODEL_TYPE} config needs (it has "
+            f"{sorted(config)[:12]}){hint} Fix model_type or the missing field.") from None
 
 
 def arguments(cls) -> set[str]:
@@ -140,6 +159,11 @@ def plan_load(model, family, config: dict, ckpt: HFCheckpoint):
                 problems.append(f"tensor '{name}' has shape {ckpt.shape(name)} in the "
                                 f"checkpoint but this model needs {part.hf_shape} (for "
                                 f"'{path}' {tuple(variable.shape)})")
+            if name is not None and ckpt.tensors[name][2] not in FLOAT_DTYPES:
+                problems.append(f"tensor '{name}' is stored as {ckpt.tensors[name][2]}, not a "
+                                f"floating-point type ({', '.join(FLOAT_DTYPES)}): a weight "
+                                f"cast from integers is not the model that was saved "
+                                f"(quantised checkpoints are not supported)")
             found.append(name)
         missing = [part for part, name in zip(stacked.parts(tensor_map), found) if name is None]
         if len(missing) == len(found) and path.startswith(family.OPTIONAL):
@@ -236,7 +260,7 @@ def load_pretrained(cls, directory: str | os.PathLike, **kwargs):
     if unknown:
         raise TypeError(f"{cls.__name__}.from_pretrained got unknown arguments {unknown}; it "
                         f"takes the task's arguments and {backbone_class.__name__} fields.")
-    config = {**family.backbone_config(ckpt.config), **kwargs}
+    config = {**family_config(family, ckpt.config, ckpt.directory), **kwargs}
     _check_mesh(config, family)
     pending = _keras_compat.pending_variable_count()  # a caller's own stay as they are
     try:
@@ -272,6 +296,7 @@ def load_pretrained(cls, directory: str | os.PathLike, **kwargs):
                       f"and keep their random initialisation: {absent[:6]}"
                       f"{' ...' if len(absent) > 6 else ''} (a head the checkpoint does not "
                       f"have: train it).", stacklevel=3)
+    exported_config.remember_source(model, ckpt.config)  # an export keeps its fields
     return model
 
 

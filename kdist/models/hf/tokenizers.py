@@ -152,12 +152,22 @@ def save_tokenizer(tokenizer, directory: str | os.PathLike, max_length: int) -> 
 
     Byte-pair: ``vocab.json``, ``merges.txt`` and a ``tokenizer.json`` that records the
     exact pipeline the tokenizer encodes with (kdist's own vocabularies split like Llama 3,
-    not like GPT-2, so ``vocab.json`` + ``merges.txt`` alone would tokenize differently).
-    WordPiece: ``vocab.txt``. Both with ``tokenizer_config.json``.
+    not like GPT-2, so ``vocab.json`` + ``merges.txt`` alone would tokenize differently:
+    ``transformers``' ``GPT2Tokenizer`` rebuilds GPT-2's pipeline from them and splits
+    ``".\\n\\n"`` into three tokens where kdist has one). ``tokenizer_config.json`` therefore
+    names ``PreTrainedTokenizerFast``, which reads ``tokenizer.json`` as it is. WordPiece:
+    ``vocab.txt``. Both with ``tokenizer_config.json`` and the special tokens.
+
+    Example:
+        >>> save_tokenizer(tokenizer, "out/", max_length=256)   # doctest: +SKIP
+        ['vocab.json', 'merges.txt', 'tokenizer.json', 'tokenizer_config.json']
     """
     import tokenizers as hf_tokenizers
 
+    from kdist.models.hf.exported_config import special_tokens
+
     directory = Path(directory)
+    tokens = special_tokens(tokenizer)
     if isinstance(tokenizer, keras_hub.tokenizers.BytePairTokenizer):
         vocabulary = dict(tokenizer.vocabulary)
         merges = [m for m in tokenizer.merges if not m.startswith("#version")]
@@ -166,23 +176,26 @@ def save_tokenizer(tokenizer, directory: str | os.PathLike, max_length: int) -> 
         (directory / MERGES).write_text("#version: 0.2\n" + "\n".join(merges) + "\n",
                                         encoding="utf-8")
         backend = _keras_compat.byte_pair_backend(tokenizer)  # what it encodes with
+        names = [VOCAB_JSON, MERGES]
         if isinstance(backend, hf_tokenizers.Tokenizer):
             backend.save(str(directory / TOKENIZER_JSON))
-        specials = sorted(set(tokenizer.unsplittable_tokens or []))
-        end = GPT2_END if GPT2_END in vocabulary else (specials[0] if specials else None)
+            names.append(TOKENIZER_JSON)
         llama = isinstance(tokenizer, keras_hub.tokenizers.Llama3Tokenizer)
-        config = {"tokenizer_class": "PreTrainedTokenizerFast" if llama else "GPT2Tokenizer",
+        exact = TOKENIZER_JSON in names  # else GPT-2's own pipeline, from the two files
+        config = {"tokenizer_class": "PreTrainedTokenizerFast" if exact else "GPT2Tokenizer",
                   "model_max_length": max_length, "add_prefix_space": False,
-                  "bos_token": getattr(tokenizer, "start_token", None) or end,
-                  "eos_token": getattr(tokenizer, "end_token", None) or end,
-                  **({} if llama else {"unk_token": end})}
-        names = [VOCAB_JSON, MERGES, TOKENIZER_JSON]
+                  "bos_token": tokens["bos"], "eos_token": tokens["eos"],
+                  **({} if llama else {"unk_token": tokens["unk"]})}
     elif isinstance(tokenizer, keras_hub.tokenizers.WordPieceTokenizer):
         (directory / VOCAB_TXT).write_text("\n".join(tokenizer.get_vocabulary()) + "\n",
                                            encoding="utf-8")
         config = {"tokenizer_class": "BertTokenizer", "model_max_length": max_length,
                   "do_lower_case": bool(tokenizer.lowercase),
-                  "strip_accents": bool(tokenizer.strip_accents)}
+                  "strip_accents": bool(tokenizer.strip_accents),
+                  **{f"{k}_token": t for k, t in (("pad", "[PAD]"), ("unk", "[UNK]"),
+                                                  ("cls", "[CLS]"), ("sep", "[SEP]"),
+                                                  ("mask", "[MASK]"))
+                     if t in tokenizer.get_vocabulary()}}
         names = [VOCAB_TXT]
     else:
         raise TypeError(f"Cannot write a {type(tokenizer).__name__} as Hugging Face files; "

@@ -1,0 +1,226 @@
+"""What every recipe does around its model, after the flags are parsed: devices, mesh,
+distribution, precision, and where a run stands (new, resumed, or finished).
+
+The recipes import this module only once their flags are checked (``recipe_options``):
+it is the first to load kdist, JAX and Keras.
+
+    state = run_state(args, output_dir, fit_steps=args.steps)
+    if state.finished:
+        return state.leave_alone()      # says so; writes nothing
+    mesh, lines = resolve_mesh(args, cost_model)
+    state.announce(mesh)                # "resuming DIR at step N of M on mesh X"
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import kdist  # before keras: it selects Keras' JAX backend if none is chosen
+
+# isort: split
+import jax
+import keras
+from recipe_options import check_together, settle_batch
+
+DEFAULT_SYNC_EVERY = 50
+
+
+def start(args: argparse.Namespace) -> None:
+    """Checks ``--profile-steps``, presents the host devices (before JAX starts them) and
+    joins the cluster when launched as several processes (a no-op alone)."""
+    kdist.callbacks.parse_profile_steps(args.profile_steps)
+    if args.host_devices:
+        kdist.force_host_devices(args.host_devices)
+    kdist.initialize()
+
+
+def precision(args: argparse.Namespace) -> str:
+    """``float32`` or ``bfloat16``: ``--precision auto`` is float32 on CPU only."""
+    if args.precision != "auto":
+        return args.precision
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def resolve_mesh(args: argparse.Namespace, cost_model, sequence_length: int,
+                 dtype: str) -> tuple[str, list[str]]:
+    """The mesh spec to train on and the lines that explain a choice. ``--mesh auto`` is the
+    planner's choice for every recipe (the mesh that fits with the least communication,
+    ``kdist.plan.choose_mesh``) for the model's cost model; the batch is the default one
+    (``--global-batch-size`` may be rounded up afterwards to fit the mesh chosen)."""
+    if args.mesh.strip().lower() != "auto":
+        return args.mesh, []
+    batch = args.global_batch_size or args._defaults["global_batch_size"]
+    chosen, _, why = kdist.plan.choose_mesh(
+        cost_model, jax.device_count(), kdist.plan.default_device_memory(), batch,
+        sequence_length, precision=dtype, remat=args.remat == "block",
+        grad_accum=args.grad_accum, context_parallel=args.context_parallel,
+        pipeline_microbatches=args.pipeline_microbatches,
+        pipeline_repeats=args.pipeline_repeats)
+    return kdist.plan.mesh_spec(chosen), [f"mesh auto: {why}"]
+
+
+def settle_mesh_defaults(args: argparse.Namespace, mesh: str) -> list[str]:
+    """The defaults that depend on the mesh: the global batch (a multiple of the batch
+    shards: replica x data x fsdp, x the pipeline's microbatches, x --grad-accum) and,
+    with a replica axis, ``--sync-every``. Returns the lines for the log."""
+    sizes = kdist.parse_mesh(mesh, jax.device_count())
+    shards = sizes["replica"] * sizes["data"] * sizes["fsdp"] * args.grad_accum
+    if sizes["stage"] > 1:
+        shards *= args.pipeline_microbatches or sizes["stage"]
+    lines = settle_batch(args, shards)
+    if sizes["replica"] > 1 and args.sync_every is None:
+        args.sync_every = DEFAULT_SYNC_EVERY
+        lines.append(f"--sync-every {DEFAULT_SYNC_EVERY} (default with a replica axis in "
+                     f"--mesh {mesh}: DiLoCo groups synchronise every {DEFAULT_SYNC_EVERY} "
+                     f"steps)")
+    return lines
+
+
+def set_distribution(args: argparse.Namespace, mesh: str, dtype: str) -> None:
+    """Sets the Keras distribution (every mesh feature flag) and the dtype policy: before
+    any model is built."""
+    keras.distribution.set_distribution(kdist.distribution(
+        mesh, gradient_reduction=args.gradient_reduction, error_feedback=args.error_feedback,
+        sync_every=args.sync_every, outer_learning_rate=args.outer_learning_rate,
+        outer_momentum=args.outer_momentum, context_parallel=args.context_parallel,
+        load_balance=not args.no_load_balance, pipeline_microbatches=args.pipeline_microbatches,
+        pipeline_repeats=args.pipeline_repeats))
+    keras.config.set_dtype_policy("mixed_bfloat16" if dtype == "bfloat16" else "float32")
+
+
+def prepare(args: argparse.Namespace, state: RunState, cost_model, chosen: list[str]) -> str:
+    """Everything between the flags and the data, in order: the seed, the precision, the
+    mesh (``auto``: the planner's), the defaults that depend on it, the "resuming" line
+    first, then what was chosen, the checks of the sequence against a ``seq`` axis, the
+    distribution, the output directory. Returns the precision."""
+    keras.utils.set_random_seed(args.seed)
+    dtype = precision(args)
+    mesh, explained = resolve_mesh(args, cost_model, args.sequence_length, dtype)
+    chosen = chosen + settle_mesh_defaults(args, mesh)
+    check_together(args)
+    state.announce(mesh)
+    for line in explained + [f"default {line}" for line in chosen]:
+        print(line)
+    check_context(args, mesh)
+    try:  # a model axis the heads do not divide: the sizes these devices can form
+        kdist.plan.check_model_axis(kdist.parse_mesh(mesh, jax.device_count()), cost_model,
+                                    jax.device_count())
+    except ValueError as e:
+        raise ValueError(f"--mesh {mesh}: {e}") from None
+    set_distribution(args, mesh, dtype)
+    state.output_dir.mkdir(parents=True, exist_ok=True)
+    return dtype
+
+
+def check_context(args: argparse.Namespace, mesh: str) -> None:
+    """A seq axis must split --sequence-length evenly (into 2 x seq chunks when balanced)."""
+    from kdist.parallel.context import SequenceLayout
+
+    seq = kdist.parse_mesh(mesh, jax.device_count())["seq"]
+    if seq > 1:
+        try:
+            SequenceLayout(args.sequence_length, seq, balanced=not args.no_load_balance)
+        except ValueError as e:
+            raise ValueError(f"--sequence-length {args.sequence_length} on --mesh {mesh}: "
+                             f"{e}") from None
+
+
+def remat(args: argparse.Namespace) -> bool:
+    """The models' ``remat`` argument of ``--remat none|block``."""
+    return args.remat == "block"
+
+
+def flag_values(args: argparse.Namespace) -> dict:
+    """The flags as they were used (for summary.json), without the parser's bookkeeping."""
+    return {k: v for k, v in vars(args).items() if not k.startswith("_")}
+
+
+@dataclasses.dataclass
+class RunState:
+    """Where the run in ``checkpoint_dir`` stands before anything is built: its newest
+    committed step (in ``fit`` steps: micro-batches), the mesh it was saved on, the steps
+    this run asks for in all."""
+
+    checkpoint_dir: Path
+    output_dir: Path
+    saved_step: int
+    saved_mesh: str | None
+    fit_steps: int
+    grad_accum: int
+
+    @property
+    def finished(self) -> bool:
+        return self.saved_step >= self.fit_steps
+
+    @property
+    def resumed(self) -> bool:
+        return 0 < self.saved_step < self.fit_steps
+
+    def announce(self, mesh: str) -> None:
+        """Prints where a resumed run continues; first, before data or models."""
+        if not self.resumed:
+            return
+        moved = (f" (saved on mesh {self.saved_mesh}: resharded as it is read)"
+                 if self.saved_mesh and self.saved_mesh != mesh else "")
+        print(f"resuming {self.checkpoint_dir} at step {self.saved_step // self.grad_accum} "
+              f"of {self.fit_steps // self.grad_accum} on mesh {mesh}{moved}", flush=True)
+
+    def leave_alone(self, args: argparse.Namespace) -> dict:
+        """What a rerun of a finished run does: says so, writes nothing."""
+        done = self.saved_step // self.grad_accum
+        print(f"{self.output_dir}: this run finished at step {done} (checkpoint "
+              f"{self.checkpoint_dir / str(self.saved_step)}), so there is nothing to train "
+              f"and its outputs are left as they are. To train it further pass a larger "
+              f"--steps (e.g. --steps {2 * done}); for a new run pass another --output-dir.",
+              flush=True)
+        return dict(flag_values(args), finished=True, resumed_from_step=done, tokens=0)
+
+
+def run_state(args: argparse.Namespace, output_dir: Path) -> RunState:
+    """Reads the checkpoint directory's newest committed step (none: a new run, whose old
+    throughput log is removed so the new one starts afresh)."""
+    from kdist.checkpointing import committed_steps, read_metadata
+
+    checkpoint_dir = Path(args.checkpoint_dir or output_dir / "checkpoints")
+    steps = committed_steps(checkpoint_dir)
+    saved_step, saved_mesh = 0, None
+    if steps:
+        try:
+            meta = read_metadata(checkpoint_dir / str(steps[-1]))
+            saved_step, saved_mesh = int(meta["step"]), meta.get("mesh", {}).get("spec")
+        except (kdist.callbacks.CheckpointError, KeyError, ValueError):
+            saved_step = steps[-1]  # damaged: the Checkpoint callback will say how
+    elif jax.process_index() == 0 and output_dir.is_dir():
+        (output_dir / kdist.callbacks.throughput.JSONL_NAME).unlink(missing_ok=True)
+    return RunState(checkpoint_dir, output_dir, saved_step, saved_mesh,
+                    args.steps * args.grad_accum, args.grad_accum)
+
+
+def fit_callbacks(args: argparse.Namespace, state: RunState, model, train_data,
+                  init_from=None, flops_per_token=None) -> tuple[list, int]:
+    """``fit``'s callbacks — ``Throughput`` (tokens/s, MFU, memory, goodput into
+    throughput.jsonl, TensorBoard and the progress bar), ``CSVLogger`` (process 0), and
+    ``Checkpoint`` last (on SIGTERM it saves, then exits after on_train_end) — and the step
+    this run starts from. The checkpoint is restored now, not in ``fit``: that positions
+    ``train_data`` and lets the "before" validation describe the resumed model. Checkpoint
+    steps count ``fit`` batches (micro-batches with ``--grad-accum``)."""
+    throughput = kdist.callbacks.Throughput(
+        args.global_batch_size, args.sequence_length, log_dir=state.output_dir,
+        log_every=args.log_every, peak_tflops=args.peak_tflops,
+        flops_per_token=flops_per_token,
+        profile_steps=kdist.callbacks.parse_profile_steps(args.profile_steps))
+    checkpoint = kdist.callbacks.Checkpoint(
+        state.checkpoint_dir, save_every_steps=args.checkpoint_every * args.grad_accum or None,
+        data=train_data, resume="required" if args.resume else "auto", init_from=init_from,
+        throughput=throughput)
+    start_step = checkpoint.restore(model) // args.grad_accum
+    log = ([keras.callbacks.CSVLogger(str(state.output_dir / "log.csv"), append=start_step > 0)]
+           if jax.process_index() == 0 else [])  # one writer when there are several
+    return [throughput, *log, checkpoint], start_step
+
+
+def trained_tokens(args: argparse.Namespace, start_step: int) -> int:
+    """Tokens this process's run trained: the steps after ``start_step`` (optimizer steps)."""
+    return (args.steps - start_step) * args.global_batch_size * args.sequence_length

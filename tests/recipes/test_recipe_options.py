@@ -1,0 +1,119 @@
+"""The flags every recipe shares (recipes/recipe_options.py): one spelling in all four, the
+same ``--remat`` as ``kdist plan``, and defaults that adapt to the flags they depend on —
+checked against every legal value of those flags — while a value the user typed is refused
+when it cannot work."""
+
+import sys
+
+import pytest
+
+import kdist
+from kdist import cli
+from tests.helpers import RECIPES
+
+sys.path.insert(0, str(RECIPES))
+import bert_finetune  # noqa: E402
+import bert_pretrain  # noqa: E402
+import gpt_finetune  # noqa: E402
+import gpt_pretrain  # noqa: E402
+import recipe_options  # noqa: E402
+
+RECIPE_MODULES = {"gpt_pretrain": gpt_pretrain, "bert_pretrain": bert_pretrain,
+                  "bert_finetune": bert_finetune, "gpt_finetune": gpt_finetune}
+NEEDS = {"gpt_finetune": ["--init-from", "."]}  # its one required flag
+SHARED = ["--mesh", "--host-devices", "--gradient-reduction", "--error-feedback",
+          "--sync-every", "--outer-learning-rate", "--outer-momentum", "--context-parallel",
+          "--no-load-balance", "--pipeline-microbatches", "--pipeline-repeats", "--steps",
+          "--global-batch-size", "--grad-accum", "--learning-rate", "--warmup-steps",
+          "--weight-decay", "--eval-every", "--precision", "--remat", "--seed", "--output-dir",
+          "--log-every", "--peak-tflops", "--profile-steps", "--checkpoint-dir",
+          "--checkpoint-every", "--resume"]
+# Every --steps a user may type that the defaults depend on: tiny, prime, round, odd.
+STEPS = [1, 2, 7, 9, 10, 20, 29, 50, 70, 97, 100, 150, 199, 200, 300, 1000, 1234]
+
+
+def parse(name, argv):
+    return RECIPE_MODULES[name].parse_args(NEEDS.get(name, []) + argv)
+
+
+def flags(name) -> set[str]:
+    parser = RECIPE_MODULES[name].build_parser()
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def test_every_recipe_has_the_same_mesh_schedule_run_and_checkpoint_flags():
+    for name in RECIPE_MODULES:
+        missing = [f for f in SHARED if f not in flags(name)]
+        assert not missing, f"{name} lacks {missing}"
+
+
+@pytest.mark.parametrize("name", RECIPE_MODULES)
+def test_no_default_refuses_a_legal_steps_value(name):
+    """`--steps 20` failed with '--warmup-steps (30) must be less than --steps (20)', a
+    flag the user never typed; `--steps 70` with '--steps must be a multiple of
+    --eval-every (50)'."""
+    for steps in STEPS:
+        args = parse(name, ["--steps", str(steps)])
+        chosen = recipe_options.settle_defaults(args)
+        assert 0 <= args.warmup_steps < steps or args.warmup_steps == 0, steps
+        assert args.warmup_steps <= args._defaults["warmup_steps"]
+        assert steps % args.eval_every == 0, steps
+        assert steps // args.eval_every <= max(20, steps // 10), steps  # not every step
+        for line in chosen:  # the log says what each adapted default chose, and why
+            assert line.startswith(("--warmup-steps", "--eval-every")) and "default" in line
+
+
+def test_what_the_defaults_choose_is_said():
+    args = parse("gpt_pretrain", ["--steps", "20"])
+    assert recipe_options.settle_defaults(args) == [
+        "--warmup-steps 4 (default: min(30, --steps // 5))"]
+    args = parse("gpt_pretrain", ["--steps", "97"])
+    assert "--eval-every 97 (default: only at the end: no divisor of --steps near it)" in \
+        recipe_options.settle_defaults(args)
+    args = parse("gpt_pretrain", [])
+    assert recipe_options.settle_defaults(args) == []  # the usual 200 / 30 / 50
+    assert (args.warmup_steps, args.eval_every) == (30, 50)
+
+
+def test_a_typed_value_that_cannot_work_is_refused_naming_it():
+    for name in RECIPE_MODULES:
+        args = parse(name, ["--steps", "20", "--warmup-steps", "30"])
+        with pytest.raises(ValueError, match=r"--warmup-steps \(30\) must be less than "
+                                             r"--steps \(20\).*Pass e.g. --warmup-steps 4"):
+            recipe_options.settle_defaults(args)
+        args = parse(name, ["--steps", "70", "--eval-every", "50"])
+        with pytest.raises(ValueError, match=r"--steps \(70\) must be a multiple of "
+                                             r"--eval-every \(50\)\. Pass e.g\. --eval-every 35"):
+            recipe_options.settle_defaults(args)
+
+
+def test_the_batch_default_rounds_up_to_the_mesh_a_typed_batch_does_not():
+    args = parse("gpt_pretrain", ["--grad-accum", "3"])
+    assert recipe_options.settle_batch(args, 8 * 3) and args.global_batch_size == 24
+    args = parse("gpt_pretrain", ["--grad-accum", "3", "--global-batch-size", "16"])
+    with pytest.raises(ValueError, match=r"--grad-accum \(3\) must be a positive divisor of "
+                                         r"--global-batch-size \(16\)"):
+        recipe_options.check_together(args)
+
+
+def test_sync_every_without_a_replica_axis_is_refused():
+    """It silently wrapped the optimizer in one DiLoCo group: weights moved every H steps."""
+    for mesh in ("auto", "fsdp=8", "data=8"):
+        args = parse("gpt_pretrain", ["--mesh", mesh, "--sync-every", "5"])
+        with pytest.raises(ValueError, match=rf"--sync-every 5 .* --mesh {mesh} has none"):
+            recipe_options.check_together(args)
+    recipe_options.check_together(parse("gpt_pretrain", ["--mesh", "replica=2,data=4",
+                                                         "--sync-every", "5"]))
+    # The library says so too (its tests/parallel home is being redesigned meanwhile).
+    with pytest.raises(ValueError, match="names no 'replica' axis.*'replica=1,...'"):
+        kdist.distribution("fsdp=8", sync_every=2)
+    assert kdist.distribution("replica=1,fsdp=8", sync_every=2).sync_every == 2
+
+
+def test_remat_takes_the_same_values_in_the_recipes_and_kdist_plan():
+    plan = cli.build_parser()
+    for argv, want in ((["--remat"], "block"), (["--remat", "block"], "block"),
+                       (["--remat", "none"], "none"), ([], "none")):
+        assert plan.parse_args(["plan", *argv]).remat == want
+        for name in RECIPE_MODULES:
+            assert parse(name, argv).remat == want, name

@@ -1,0 +1,42 @@
+"""A recipe answers ``--help`` and a bad flag at once: its flags are parsed and checked
+before TensorFlow, JAX and Keras load (that took 35 s to minutes on a loaded machine), and
+``--help`` shows every default."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import RECIPES, child_environment
+
+RECIPE_FILES = ["gpt_pretrain.py", "bert_pretrain.py", "bert_finetune.py", "gpt_finetune.py"]
+HEAVY = ("jax", "keras", "tensorflow", "kdist", "numpy")
+
+
+def run(*argv) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                          env=child_environment(), timeout=120, cwd=RECIPES.parent)
+    return done, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("recipe", RECIPE_FILES)
+def test_help_and_a_bad_flag_answer_in_under_3_s(recipe):
+    shown, seconds = run(str(RECIPES / recipe), "--help")
+    assert shown.returncode == 0 and seconds < 3, (seconds, shown.stderr[-2000:])
+    assert "(default: auto)" in shown.stdout  # --mesh: every default is printed
+    assert "--checkpoint-every" in shown.stdout and "--sync-every" in shown.stdout
+    bad, seconds = run(str(RECIPES / recipe), "--steps", "x")
+    assert bad.returncode == 2 and seconds < 3, (seconds, bad.stderr[-2000:])
+    assert "argument --steps: expected an integer, got 'x'" in bad.stderr
+
+
+def test_parsing_and_checking_the_flags_imports_nothing_heavy():
+    code = ("import sys; sys.path.insert(0, 'recipes'); import gpt_pretrain, recipe_options; "
+            "args = gpt_pretrain.parse_args(['--steps', '20']); "
+            "recipe_options.settle_defaults(args); recipe_options.check_together(args); "
+            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    done, _ = run("-c", code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
