@@ -49,12 +49,10 @@ def _built(a, b, note=""):
     return Rule(a, b, True, note)
 
 
-def _refused(a, b, note):
+def refused(a, b, note):
+    """A pair that does not combine; ``note`` names why and what to use instead, with
+    ``{a}`` / ``{b}`` for the two features' descriptions."""
     return Rule(a, b, False, note)
-
-
-_NOT_YET = ("has not been built or tested together with {b} yet. Use {a} with data, fsdp "
-            "and model, or leave {b} out.")
 
 RULES: tuple[Rule, ...] = (
     _built("data", "fsdp"), _built("data", "model"), _built("fsdp", "model"),
@@ -79,13 +77,14 @@ assert len(_BY_PAIR) == len(RULES), "a pair of features is in the table twice"
 assert all({r.a, r.b} <= set(FEATURES) for r in RULES)
 
 
-def rule(a: str, b: str) -> Rule:
+def rule(a: str, b: str, rules: tuple[Rule, ...] | None = None) -> Rule:
     """The rule for two features (``reduction`` and ``8-bit`` exclude each other: they are
-    one setting, never a pair)."""
+    one setting, never a pair), from :data:`RULES` (or ``rules``)."""
     for f in (a, b):
         if f not in FEATURES:
             raise ValueError(f"Unknown feature {f!r}; known: {sorted(FEATURES)}.")
-    found = _BY_PAIR.get(frozenset((a, b)))
+    table = _BY_PAIR if rules is None else {frozenset((r.a, r.b)): r for r in rules}
+    found = table.get(frozenset((a, b)))
     if found is None:
         raise ValueError(f"The combination table has no rule for {a} x {b}.")
     return found
@@ -97,11 +96,12 @@ def _describe(feature: str) -> str:
             "replica": "DiLoCo replica groups (sync_every)"}.get(feature, f"the '{feature}' axis")
 
 
-def check(features, spec: str) -> None:
+def check(features, spec: str, rules: tuple[Rule, ...] | None = None) -> None:
     """Raises ``ValueError`` for the first refused pair among ``features`` (a set of
-    :data:`FEATURES` names), with the table's reason, naming the mesh spec and argument."""
+    :data:`FEATURES` names), with the table's reason, naming the mesh spec and argument.
+    ``rules``: another table than :data:`RULES` (for tests)."""
     for a, b in itertools.combinations(sorted(features), 2):
-        r = rule(a, b)
+        r = rule(a, b, rules)
         if not r.built:
             first, second = (r.a, r.b)
             reason = r.note.format(a=_describe(first), b=_describe(second))
