@@ -60,6 +60,7 @@ def pytest_sessionstart(session):
         raise RuntimeError("JAX did not take the compilation cache folder of tests/conftest.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     # Under pytest-xdist (make test: --dist loadgroup), the tests reading the one
     # multi-process launch run on one worker, which launches it once.
