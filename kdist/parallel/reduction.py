@@ -104,7 +104,7 @@ def check(dist, model) -> None:
             f"{asked} computes each device's rows in a manual region, "
             f"where layers {', '.join(foreign[:3])} would draw the same random mask on every "
             f"device. Use kdist.parallel.dropout.Dropout (it draws each "
-            f"device's rows of the global mask), a rate of 0, or gradient_reduction=None.")
+            f"device's rows of the global mask), a rate of 0, or {_without(dist)}.")
     if dist.mesh_shape.get("seq", 1) > 1:
         _check_split_sequence(dist, model)
     reduction = _loss_reduction(model)
@@ -113,7 +113,7 @@ def check(dist, model) -> None:
             f"{asked} combines the devices' losses as "
             f"the loss' reduction does; {type(model).__name__}'s loss has reduction "
             f"{reduction!r}, expected one of {_LOSS_REDUCTIONS} (a single loss). Use such a "
-            f"loss or gradient_reduction=None.")
+            f"loss or {_without(dist)}.")
 
 
 def _check_split_sequence(dist, model) -> None:
@@ -127,8 +127,8 @@ def _check_split_sequence(dist, model) -> None:
             f"{asked} on mesh {dist.spec} computes each "
             f"device's loss on its share of every sequence's tokens; {name}'s loss reads "
             f"tokens across the whole sequence (it does not declare the 'token_reordering' "
-            f"step feature). Use gradient_reduction=None on this mesh (XLA's reductions) or "
-            f"a mesh without 'seq'.")
+            f"step feature). Use {_without(dist)} (XLA's reductions) or a mesh without "
+            f"'seq'.")
     dropout = sorted(layer.name for layer in _keras_compat.all_layers(model)
                      if isinstance(layer, Dropout) and layer.rate > 0)
     if dropout:
@@ -136,7 +136,14 @@ def _check_split_sequence(dist, model) -> None:
             f"{asked} on mesh {dist.spec}: dropout "
             f"layers ({', '.join(dropout[:3])}) would draw the same mask for every 'seq' "
             f"share of a row in the per-device region (not built for a split sequence). "
-            f"Use a dropout rate of 0, gradient_reduction=None, or a mesh without 'seq'.")
+            f"Use a dropout rate of 0, {_without(dist)}, or a mesh without 'seq'.")
+
+
+def _without(dist) -> str:
+    """How to leave the per-device loss out, for error messages."""
+    if dist.config.gradients.reduction is not None:
+        return "gradient_reduction=None"
+    return "no 'seq' axis in the replica groups (put those devices on data or fsdp)"
 
 
 def requested_by(dist) -> str:

@@ -1,4 +1,5 @@
-"""The GPT recipe under a pipeline mesh: only --mesh changes, and it learns."""
+"""The GPT recipe under a pipeline mesh, alone and composed with context parallelism and
+DiLoCo groups: only --mesh (and --sync-every) changes, and it learns."""
 
 import sys
 
@@ -20,6 +21,18 @@ def test_recipe_learns_under_stage_4_fsdp_2(tmp_path, capsys):
     assert summary["mesh"] == "stage=4,fsdp=2"
     assert summary["validation_loss_after"] < summary["validation_loss_before"] - 0.5
     assert "sample:" in out and (tmp_path / "model.keras").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    ["--mesh", "stage=2,seq=2,fsdp=2", "--context-parallel", "ring"],
+    ["--mesh", "replica=2,stage=2,seq=2", "--sync-every", "4"],
+], ids=["stage-seq-fsdp", "replica-stage-seq"])
+def test_recipe_learns_on_composed_axes(flags, tmp_path):
+    summary = gpt_pretrain.main(TINY + flags + ["--output-dir", str(tmp_path)])
+    assert sorted(summary["mesh"].split(",")) == sorted(flags[1].split(","))
+    assert summary["validation_loss_after"] < summary["validation_loss_before"] - 0.5
+    assert (tmp_path / "model.keras").exists()
 
 
 def test_pipeline_flags_are_checked_before_work(tmp_path):
