@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kdist.parallel.constraints import to_varying, varying_axes
+from kdist.parallel.region import to_varying, varying_axes
 
 _F32 = jnp.float32
 # Keras' masked logit (keras/src/backend/jax/nn.py): finite, so fully masked rows stay finite.

@@ -60,13 +60,15 @@ def pytest_sessionstart(session):
         raise RuntimeError("JAX did not take the compilation cache folder of tests/conftest.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    # Under pytest-xdist (make test: --dist loadgroup), the tests reading the one
-    # multi-process launch run on one worker, which launches it once.
-    for item in items:
-        if "multihost_cases" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("multihost"))
+    # Under pytest-xdist (make test: --dist loadgroup) the tests reading the one
+    # multi-process launch must run on one worker, which launches it once: each carries the
+    # mark itself (xdist reads marks before conftest hooks could add them).
+    unmarked = [item.nodeid for item in items
+                if "multihost_cases" in getattr(item, "fixturenames", ())
+                and not any(m.args == ("multihost",) for m in item.iter_markers("xdist_group"))]
+    if unmarked:
+        raise pytest.UsageError(f'Mark these @pytest.mark.xdist_group("multihost"): {unmarked}')
 
 
 @pytest.fixture(autouse=True)

@@ -26,6 +26,7 @@ SCRIPT = str(ROOT / "tests" / "multihost_script.py")
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multihost")  # one worker launches the processes once
 def test_every_process_uses_process_zeros_word_piece_vocabulary(multihost_cases):
     # Two trainings of one corpus can keep different tokens (the HF trainer breaks ties in
     # hash order): processes must not each train their own.
@@ -37,6 +38,7 @@ def test_every_process_uses_process_zeros_word_piece_vocabulary(multihost_cases)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, shares", [("fsdp=8", 2), ("data=2,model=4", 2), ("model=8", 1)])
+@pytest.mark.xdist_group("multihost")  # one worker launches the processes once
 def test_two_processes_train_like_one(mesh, shares, multihost_cases):
     """``shares``: distinct row sets per step. Under model=8 the one replica spans both
     processes, so each must feed the whole (identical) global batch."""

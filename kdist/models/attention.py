@@ -38,7 +38,7 @@ from kdist.online_softmax import (
     varying_union,
 )
 from kdist.parallel import context
-from kdist.parallel.constraints import to_varying
+from kdist.parallel.region import to_varying
 from kdist.parallel.rules import build_with_axes
 
 _F32 = jnp.float32

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kdist.parallel.constraints import to_varying, varying_axes
+from kdist.parallel.region import to_varying, varying_axes
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:

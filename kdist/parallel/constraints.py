@@ -5,8 +5,8 @@
 * Inside a per-device region (:mod:`kdist.parallel.region`: explicit gradient reduction,
   a pipeline stage, a replica group) both constrain over the axes still automatic there
   only, since over the manual ones every array is already one device's block;
-  :func:`to_varying` types a scan carry as varying over the manual axes like the blocks it
-  meets.
+  :func:`kdist.parallel.region.to_varying` types a scan carry as varying over the manual
+  axes like the blocks it meets.
 """
 
 from __future__ import annotations
@@ -83,16 +83,3 @@ def gathered(x, logical_axes: Sequence[str | None]):
         return x
     axes = tuple(m if m != "fsdp" else None for m in map(dist.mesh_axis_for, logical_axes))
     return _constrain(x, axes, dist)
-
-
-def varying_axes(x) -> frozenset:
-    """The manual axes over which ``x`` may differ between devices (JAX's type of it)."""
-    aval = jax.typeof(x)
-    return aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying  # jax >= 0.9
-
-
-def to_varying(x, axes):
-    """``x`` typed as varying over ``axes`` too (a scan's initial carry must have the type
-    of the carry it returns; outside ``shard_map`` there are no axes and nothing changes)."""
-    missing = tuple(sorted(set(axes) - varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x

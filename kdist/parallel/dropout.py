@@ -108,6 +108,9 @@ class Dropout(keras.layers.Dropout):
                 f"noise_shape or train with gradient_reduction=None.")
         keep = 1.0 - self.rate
         seed = self.seed_generator.next()  # Keras' draw: the same state update
-        first_row = jax.lax.axis_index(axes) * inputs.shape[0]
+        # Axes of size 1 change no row index; leaving them out keeps the mask (and so the
+        # output) typed as varying only where it does, as a pipeline's carry must.
+        split = tuple(a for a in axes if jax.lax.axis_size(a) > 1)
+        first_row = jax.lax.axis_index(split) * inputs.shape[0] if split else 0
         mask = block_keep_mask(seed, keep, inputs.shape, first_row)
         return jax.lax.select(mask, inputs / keep, jnp.zeros_like(inputs))

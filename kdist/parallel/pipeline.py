@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kdist.parallel import region, rules
-from kdist.parallel.constraints import to_varying
 from kdist.parallel.layout import active, divisors
 from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.region import to_varying
 from kdist.parallel.stages import Schedule, bubble_fraction, check_settings  # noqa: F401
 
 AXIS = "stage"
@@ -227,7 +227,10 @@ def _stage_program(layer, schedule: Schedule, lead, per_row, plans, weights, xm,
     from kdist.parallel import reduction
 
     if seed is not None:  # each device's rows their own dropout masks
-        seed = jax.random.fold_in(seed, jax.lax.axis_index(REPLICA_AXES))
+        # (over the axes of size > 1 only: the same index, and the seed then varies only
+        # where the carry does, as the scan over ticks needs)
+        split = tuple(a for a in REPLICA_AXES if jax.lax.axis_size(a) > 1)
+        seed = jax.random.fold_in(seed, jax.lax.axis_index(split) if split else 0)
     weights = [reduction.use(w, None, plan) for w, plan in zip(weights, plans)]
     return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed)
 

@@ -46,11 +46,11 @@ from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
 from kdist.parallel import compression, region
-from kdist.parallel.constraints import varying_axes
 from kdist.parallel.context import step as context_step
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import BatchLayout, active
 from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.region import varying_axes
 
 REDUCTIONS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # summed in that type
 COMPRESSED = tuple(compression.FORMATS)  # 8-bit codes on the wire, summed in float32

@@ -137,7 +137,6 @@ def _differentiable(body, mapped, in_specs, out_specs, axes):
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from kdist.parallel.constraints import to_varying, varying_axes
 
     saved = {}
 
@@ -174,3 +173,20 @@ def _differentiable(body, mapped, in_specs, out_specs, axes):
 
     run.defvjp(run_fwd, run_bwd)
     return run
+
+
+def varying_axes(x) -> frozenset:
+    """The manual axes over which ``x`` may differ between devices (JAX's type of it)."""
+    import jax
+
+    aval = jax.typeof(x)
+    return aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying  # jax >= 0.9
+
+
+def to_varying(x, axes):
+    """``x`` typed as varying over ``axes`` too (a scan's initial carry must have the type
+    of the carry it returns; outside ``shard_map`` there are no axes and nothing changes)."""
+    import jax
+
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

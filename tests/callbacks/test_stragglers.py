@@ -43,6 +43,7 @@ def test_input_timer_times_only_the_wait_for_the_next_batch():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multihost")  # one worker launches the processes once
 def test_two_processes_name_the_one_whose_input_is_slow(multihost_cases):
     # tests/multihost_script.py's "stragglers" case: fsdp=8 over 2 processes, 12 steps,
     # rank 1's loader 0.3 s slower per batch.

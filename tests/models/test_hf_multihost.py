@@ -20,6 +20,7 @@ def _assert_export_is_the_source(multihost_cases, name):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multihost")  # one worker launches the processes once
 def test_two_processes_read_their_own_halves_and_export_together(multihost_cases):
     for rank in multihost_cases.ranks("hf fsdp=8"):
         assert rank["local_devices"] == 4 and rank["worst_shard_error"] == 0.0
@@ -29,6 +30,7 @@ def test_two_processes_read_their_own_halves_and_export_together(multihost_cases
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multihost")  # one worker launches the processes once
 def test_two_pipeline_stages_read_their_own_layers_and_export_together(multihost_cases):
     # stage=2 over two processes: each process is one stage and holds one of the 2 layers.
     source = _source(multihost_cases)

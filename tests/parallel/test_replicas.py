@@ -134,6 +134,7 @@ def test_replica_settings_are_checked():
 
 
 @pytest.mark.slow  # two processes on 127.0.0.1
+@pytest.mark.xdist_group("multihost")  # one worker launches the processes once
 def test_replica_groups_on_two_processes_train_like_one(multihost_cases):
     # One replica group per process (replica is the slowest axis: across hosts), synced
     # every 2 steps; the one-process run of the same script gives the same losses.

@@ -107,7 +107,7 @@ def test_sync_every_without_a_replica_axis_is_refused():
     # The library says so too (its tests/parallel home is being redesigned meanwhile).
     with pytest.raises(ValueError, match="names no 'replica' axis.*'replica=1,...'"):
         kdist.distribution("fsdp=8", sync_every=2)
-    assert kdist.distribution("replica=1,fsdp=8", sync_every=2).sync_every == 2
+    assert kdist.distribution("replica=1,fsdp=8", sync_every=2).config.replicas.sync_every == 2
 
 
 def test_remat_takes_the_same_values_in_the_recipes_and_kdist_plan():

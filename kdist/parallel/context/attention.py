@@ -48,8 +48,8 @@ from kdist.online_softmax import (
     varying_union,
 )
 from kdist.parallel.config import CONTEXT_PARALLEL
-from kdist.parallel.constraints import to_varying
 from kdist.parallel.context.layout import AXIS, SequenceLayout
+from kdist.parallel.region import to_varying
 
 # Queries and keys per tile when the model sets no attention_chunk_size: (B, N, 256, 256)
 # float32 logits per tile, whatever the sequence length; never kept.
