@@ -83,6 +83,29 @@ def train(model, batches, optimizer=None) -> list[float]:
     return [float(model.train_on_batch(x, y)) for x, y in batches]
 
 
+def fit_with_checkpoint(model, data, directory, *, steps_per_epoch: int, stop_at=None,
+                        save_every_steps: int = 4) -> list[float]:
+    """``model.fit`` over 2 epochs of ``data`` with a :class:`kdist.checkpointing.Checkpoint`
+    in ``directory`` (resuming from it), stopping after step ``stop_at`` (None: the whole
+    run). Returns the losses of the steps this fit ran."""
+    from kdist import _keras_compat
+    from kdist.checkpointing import Checkpoint
+
+    losses = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            losses.append(logs["loss"])
+            if len(losses) == stop_at:
+                _keras_compat.callback_model(self).stop_training = True
+
+    ckpt = Checkpoint(directory, data=data, verbose=False, handle_signals=False,
+                      save_every_steps=save_every_steps)
+    model.fit(data, epochs=2, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0,
+              callbacks=[Record(), ckpt])
+    return losses
+
+
 def weights(model) -> dict[str, np.ndarray]:
     """Every model weight gathered to the host, keyed by path."""
     return {w.path: np.asarray(w.value) for w in model.weights}

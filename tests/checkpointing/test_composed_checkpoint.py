@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 
 import kdist
-from kdist import _keras_compat
 from kdist.checkpointing import Checkpoint
 from kdist.data.lm import LMBatches
 from kdist.models import GPTBackbone, GPTCausalLM
 from kdist.models.stacking import match_layer_layout
-from tests.helpers import TINY_GPT, parity_optimizer, weights
+from tests.helpers import TINY_GPT, fit_with_checkpoint, parity_optimizer, weights
 
 MESH = "replica=2,stage=2,seq=2"
 CONFIG = dict(TINY_GPT, num_layers=4)  # no dropout: see combinations (seq x replica)
@@ -31,19 +30,8 @@ def _model(mesh, **options):
 def _fit(directory, stop_at=None):
     model = _model(MESH, sync_every=3, context_parallel="ring")
     data = LMBatches(TOKENS, sequence_length=16, global_batch_size=8, seed=3)
-    losses = []
-
-    class Record(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            losses.append(logs["loss"])
-            if len(losses) == stop_at:
-                _keras_compat.callback_model(self).stop_training = True
-
-    ckpt = Checkpoint(directory, data=data, verbose=False, handle_signals=False,
-                      save_every_steps=4)
-    model.fit(data, epochs=2, steps_per_epoch=3, shuffle=False, verbose=0,
-              callbacks=[Record(), ckpt])
-    return model, losses
+    return model, fit_with_checkpoint(model, data, directory, steps_per_epoch=3,
+                                      stop_at=stop_at)
 
 
 @pytest.fixture(scope="module")

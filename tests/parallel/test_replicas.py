@@ -12,11 +12,17 @@ import pytest
 
 import kdist
 from kdist import _keras_compat, hlo
-from kdist.callbacks import Checkpoint
 from kdist.data.lm import LMBatches
 from kdist.models import GPTBackbone, GPTCausalLM
 from kdist.parallel import replicas
-from tests.helpers import TINY_GPT, parity_optimizer, token_batches, train, weights
+from tests.helpers import (
+    TINY_GPT,
+    fit_with_checkpoint,
+    parity_optimizer,
+    token_batches,
+    train,
+    weights,
+)
 from tests.parallel.harness import assert_trains_like_one_device
 
 PLAIN = dict(outer_learning_rate=1.0, outer_momentum=0.0)  # the sync is a plain average
@@ -97,19 +103,8 @@ def test_mid_round_resume_is_bit_exact(tmp_path):
         model = _model("replica=2,fsdp=4", {**TINY_GPT, "dropout": 0.1}, sync_every=3)
         model.compile(optimizer=parity_optimizer())
         data = LMBatches(tokens, sequence_length=16, global_batch_size=8, seed=3)
-        losses = []
-
-        class Record(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                losses.append(logs["loss"])
-                if len(losses) == stop_at:
-                    _keras_compat.callback_model(self).stop_training = True
-
-        ckpt = Checkpoint(directory, data=data, verbose=False, handle_signals=False,
-                          save_every_steps=4)
-        model.fit(data, epochs=2, steps_per_epoch=4, shuffle=False, verbose=0,
-                  callbacks=[Record(), ckpt])
-        return model, losses
+        return model, fit_with_checkpoint(model, data, directory, steps_per_epoch=4,
+                                          stop_at=stop_at)
 
     full_model, full = run(tmp_path / "full")
     _, first = run(tmp_path / "split", stop_at=4)  # step 4: one inner step into round 2
