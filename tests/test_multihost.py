@@ -67,6 +67,7 @@ def test_two_processes_train_like_one(mesh, shares, multihost_cases):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multihost")  # one worker launches the processes once
 @pytest.mark.parametrize("mesh, expected", [
     # model fastest-varying: each host holds whole model groups; data spans the hosts.
     ("data=2,model=4", [{"data": [r], "fsdp": [0], "model": [0, 1, 2, 3]} for r in (0, 1)]),
