@@ -75,7 +75,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                   context_parallel=args.context_parallel,
                   load_balance=not args.no_load_balance,
                   pipeline_microbatches=args.pipeline_microbatches,
-                  pipeline_repeats=args.pipeline_repeats)
+                  pipeline_repeats=args.pipeline_repeats, sync_every=args.sync_every,
+                  devices_per_host=args.devices_per_host)
     print(result.report())
     if args.json:
         Path(args.json).write_text(json.dumps(result.as_dict(), indent=2, default=str))
@@ -120,6 +121,12 @@ def add_plan_parser(subparsers) -> None:
                    help="attention across a seq axis: all-gather keys/values, or a ring")
     p.add_argument("--no-load-balance", action="store_true",
                    help="seq axis: contiguous token shares instead of balanced causal work")
+    p.add_argument("--sync-every", type=int, default=None,
+                   help="DiLoCo: steps between syncs of the replica groups (a mesh with a "
+                        "replica axis; with --mesh auto, the search gives every mesh one)")
+    p.add_argument("--devices-per-host", type=int, default=None,
+                   help="devices per host: the plan says which axes cross hosts, and auto "
+                        "weighs their bytes (default: this process's devices, one host)")
     p.set_defaults(func=_run_plan)
 
 

@@ -81,7 +81,8 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
                         "quantisation error to the next step (in the optimizer state)")
     g.add_argument("--sync-every", type=positive_int("--sync-every", 50), default=None,
                    help="DiLoCo over the mesh's replica axis (needs one in --mesh, e.g. "
-                        "replica=2,data=4): each group takes this many steps alone, then the "
+                        "replica=2,data=4; --mesh auto then searches meshes with one): "
+                        "each group takes this many steps alone, then the "
                         "groups average their parameter change; None with a replica axis: 50")
     g.add_argument("--outer-learning-rate", type=positive_float("--outer-learning-rate", 0.7),
                    default=0.7, help="DiLoCo's outer SGD learning rate (paper: 0.7)")
@@ -260,9 +261,9 @@ def check_together(args: argparse.Namespace) -> None:
         raise ValueError(f"--error-feedback needs --gradient-reduction float8 or int8; got "
                          f"{args.gradient_reduction}.")
     axes = {part.partition("=")[0].strip() for part in args.mesh.lower().split(",")}
-    if getattr(args, "sync_every", None) and "replica" not in axes:
-        chose = " (--mesh auto never makes one)" if axes == {"auto"} else ""
+    if getattr(args, "sync_every", None) and "replica" not in axes and axes != {"auto"}:
+        # (--mesh auto with --sync-every searches meshes with a replica axis)
         raise ValueError(f"--sync-every {args.sync_every} trains DiLoCo replica groups, which "
-                         f"need a replica axis in --mesh; --mesh {args.mesh} has none{chose}. "
+                         f"need a replica axis in --mesh; --mesh {args.mesh} has none. "
                          f"Pass e.g. --mesh replica=2,data=4 --sync-every {args.sync_every}, "
                          f"or leave --sync-every out for synchronous training.")

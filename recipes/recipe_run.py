@@ -57,7 +57,8 @@ def resolve_mesh(args: argparse.Namespace, cost_model, sequence_length: int,
         sequence_length, precision=dtype, remat=args.remat == "block",
         grad_accum=args.grad_accum, context_parallel=args.context_parallel,
         pipeline_microbatches=args.pipeline_microbatches,
-        pipeline_repeats=args.pipeline_repeats)
+        pipeline_repeats=args.pipeline_repeats, sync_every=getattr(args, "sync_every", None),
+        devices_per_host=jax.local_device_count())
     return kdist.plan.mesh_spec(chosen), [f"mesh auto: {why}"]
 
 

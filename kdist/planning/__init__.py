@@ -34,7 +34,7 @@ import keras
 from kdist import hlo
 from kdist.parallel.mesh import mesh_spec, parse_mesh
 from kdist.planning import report as _report
-from kdist.planning import stages
+from kdist.planning import stages, traffic
 from kdist.planning.compile import (
     abstract_batch,
     build_abstract,
@@ -46,6 +46,7 @@ from kdist.planning.compile import (
     xla_train_step_flops,
 )
 from kdist.planning.estimate import (
+    collective_terms,
     compute_bytes,
     cost_model_of,
     dimensions,
@@ -105,6 +106,8 @@ def plan(
     pipeline_repeats: int = 1,
     context_parallel: str = "all_gather",
     load_balance: bool = True,
+    sync_every: int | None = None,
+    devices_per_host: int | None = None,
 ) -> Plan:
     """Compiles one train step on abstract inputs and reports what it needs per device.
 
@@ -139,6 +142,12 @@ def plan(
             (:mod:`kdist.planning.stages`).
         context_parallel, load_balance: the distribution's, for a mesh with a ``seq`` axis
             (``"all_gather"`` or ``"ring"``; load-balanced causal layout).
+        sync_every: the distribution's, for a mesh with a ``replica`` axis (DiLoCo groups;
+            the sync step is compiled); with ``mesh="auto"``, the search gives every mesh
+            a ``replica`` axis (:func:`~kdist.planning.search.replica_counts`).
+        devices_per_host: devices per host, for the axes that cross hosts (reported, and
+            weighed :data:`~kdist.planning.traffic.HOST_LINK_SLOWDOWN` x by ``auto``);
+            default: the devices of ``devices[0]``'s process.
 
     Example:
         >>> p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=128,
@@ -163,6 +172,12 @@ def plan(
                      else default_device_memory(devices[0]))
     model_name, model_fn, cost, sequence_length = _resolve_model(
         model, model_overrides, batch, sequence_length)
+    if devices_per_host is None:
+        devices_per_host = sum(d.process_index == devices[0].process_index for d in devices)
+    if isinstance(devices_per_host, bool) or not isinstance(devices_per_host, int) \
+            or devices_per_host < 1:
+        raise ValueError(f"devices_per_host must be a positive integer (the devices of one "
+                         f"host); got {devices_per_host!r}.")
 
     mesh_choice = None
     if mesh.strip().lower() == "auto":
@@ -176,7 +191,8 @@ def plan(
             cost, len(devices), device_memory, global_batch_size, sequence_length,
             precision=policy, remat=remat, grad_accum=grad_accum,
             context_parallel=context_parallel,
-            pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats)
+            pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats,
+            sync_every=sync_every, devices_per_host=devices_per_host)
         mesh = mesh_spec(chosen)
         auto_candidates = sorted((r for r in table if r.get("rank") is not None),
                                  key=lambda r: r["rank"])[:AUTO_TRIES]
@@ -195,7 +211,8 @@ def plan(
         return compile_plan(fn, sizes, devices, policy, global_batch_size // grad_accum,
                             sequence_length, grad_accum, optimizer or adamw, batch,
                             auto_shard, gradient_reduction, context_parallel, load_balance,
-                            pipeline=(pipeline_microbatches, pipeline_repeats))
+                            pipeline=(pipeline_microbatches, pipeline_repeats),
+                            sync_every=sync_every)
 
     start = time.perf_counter()
     compiled, state, model_obj = run(sizes, remat, grad_accum)
@@ -208,10 +225,15 @@ def plan(
         cost = _task_cost_model(model_obj)
     num = math.prod(sizes.values())
     schedule = (pipeline_microbatches, pipeline_repeats)
+    # The program compiled under DiLoCo is a sync step: its theory counts one sync.
+    theory_terms = _theory(cost, sizes, global_batch_size // grad_accum, sequence_length,
+                           policy, gradient_reduction, grad_accum, context_parallel,
+                           schedule, 1 if sizes["replica"] > 1 else None)
+    found = hlo.parse_collectives(compiled.as_text(), num)
     result = Plan(
         config=dict(model=model_name, mesh=mesh, global_batch_size=global_batch_size,
                     sequence_length=sequence_length, precision=policy, remat=remat,
-                    grad_accum=grad_accum),
+                    grad_accum=grad_accum, sync_every=sync_every),
         mesh=sizes,
         parameters=int(sum(math.prod(s.shape) for s in state[0])),
         memory=memory_breakdown(compiled, state),
@@ -220,10 +242,13 @@ def plan(
         flops={"xla": xla_flops(compiled) * num * grad_accum,
                "program": hlo.matmul_flops(compiled.as_text()) * num * grad_accum,
                "formula": _formula_flops(cost, global_batch_size, sequence_length, remat)},
-        collectives=_collectives(compiled, num, grad_accum),
-        theoretical_collectives=_theory(cost, sizes, global_batch_size // grad_accum,
-                                        sequence_length, policy, gradient_reduction,
-                                        grad_accum, context_parallel, schedule),
+        collectives=_collectives(found, grad_accum),
+        theoretical_collectives=traffic.by_kind(theory_terms),
+        axis_bytes={"compiled": {a: b * grad_accum for a, b in
+                                 traffic.measured_by_axis(found, sizes).items()},
+                    "theoretical": traffic.by_axis(theory_terms, sizes)},
+        crosses_hosts=list(traffic.crossing_axes(sizes, devices_per_host)),
+        devices_per_host=devices_per_host,
         compile_seconds=seconds,
         mesh_choice=mesh_choice,
         device_memory_source=memory_source,
@@ -307,10 +332,11 @@ def _check_mesh(mesh: str, devices: list, global_batch_size: int,
             f"call kdist.force_host_devices({num}) before jax starts (the `kdist plan` "
             f"command does this itself).")
     micro = global_batch_size // grad_accum
-    if micro % (sizes["data"] * sizes["fsdp"]):
+    shards = sizes["replica"] * sizes["data"] * sizes["fsdp"]
+    if micro % shards:
         raise ValueError(
             f"The micro-batch ({global_batch_size} / {grad_accum} = {micro}) must divide by the "
-            f"data x fsdp replicas ({sizes['data'] * sizes['fsdp']}) of mesh {mesh!r}.")
+            f"replica x data x fsdp batch shards ({shards}) of mesh {mesh!r}.")
     return sizes
 
 
@@ -341,25 +367,28 @@ def _formula_flops(cost, global_batch_size, sequence_length, remat) -> float:
         global_batch_size * sequence_length)
 
 
-def _collectives(compiled, num, grad_accum) -> dict:
-    collectives = hlo.summarize_collectives(hlo.parse_collectives(compiled.as_text(), num))
+def _collectives(found, grad_accum) -> dict:
+    collectives = hlo.summarize_collectives(found)
     for row in collectives.values():
         row.update(bytes=row["bytes"] * grad_accum, wire_bytes=row["wire_bytes"] * grad_accum)
     return collectives
 
 
 def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, grad_accum,
-            context_parallel="all_gather", schedule=(None, 1)):
+            context_parallel="all_gather", schedule=(None, 1), sync_every=None) -> list:
+    """The theoretical minimum's terms per optimizer step (none when it cannot be
+    counted: no cost model, or one without the dimensions its axes need)."""
     needs = {"hidden_dim", "num_layers"} | ({"num_heads"} if sizes["seq"] > 1 else set())
     if cost is None or ((sizes["model"] > 1 or sizes["seq"] > 1 or sizes["stage"] > 1)
                         and not needs <= set(dimensions(cost))):
-        return {}
-    theory = theoretical_collective_bytes(
+        return []
+    terms = collective_terms(
         cost, sizes, micro, sequence_length, compute_bytes(policy),
         gradient_bytes={"bfloat16": 2, "float8": 1, "int8": 1}.get(gradient_reduction),
         context_parallel=context_parallel,
-        pipeline_microbatches=schedule[0], pipeline_repeats=schedule[1])
-    return {k: v * grad_accum for k, v in theory.items()}
+        pipeline_microbatches=schedule[0], pipeline_repeats=schedule[1],
+        sync_every=sync_every)
+    return [traffic.Traffic(t.kind, t.axes, t.bytes * grad_accum) for t in terms]
 
 
 def _remat_ratio(cost, sequence_length, remat) -> float:

@@ -154,12 +154,15 @@ def compile_train_step(model: keras.Model, x, y, dist: KdistDistribution | None)
 
 def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length, grad_accum,
                  optimizer_fn, batch, auto_shard=False, gradient_reduction=None,
-                 context_parallel="all_gather", load_balance=True, pipeline=(None, 1)):
+                 context_parallel="all_gather", load_balance=True, pipeline=(None, 1),
+                 sync_every=None):
     """Builds ``model_fn()`` abstractly under the mesh ``sizes`` and precision ``policy``,
     compiles it (``optimizer_fn()`` and sparse categorical cross-entropy on logits, unless
     it is compiled already) and compiles its train step on ``batch`` (default:
     :func:`abstract_batch`). ``pipeline``: the distribution's ``(pipeline_microbatches,
-    pipeline_repeats)``. Returns ``(compiled, abstract_state, model)``.
+    pipeline_repeats)``; ``sync_every``: DiLoCo's, for a ``replica`` axis (the program
+    compiled is a sync step's: each group's inner step and the average across groups).
+    Returns ``(compiled, abstract_state, model)``.
 
     A fresh Keras session is used (stable variable paths, the abstract model dropped
     afterwards); the caller's distribution and dtype policy are put back.
@@ -171,7 +174,8 @@ def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length,
     dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard,
                          gradient_reduction=gradient_reduction,
                          context_parallel=context_parallel, load_balance=load_balance,
-                         pipeline_microbatches=pipeline[0], pipeline_repeats=pipeline[1])
+                         pipeline_microbatches=pipeline[0], pipeline_repeats=pipeline[1],
+                         sync_every=sync_every)
             if num > 1 else None)
     try:
         keras.config.set_dtype_policy(policy)

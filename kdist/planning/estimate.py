@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kdist.planning import stages
+from kdist.planning import stages, traffic
 
 # Transformer dimensions the tensor-parallel (``model``) axis splits; a cost model that
 # states them (through its ``config``) gets model-axis meshes in the search.
@@ -128,32 +128,58 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
                                  context_parallel: str = "all_gather",
                                  activations: bool = True,
                                  pipeline_microbatches: int | None = None,
-                                 pipeline_repeats: int = 1) -> dict[str, float]:
-    """The minimum ring wire bytes per device per step, by collective kind, for a strategy.
+                                 pipeline_repeats: int = 1,
+                                 sync_every: int | None = None) -> dict[str, float]:
+    """The minimum ring wire bytes per device per step, by collective kind, for a strategy:
+    :func:`collective_terms` summed per kind (its arguments; per axis:
+    :func:`kdist.planning.traffic.by_axis` of the same terms).
 
-    ``model`` is anything :func:`cost_model_of` reads. With P the parameter bytes, d/f/m
-    the data/fsdp/model axis sizes and ``ring(n) = (n-1)/n``:
+    Example:
+        >>> c = theoretical_collective_bytes("gpt-nano", {"data": 8}, 16, 256)
+        >>> c["all-reduce"] == 2 * 7 / 8 * cost_model_of("gpt-nano").parameters * 4
+        True
+    """
+    return traffic.by_kind(collective_terms(
+        model, mesh, global_batch_size, sequence_length, compute_bytes, parameter_bytes,
+        gradient_bytes, context_parallel, activations, pipeline_microbatches,
+        pipeline_repeats, sync_every))
+
+
+def collective_terms(model: Any, mesh: dict[str, int], global_batch_size: int,
+                     sequence_length: int, compute_bytes: int = 4, parameter_bytes: int = 4,
+                     gradient_bytes: int | None = None, context_parallel: str = "all_gather",
+                     activations: bool = True, pipeline_microbatches: int | None = None,
+                     pipeline_repeats: int = 1,
+                     sync_every: int | None = None) -> list[traffic.Traffic]:
+    """The minimum ring wire bytes per device per step of a strategy, one
+    :class:`~kdist.planning.traffic.Traffic` term (kind, axes, bytes) per collective.
+
+    ``model`` is anything :func:`cost_model_of` reads; ``global_batch_size`` the sequences
+    of one (micro-)step over all groups. With P the parameter bytes, r/d/f/s/m the
+    replica/data/fsdp/seq/model axis sizes and ``ring(n) = (n-1)/n``:
 
     * fsdp: all-gather the weights for the forward and again for the backward pass
       (``2 ring(f) P/m``), reduce-scatter the gradients (``ring(f) P/m``);
-    * data: all-reduce the (fsdp- and model-sharded) gradients: ``2 ring(d) P/(f m)``;
+    * data (and seq, whose devices hold whole weights too): all-reduce the (fsdp- and
+      model-sharded) gradients over ``data x seq``: ``2 ring(d s) P/(f m)``;
     * model (Megatron): per layer, all-reduce the activations ``B T D`` after the attention
       output and the MLP down projection in the forward pass, and the input gradients of
       the query/key/value and MLP up projections in the backward pass (4 all-reduces of
-      ``2 ring(m) x B_local T D`` bytes), plus the vocabulary-parallel embedding's forward and
-      backward all-reduce (2 more), with ``B_local`` the per-replica batch.
-
-    * seq (context parallelism, weights replicated over it): the gradient all-reduce runs
-      over ``data x seq``; per layer, the keys and values of ``B_local x T`` tokens
+      ``2 ring(m) x B_local T/s D`` bytes), plus the vocabulary-parallel embedding's forward
+      and backward all-reduce (2 more), with ``B_local`` the per-replica batch;
+    * seq (context parallelism): per layer, the keys and values of ``B_local x T`` tokens
       (``K/m`` key/value heads) cross the axis — ``"all_gather"``: all-gathered forward and
       their gradients reduce-scattered backward (``2 ring(s)`` each); ``"ring"``:
       ``2(s-1)`` blocks of ``T/s`` tokens forward, ``2(s-1)`` again and ``2s`` float32
       gradient blocks backward (:func:`kdist.parallel.context.cost.ring_bytes`), as
-      collective-permutes. Tensor parallelism's all-reduces carry ``T/s`` tokens.
-    * stage (a pipeline of ``pipeline_microbatches`` and ``pipeline_repeats``): counted by
-      :func:`kdist.planning.stages.collectives` — activations between stages
-      (``collective-permute``), each stage's weights gathered once (``activations`` does
-      not apply).
+      collective-permutes;
+    * stage (a pipeline of ``pipeline_microbatches`` and ``pipeline_repeats``):
+      :func:`kdist.planning.stages.collective_terms` — activations between stages
+      (``collective-permute``), each stage's weights gathered once, the seq axis's keys
+      and values for every iteration of the stage's blocks;
+    * replica (DiLoCo groups, ``sync_every`` = H): each group's batch is ``B / r``; every H
+      steps the float32 outer gradient of a device's weight shard is all-reduced across
+      groups: ``2 ring(r) P_device / H`` per step. Nothing else crosses groups.
 
     ``activations=False`` leaves out the model and seq axes' per-layer activation traffic
     (the weights' and gradients' only). Gradients are reduced in ``gradient_bytes`` per
@@ -161,56 +187,53 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
     all-reduces (loss, gradient norm, softmax statistics) are not counted.
 
     Example:
-        >>> c = theoretical_collective_bytes("gpt-nano", {"data": 8}, 16, 256)
-        >>> c["all-reduce"] == 2 * 7 / 8 * cost_model_of("gpt-nano").parameters * 4
-        True
+        >>> [t.axes for t in collective_terms("gpt-nano", {"data": 2, "seq": 2}, 4, 64)]
+        [('data', 'seq'), ('seq',), ('seq',)]
     """
     cost = cost_model_of(model)
+    r = mesh.get("replica", 1)
+    if r > 1 and not sync_every:
+        raise ValueError(f"A 'replica' axis of {r} groups trains with DiLoCo and needs "
+                         f"sync_every (the steps between syncs) to count its traffic.")
+    group_batch = global_batch_size / r
+    dims = dimensions(model)
     if mesh.get("stage", 1) > 1:
-        dims = dimensions(model)
-        return stages.collectives(cost, mesh, global_batch_size, sequence_length,
-                                  compute_bytes, dims.get("hidden_dim", 0),
-                                  dims.get("num_layers", 0), pipeline_microbatches,
-                                  pipeline_repeats, parameter_bytes, gradient_bytes)
+        terms = stages.collective_terms(
+            cost, mesh, group_batch, sequence_length, compute_bytes, dims,
+            pipeline_microbatches, pipeline_repeats, parameter_bytes, gradient_bytes,
+            context_parallel, activations)
+    else:
+        terms = _terms(cost, dims, mesh, group_batch, sequence_length, compute_bytes,
+                       parameter_bytes, gradient_bytes, context_parallel, activations)
+    if r > 1:
+        held = estimate(cost, {**mesh, "replica": 1}, group_batch, sequence_length,
+                        pipeline_microbatches=pipeline_microbatches,
+                        pipeline_repeats=pipeline_repeats)["parameters"]
+        terms.append(traffic.Traffic("all-reduce", ("replica",),
+                                     2 * _ring(r) * held / sync_every))
+    return [t for t in terms if t.bytes > 0]
+
+
+def _terms(cost, dims, mesh, batch, length, value_bytes, parameter_bytes, gradient_bytes,
+           context_parallel, activations) -> list[traffic.Traffic]:
+    """:func:`collective_terms` of one replica group without a pipeline."""
     d, f, m = mesh.get("data", 1), mesh.get("fsdp", 1), mesh.get("model", 1)
     s = mesh.get("seq", 1)
     p = cost.parameters * parameter_bytes
     g = cost.parameters * (gradient_bytes or parameter_bytes)
-    out = {"all-gather": 2 * _ring(f) * p / m, "reduce-scatter": _ring(f) * g / m,
-           "all-reduce": 2 * _ring(d * s) * g / (f * m)}
-    local_batch = global_batch_size / (d * f)
-    tensor, context = activations and m > 1, activations and s > 1
-    if tensor or context:
-        dims = dimensions(model)
-        if "hidden_dim" not in dims or "num_layers" not in dims or (
-                context and "num_heads" not in dims):
-            raise ValueError(
-                "A model or seq axis needs the model's hidden_dim and num_layers (and, for "
-                "seq, num_heads) to estimate its activation traffic; this cost model states "
-                "them not (give it a config with them), or plan a mesh without those axes.")
-    if tensor:
-        activation = local_batch * sequence_length / s * dims["hidden_dim"] * compute_bytes
-        out["all-reduce"] += (4 * dims["num_layers"] + 2) * 2 * _ring(m) * activation
-    if context:
-        for kind, n in _context_bytes(dims, s, m, local_batch, sequence_length, compute_bytes,
-                                      context_parallel).items():
-            out[kind] = out.get(kind, 0.0) + n
-    return {k: v for k, v in out.items() if v > 0}
-
-
-def _context_bytes(dims, s, m, local_batch, length, value_bytes, variant) -> dict[str, float]:
-    """Keys and values crossing the seq axis per step (all layers), by collective kind."""
-    heads = dims["num_heads"]
-    kv_heads = dims.get("num_key_value_heads") or heads
-    width = kv_heads / m * (dims["hidden_dim"] // heads)  # K/m heads of H per token
-    layers = dims["num_layers"]
-    if variant == "ring":  # kdist.parallel.context.cost.ring_bytes, for every layer
-        block = local_batch * length / s * width
-        return {"collective-permute": layers * (4 * (s - 1) * block * value_bytes
-                                                + 2 * s * block * 4)}
-    gathered = local_batch * length * width * value_bytes  # one layer's keys (or values)
-    return {"all-gather": layers * 2 * _ring(s) * gathered,
-            "reduce-scatter": layers * 2 * _ring(s) * gathered}
+    terms = [traffic.Traffic("all-gather", ("fsdp",), 2 * _ring(f) * p / m),
+             traffic.Traffic("reduce-scatter", ("fsdp",), _ring(f) * g / m),
+             traffic.Traffic("all-reduce", ("data", "seq"), 2 * _ring(d * s) * g / (f * m))]
+    local_batch = batch / (d * f)
+    traffic.needs_dimensions(dims, mesh, activations)
+    if activations and m > 1:
+        activation = local_batch * length / s * dims["hidden_dim"] * value_bytes
+        terms.append(traffic.Traffic("all-reduce", ("model",), (4 * dims["num_layers"] + 2)
+                                     * 2 * _ring(m) * activation))
+    if activations and s > 1:
+        terms += traffic.context_terms(dims, s, m, local_batch, length, value_bytes,
+                                       context_parallel)
+    return terms
 
 
 def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
@@ -226,38 +249,52 @@ def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_
     length 1, where its only length-dependent term vanishes), plus, with
     ``context_parallel="all_gather"``, every layer's gathered keys and values. A ``stage``
     axis: :func:`kdist.planning.stages.memory` (blocks split over stages, the schedule's
-    bubble and buffers, the head on every stage).
+    bubble and buffers, the head on every stage). A ``replica`` axis (DiLoCo groups): each
+    group trains on ``1/r`` of the batch and a device holds, beside the outer weights and
+    its inner optimizer's state, its group's weights, the outer momentum and (in the sync
+    step) the outer gradient: ``replica_groups``, 3 x its weight shard (the compiled
+    ``replica=2,data=4`` gpt-nano step: optimizer state 4.0 x, temporaries +0.98 x the
+    weights against ``data=8``).
 
     Example:
         >>> e = estimate("gpt2-small", {"data": 1, "fsdp": 8, "model": 1}, 64, 1024)
         >>> e["parameters"] == cost_model_of("gpt2-small").parameters * 4 / 8
         True
+        >>> d = estimate("gpt2-small", {"replica": 2, "fsdp": 4}, 64, 1024)
+        >>> d["replica_groups"] == 3 * d["parameters"]
+        True
     """
     cost = cost_model_of(model)
+    r = mesh.get("replica", 1)
+    group_batch = global_batch_size / r
     if mesh.get("stage", 1) > 1:
-        return stages.memory(cost, mesh, global_batch_size, sequence_length,
-                             compute_bytes(precision), remat, grad_accum,
-                             pipeline_microbatches, pipeline_repeats,
-                             dimensions(model).get("hidden_dim"))
+        out = stages.memory(cost, mesh, group_batch, sequence_length, compute_bytes(precision),
+                            remat, grad_accum, pipeline_microbatches, pipeline_repeats,
+                            dimensions(model), context_parallel)
+    else:
+        out = _memory(cost, dimensions(model), mesh, group_batch, sequence_length, precision,
+                      remat, grad_accum, context_parallel)
+    if r > 1:
+        out["replica_groups"] = 3 * out["parameters"]
+    out["total"] = sum(v for k, v in out.items() if k != "total")
+    return out
+
+
+def _memory(cost, dims, mesh, batch, length, precision, remat, grad_accum,
+            context_parallel) -> dict[str, float]:
+    """:func:`estimate` of one replica group without a pipeline."""
     shards = mesh.get("fsdp", 1) * mesh.get("model", 1)
     weights = cost.parameters * 4 / shards
-    micro_batch = global_batch_size / grad_accum / (mesh.get("data", 1) * mesh.get("fsdp", 1))
+    micro_batch = batch / grad_accum / (mesh.get("data", 1) * mesh.get("fsdp", 1))
     s, value_bytes = mesh.get("seq", 1), compute_bytes(precision)
-    per_token = cost.activation_bytes_per_token(sequence_length if s == 1 else 1, value_bytes,
-                                                remat)
-    activations = micro_batch * sequence_length / s * per_token / mesh.get("model", 1)
+    per_token = cost.activation_bytes_per_token(length if s == 1 else 1, value_bytes, remat)
+    activations = micro_batch * length / s * per_token / mesh.get("model", 1)
     if s > 1 and context_parallel == "all_gather":
-        dims = dimensions(model)
-        kv = dims.get("num_key_value_heads") or dims["num_heads"]
-        kept = 1 if remat else dims["num_layers"]
-        head_dim = dims["hidden_dim"] // dims["num_heads"]
-        activations += (kept * micro_batch * sequence_length * 2 * kv / mesh.get("model", 1)
-                        * head_dim * value_bytes)
-    out = {
+        activations += traffic.gathered_kv_bytes(dims, micro_batch, length, mesh.get("model", 1),
+                                         value_bytes, 1 if remat else dims["num_layers"])
+    return {
         "parameters": weights,
         "optimizer_state": 2 * weights + (weights if grad_accum > 1 else 0),
         "gradients": weights,
         "activations": activations,
     }
-    out["total"] = sum(out.values())
-    return out

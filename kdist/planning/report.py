@@ -43,6 +43,11 @@ class Plan:
     suggestion: dict[str, Any] | None = None
     pipeline: dict[str, Any] | None = None  # kdist.planning.stages.summary, with a stage axis
     device_memory_source: str = "given"  # where device_memory came from, in words
+    # wire bytes per device per step over each mesh axis: {"compiled": ..., "theoretical":
+    # ...} (kdist.planning.traffic: a collective over several axes split hierarchically)
+    axis_bytes: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    crosses_hosts: list[str] = dataclasses.field(default_factory=list)
+    devices_per_host: int | None = None
 
     @property
     def total(self) -> float:
@@ -117,12 +122,34 @@ class Plan:
             extra = f", theoretical min {format_bytes(theory)}" if theory else ""
             lines.append(f"  {kind:<20}{int(row['count']):>5} x, {format_bytes(row['bytes'])}"
                          f" logical, {format_bytes(row['wire_bytes'])} wire{extra}")
+        lines += self._axis_lines()
         actual = sum(r["wire_bytes"] for r in self.collectives.values())
         theory = sum(self.theoretical_collectives.values())
         if theory:
             lines.append(f"  {'total':<20}{'':>8}{format_bytes(actual)} wire, theoretical "
                          f"min {format_bytes(theory)} ({actual / theory:.2f}x; see "
                          f"benchmarks/README.md for why)")
+        return lines
+
+    def _axis_lines(self) -> list[str]:
+        compiled = self.axis_bytes.get("compiled", {})
+        theory = self.axis_bytes.get("theoretical", {})
+        if not compiled and not theory:
+            return []
+        hosts = (f"{self.devices_per_host} devices per host" if self.devices_per_host
+                 else "one host")
+        lines = [f"  per mesh axis (wire, a collective over several axes split "
+                 f"hierarchically; {hosts}):"]
+        for axis in [a for a in self.mesh if a in compiled or a in theory]:
+            extra = (f", theoretical min {format_bytes(theory[axis])}" if axis in theory
+                     else "")
+            where = "  crosses hosts" if axis in self.crosses_hosts else ""
+            every = self.config.get("sync_every")
+            if axis == "replica" and every:
+                where += (f"  (the sync step compiled; every {every} steps: "
+                          f"{format_bytes(compiled.get(axis, 0.0) / every)} per step)")
+            lines.append(f"    {axis:<18}{format_bytes(compiled.get(axis, 0.0)):>12} wire"
+                         f"{extra}{where}")
         return lines
 
     def _verdict_lines(self) -> list[str]:

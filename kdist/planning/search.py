@@ -1,6 +1,8 @@
-"""Choosing a mesh: every (data, fsdp, seq, model) mesh a model and batch allow, ranked by the
-analytic memory and communication of :mod:`.estimate` (``--mesh auto``). Meshes are full
-axis dicts (:func:`kdist.parallel.mesh.full_mesh`); axes not searched have size 1.
+"""Choosing a mesh: every (data, fsdp, seq, model) mesh a model and batch allow — in each
+pipeline stage too, and in each DiLoCo replica group — ranked by the analytic memory and
+communication of :mod:`.estimate`, bytes between hosts weighed by :mod:`.traffic`
+(``--mesh auto``). Meshes are full axis dicts (:func:`kdist.parallel.mesh.full_mesh`); axes
+not searched have size 1.
 
 Example:
     >>> from kdist.planning import choose_mesh
@@ -16,14 +18,16 @@ from typing import Any
 
 from kdist.parallel.mesh import full_mesh, mesh_spec
 from kdist.parallel.stages import bubble_fraction
+from kdist.planning import traffic
 from kdist.planning.estimate import (
     SPLIT_BY_MODEL_AXIS,
+    collective_terms,
     compute_bytes,
     cost_model_of,
     dimensions,
     estimate,
-    theoretical_collective_bytes,
 )
+from kdist.planning.traffic import HOST_LINK_SLOWDOWN
 from kdist.planning.units import USABLE_FRACTION, format_bytes
 
 
@@ -139,14 +143,20 @@ def _seq_sizes(devices: int, dims, sequence_length, causal) -> list[int]:
 
 def pipeline_meshes(num_devices: int, model: Any, global_batch_size: int,
                     grad_accum: int = 1, microbatches: int | None = None,
-                    repeats: int = 1) -> list[dict[str, int]]:
+                    repeats: int = 1, sequence_length: int | None = None
+                    ) -> list[dict[str, int]]:
     """Every mesh with a ``stage`` axis (> 1) over ``num_devices`` that the model's layers
     and the batch allow: stages divide the layers (x repeats), and each replica group's
-    micro-batch divides into the microbatches (default: one per stage).
+    micro-batch divides into the microbatches (default: one per stage). Inside a stage,
+    every mesh of :func:`candidate_meshes` (a ``seq`` axis too, given
+    ``sequence_length``).
 
     Example:
         >>> sorted({m["stage"] for m in pipeline_meshes(8, "gpt-nano", 16)})
         [2, 4]
+        >>> "stage=2,seq=4" in {mesh_spec(m) for m in pipeline_meshes(8, "gpt-nano", 2,
+        ...                                                          sequence_length=64)}
+        True
     """
     layers = dimensions(model).get("num_layers") if model is not None else None
     out = []
@@ -157,79 +167,130 @@ def pipeline_meshes(num_devices: int, model: Any, global_batch_size: int,
         if micro < stages:
             continue
         for mesh in candidate_meshes(num_devices // stages, model, global_batch_size,
-                                     grad_accum):
+                                     grad_accum, sequence_length):
             if (global_batch_size // grad_accum) % (mesh["data"] * mesh["fsdp"] * micro):
                 continue
             out.append(full_mesh({**mesh, "stage": stages}))
     return out
 
 
+def replica_counts(num_devices: int, devices_per_host: int | None,
+                   global_batch_size: int) -> list[int]:
+    """The numbers of DiLoCo replica groups the search tries: the divisors (> 1) of the
+    host count, so a group is one or more whole hosts — DiLoCo trades synchronous
+    training for less traffic, which pays only across the slow link between hosts — and
+    on one host 2 groups (an emulation: nothing is saved). Each must divide the batch.
+
+    Example:
+        >>> replica_counts(32, 8, 64), replica_counts(8, None, 16)
+        ([2, 4], [2])
+    """
+    hosts = num_devices // devices_per_host if devices_per_host else 1
+    counts = [r for r in range(2, hosts + 1) if hosts % r == 0] if hosts > 1 else [2]
+    return [r for r in counts if num_devices % r == 0 and global_batch_size % r == 0]
+
+
 def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_size: int,
                 sequence_length: int, *, precision: str = "float32", remat: bool = False,
                 grad_accum: int = 1, context_parallel: str = "all_gather",
                 pipeline_microbatches: int | None = None,
-                pipeline_repeats: int = 1) -> tuple[dict[str, int], list[dict], str]:
+                pipeline_repeats: int = 1, sync_every: int | None = None,
+                devices_per_host: int | None = None,
+                host_link_slowdown: float = HOST_LINK_SLOWDOWN
+                ) -> tuple[dict[str, int], list[dict], str]:
     """The mesh that fits in memory with the least communication per step (analytic).
 
     ``model`` is a preset name, a task, a cost model (or a GPT config dict); see
     :func:`~kdist.planning.estimate.cost_model_of`. Returns ``(mesh, table, why)``: the
-    table has one row per candidate (estimated bytes, wire bytes, ranking cost, fits).
-    Communication is ranked with tensor parallelism's activation all-reduces and the keys
-    and values crossing a ``seq`` axis counted twice (they sit on each layer's critical
-    path; the gradient all-reduce and the weight all-gathers overlap with compute); ties go
-    to fewer ``model`` shards, then fewer ``seq`` shards. Only if no such mesh fits are
-    pipelines considered (:func:`pipeline_meshes`, with ``pipeline_microbatches`` and
-    ``pipeline_repeats``): the one that fits with the smallest bubble, then the least
-    communication. If nothing fits, the candidate with the least memory is returned and
-    ``why`` says so.
+    table has one row per candidate (estimated bytes, wire bytes per axis, the axes that
+    cross hosts, ranking cost, fits).
+
+    The search: every (data, fsdp, seq, model) mesh (:func:`candidate_meshes`); only if
+    none fits, every pipeline (:func:`pipeline_meshes`: a stage axis with data, fsdp, seq
+    and model inside, ``pipeline_microbatches`` and ``pipeline_repeats``). With
+    ``sync_every`` (DiLoCo), every mesh has a ``replica`` axis of :func:`replica_counts`
+    groups, each group's mesh searched the same way over its devices and batch share.
+    A candidate the distribution itself would refuse
+    (:meth:`kdist.parallel.config.Parallelism.build`: the combination table, the settings)
+    is never returned.
+
+    The ranking: the wire bytes per axis (:func:`kdist.planning.traffic.by_axis`), tensor
+    parallelism's activation all-reduces and the keys and values crossing a ``seq`` axis
+    counted twice (they sit on each layer's critical path; the gradient all-reduce and the
+    weight all-gathers overlap with compute), the bytes of an axis that crosses hosts
+    (``devices_per_host``; None: one host) ``host_link_slowdown`` times; ties go to fewer
+    ``model`` shards, then fewer ``seq`` shards. Pipelines rank by their bubble first.
+    If nothing fits, the candidate with the least memory is returned and ``why`` says so.
 
     Example:
         >>> mesh, _, why = choose_mesh("gpt-nano", 8, 2**34, 16, 256)
         >>> mesh_spec(mesh)
         'data=8'
+        >>> mesh_spec(choose_mesh("gpt-nano", 16, 2**34, 32, 256, sync_every=50,
+        ...                       devices_per_host=8)[0])
+        'replica=2,data=8'
     """
+    from kdist.parallel.config import Parallelism
+
     cost = cost_model_of(model)
     dims_source = model if isinstance(model, (str, Mapping)) else cost
     budget = device_memory * USABLE_FRACTION
     value_bytes = compute_bytes(precision)
     micro = global_batch_size // grad_accum
+    groups = replica_counts(num_devices, devices_per_host, micro) if sync_every else [1]
 
     schedule = dict(pipeline_microbatches=pipeline_microbatches,
                     pipeline_repeats=pipeline_repeats)
 
-    def wire(mesh, activations=True):
-        return sum(theoretical_collective_bytes(
-            dims_source, mesh, micro, sequence_length, value_bytes,
-            context_parallel=context_parallel, activations=activations, **schedule).values()
-        ) * grad_accum
+    def axis_bytes(mesh, activations=True):
+        terms = collective_terms(dims_source, mesh, micro, sequence_length, value_bytes,
+                                 context_parallel=context_parallel, activations=activations,
+                                 sync_every=sync_every, **schedule)
+        return {a: b * grad_accum for a, b in traffic.by_axis(terms, mesh).items()}
 
     def row(mesh):
         memory = estimate(cost, mesh, global_batch_size, sequence_length, precision=precision,
                           remat=remat, grad_accum=grad_accum, context_parallel=context_parallel,
                           **schedule)["total"]
-        comm = wire(mesh)
+        per_axis, quiet = axis_bytes(mesh), axis_bytes(mesh, activations=False)
         # Tensor parallelism's activation all-reduces and context parallelism's keys and
         # values sit on the critical path (each layer waits for them); gradient all-reduces
-        # and weight all-gathers overlap with compute. So their bytes weigh double when
-        # ranking.
-        critical = comm - wire(mesh, activations=False)
+        # and weight all-gathers overlap with compute. So their bytes weigh double.
+        ranked = {a: 2 * b - quiet.get(a, 0.0) for a, b in per_axis.items()}
+        crossing = traffic.crossing_fractions(mesh, devices_per_host)
         stages = mesh["stage"]
         bubble = bubble_fraction(stages, pipeline_microbatches or stages, pipeline_repeats)
-        return {"mesh": mesh_spec(mesh), "memory": memory, "wire_bytes": comm,
-                "cost": comm + max(0.0, critical), "fits": memory <= budget, "bubble": bubble,
-                "_mesh": mesh}
+        return {"mesh": mesh_spec(mesh), "memory": memory,
+                "wire_bytes": sum(per_axis.values()), "axis_bytes": per_axis,
+                "crosses_hosts": {a: round(f, 4) for a, f in crossing.items()},
+                "cost": traffic.weighted_bytes(ranked, crossing, host_link_slowdown),
+                "fits": memory <= budget, "bubble": bubble, "_mesh": mesh}
 
-    rows = [row(m) for m in candidate_meshes(num_devices, dims_source, global_batch_size,
-                                             grad_accum, sequence_length)]
+    def allowed(mesh):
+        try:
+            Parallelism.build(mesh_spec(mesh), num_devices, sync_every=sync_every,
+                              context_parallel=context_parallel, **schedule)
+        except ValueError:
+            return False
+        return True
+
+    def searched(meshes_of):
+        return [row(full_mesh({**m, "replica": r})) for r in groups
+                for m in meshes_of(num_devices // r, global_batch_size // r)
+                if allowed(full_mesh({**m, "replica": r}))]
+
+    rows = searched(lambda n, batch: candidate_meshes(n, dims_source, batch, grad_accum,
+                                                      sequence_length))
     if not any(r["fits"] for r in rows):  # then a pipeline, if one fits
-        rows += [row(m) for m in pipeline_meshes(num_devices, dims_source, global_batch_size,
-                                                 grad_accum, pipeline_microbatches,
-                                                 pipeline_repeats)]
+        rows += searched(lambda n, batch: pipeline_meshes(
+            n, dims_source, batch, grad_accum, pipeline_microbatches, pipeline_repeats,
+            sequence_length))
     if not rows:
         raise ValueError(
             f"No mesh over {num_devices} devices suits this model and a global batch of "
-            f"{global_batch_size}: the batch per step must divide by the data x fsdp axes. "
-            f"Use a global batch that is a multiple of {num_devices}.")
+            f"{global_batch_size}: the batch per step must divide by the data x fsdp axes"
+            + (f" of each of the {'/'.join(map(str, groups))} replica groups" if sync_every
+               else "") + f". Use a global batch that is a multiple of {num_devices}.")
     fitting = sorted((r for r in rows if r["fits"]),
                      key=lambda r: (r["bubble"], r["cost"], r["_mesh"]["model"],
                                     r["_mesh"]["seq"]))
@@ -240,8 +301,13 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
         why = (f"{best['mesh']}: fits ({format_bytes(best['memory'])} estimated of "
                f"{format_bytes(budget)} usable per device) with the least communication "
                f"({format_bytes(best['wire_bytes'])} per device per step; tensor- and "
-               f"context-parallel bytes weigh double) of the {len(fitting)} fitting meshes "
-               f"out of {len(rows)}")
+               f"context-parallel bytes weigh double"
+               + (f", bytes between hosts {host_link_slowdown:g}x" if devices_per_host
+                  and devices_per_host < num_devices else "")
+               + f") of the {len(fitting)} fitting meshes out of {len(rows)}")
+        if best["crosses_hosts"]:
+            why += "; across hosts: " + ", ".join(
+                f"{a} ({f:.0%} of its bytes)" for a, f in best["crosses_hosts"].items())
         if best["bubble"]:
             why += (f"; no mesh without a pipeline fits, so it has the smallest bubble "
                     f"({best['bubble']:.0%} of the iterations)")

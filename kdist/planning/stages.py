@@ -88,21 +88,32 @@ def split(cost: Any, sequence_length: int, value_bytes: int, remat: bool) -> dic
 
 def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
            value_bytes: int, remat: bool = False, grad_accum: int = 1,
-           microbatches: int | None = None, repeats: int = 1,
-           hidden_dim: int | None = None) -> dict[str, float]:
-    """Per-device bytes of a pipelined step (see the module docstring)."""
+           microbatches: int | None = None, repeats: int = 1, dims: dict | None = None,
+           context_parallel: str = "all_gather") -> dict[str, float]:
+    """Per-device bytes of a pipelined step (see the module docstring); with a ``seq``
+    axis each stage keeps ``1/s`` of every sequence's tokens (no ``T x T`` scores) and,
+    with ``context_parallel="all_gather"``, its blocks' gathered keys and values.
+    ``global_batch_size``: one replica group's."""
+    from kdist.planning.traffic import gathered_kv_bytes
+
     d, s, f, m = _sizes(mesh)
+    seq = mesh.get("seq", 1)
+    dims = dims or {}
     micro = microbatches or s
-    parts = split(cost, sequence_length, value_bytes, remat)
+    parts = split(cost, sequence_length if seq == 1 else 1, value_bytes, remat)
     v = vocab_stages(mesh)
     weights = 4 * (parts["block_parameters"] / (s * f * m) + parts["table_parameters"]
                    / (v * f * m) + parts["other_parameters"] / (f * m))
-    tokens = global_batch_size / grad_accum / (d * f) * sequence_length
+    rows = global_batch_size / grad_accum / (d * f)
+    tokens = rows * sequence_length / seq
     stretch = (repeats * micro + s - 1) / (repeats * micro)
     activations = (parts["block_activations"] / s * stretch + parts["other_activations"] / v) \
         * tokens / m
+    if seq > 1 and context_parallel == "all_gather":
+        layers = 1 if remat else dims["num_layers"] / s * stretch
+        activations += gathered_kv_bytes(dims, rows, sequence_length, m, value_bytes, layers)
     gathered = 2 * 4 * parts["block_parameters"] / (s * m) if f > 1 else 0.0
-    buffers = (3 if repeats > 1 else 2) * tokens * (hidden_dim or 0) * 4
+    buffers = (3 if repeats > 1 else 2) * tokens * (dims.get("hidden_dim") or 0) * 4
     out = {"parameters": weights,
            "optimizer_state": 2 * weights + (weights if grad_accum > 1 else 0),
            "gradients": weights, "activations": activations,
@@ -111,36 +122,54 @@ def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_len
     return out
 
 
-def collectives(cost: Any, mesh: dict[str, int], micro_batch: int, sequence_length: int,
-                value_bytes: int, hidden_dim: int, num_layers: int,
-                microbatches: int | None = None, repeats: int = 1,
-                parameter_bytes: int = 4, gradient_bytes: int | None = None
-                ) -> dict[str, float]:
-    """Theoretical ring wire bytes per device of one pipelined micro-step, by kind."""
+def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
+                     sequence_length: int, value_bytes: int, dims: dict,
+                     microbatches: int | None = None, repeats: int = 1,
+                     parameter_bytes: int = 4, gradient_bytes: int | None = None,
+                     context_parallel: str = "all_gather", activations: bool = True) -> list:
+    """Theoretical ring wire bytes per device of one pipelined micro-step of one replica
+    group (``micro_batch`` its sequences), as :class:`kdist.planning.traffic.Traffic`
+    terms. With a ``seq`` axis a device's tokens are ``1/s`` of its rows', the gradients
+    are summed over ``data x seq``, and every iteration of the stage's blocks exchanges
+    one microbatch's keys and values over ``seq`` (bubble iterations too: they compute on
+    zeros)."""
+    from kdist.planning.traffic import Traffic, context_terms, needs_dimensions
+
     d, s, f, m = _sizes(mesh)
+    seq = mesh.get("seq", 1)
+    hidden_dim, num_layers = dims.get("hidden_dim", 0), dims.get("num_layers", 0)
     micro = microbatches or s
     parts = split(cost, sequence_length, value_bytes, False)
     v = vocab_stages(mesh)
     pb = parts["block_parameters"]
     po = parts["other_parameters"] + parts["table_parameters"] / v
     g = gradient_bytes or parameter_bytes
-    tokens = micro_batch / (d * f) * sequence_length
+    rows = micro_batch / (d * f)
+    tokens = rows * sequence_length / seq
     iterations = repeats * micro + s - 1
+    per_stage = num_layers // (repeats * s)  # blocks a stage applies per iteration
     activation = tokens / micro * hidden_dim * value_bytes  # one microbatch, one device
-    out = {
-        "all-gather": _ring(f) * parameter_bytes * (pb / (s * m) + 2 * po / m),
-        "reduce-scatter": _ring(f) * g * (pb / (s * m) + po / m),
-        # gradients over data; the outputs and the inputs' cotangent over stages; with the
-        # vocabulary over stages the embedding's output and the head's input gradient too.
-        "all-reduce": 2 * _ring(d) * g * (pb / (s * f * m) + po / (f * m))
-        + (2 + 2 * (v > 1)) * 2 * _ring(s) * tokens * hidden_dim * value_bytes,
-        "collective-permute": 2 * iterations * activation,
-    }
-    if m > 1:  # tensor parallel inside each stage, as kdist.planning.estimate counts it
-        per_stage = num_layers // (repeats * s)  # blocks a stage applies per iteration
-        out["all-reduce"] += 4 * 2 * _ring(m) * activation * iterations * per_stage \
-            + 2 * 2 * _ring(m) * tokens * hidden_dim * value_bytes
-    return {k: v for k, v in out.items() if v > 0}
+    # gradients over data x seq; the outputs and the inputs' cotangent over stages; with
+    # the vocabulary over stages the embedding's output and the head's input gradient too.
+    terms = [
+        Traffic("all-gather", ("fsdp",), _ring(f) * parameter_bytes * (pb / (s * m)
+                                                                         + 2 * po / m)),
+        Traffic("reduce-scatter", ("fsdp",), _ring(f) * g * (pb / (s * m) + po / m)),
+        Traffic("all-reduce", ("data", "seq"),
+                2 * _ring(d * seq) * g * (pb / (s * f * m) + po / (f * m))),
+        Traffic("all-reduce", ("stage",), (2 + 2 * (v > 1)) * 2 * _ring(s) * tokens
+                * hidden_dim * value_bytes),
+        Traffic("collective-permute", ("stage",), 2 * iterations * activation),
+    ]
+    needs_dimensions(dims, mesh, activations)
+    if activations and m > 1:  # tensor parallel inside each stage, as the estimate counts
+        terms.append(Traffic("all-reduce", ("model",),
+                             4 * 2 * _ring(m) * activation * iterations * per_stage
+                             + 2 * 2 * _ring(m) * tokens * hidden_dim * value_bytes))
+    if activations and seq > 1:
+        terms += context_terms(dims, seq, m, rows / micro, sequence_length, value_bytes,
+                               context_parallel, layers=iterations * per_stage)
+    return [t for t in terms if t.bytes > 0]
 
 
 def summary(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,

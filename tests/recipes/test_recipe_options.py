@@ -17,6 +17,7 @@ import bert_pretrain  # noqa: E402
 import gpt_finetune  # noqa: E402
 import gpt_pretrain  # noqa: E402
 import recipe_options  # noqa: E402
+import recipe_run  # noqa: E402
 
 RECIPE_MODULES = {"gpt_pretrain": gpt_pretrain, "bert_pretrain": bert_pretrain,
                   "bert_finetune": bert_finetune, "gpt_finetune": gpt_finetune}
@@ -98,12 +99,21 @@ def test_the_batch_default_rounds_up_to_the_mesh_a_typed_batch_does_not():
 
 def test_sync_every_without_a_replica_axis_is_refused():
     """It silently wrapped the optimizer in one DiLoCo group: weights moved every H steps."""
-    for mesh in ("auto", "fsdp=8", "data=8"):
+    for mesh in ("fsdp=8", "data=8"):
         args = parse("gpt_pretrain", ["--mesh", mesh, "--sync-every", "5"])
         with pytest.raises(ValueError, match=rf"--sync-every 5 .* --mesh {mesh} has none"):
             recipe_options.check_together(args)
     recipe_options.check_together(parse("gpt_pretrain", ["--mesh", "replica=2,data=4",
                                                          "--sync-every", "5"]))
+    # --mesh auto with --sync-every: the planner searches meshes with replica groups (one
+    # host here: 2 groups, an emulation).
+    args = parse("gpt_pretrain", ["--sync-every", "5"])
+    recipe_options.check_together(args)
+    from kdist.models import GPT_PRESETS, GPTCausalLM
+
+    mesh, why = recipe_run.resolve_mesh(args, GPTCausalLM.cost_model_for(
+        GPT_PRESETS["gpt-nano"]), 128, "float32")
+    assert kdist.parse_mesh(mesh, 8)["replica"] == 2 and "mesh auto: replica=2" in why[0]
     # The library says so too (its tests/parallel home is being redesigned meanwhile).
     with pytest.raises(ValueError, match="names no 'replica' axis.*'replica=1,...'"):
         kdist.distribution("fsdp=8", sync_every=2)
