@@ -59,7 +59,15 @@ def resolve_mesh(args: argparse.Namespace, cost_model, sequence_length: int,
         pipeline_microbatches=args.pipeline_microbatches,
         pipeline_repeats=args.pipeline_repeats, sync_every=getattr(args, "sync_every", None),
         devices_per_host=jax.local_device_count())
-    return kdist.plan.mesh_spec(chosen), [f"mesh auto: {why}"]
+    lines = [f"mesh auto: {why}"]
+    if chosen["stage"] == 1:  # the schedule's flags were for a pipeline auto did not choose
+        unused = [f"--pipeline-microbatches {args.pipeline_microbatches}"] * bool(
+            args.pipeline_microbatches) + [f"--pipeline-repeats {args.pipeline_repeats}"] * (
+            args.pipeline_repeats > 1)
+        args.pipeline_microbatches, args.pipeline_repeats = None, 1
+        if unused:
+            lines.append(f"{' and '.join(unused)} left out: the mesh chosen has no pipeline")
+    return kdist.plan.mesh_spec(chosen), lines
 
 
 def settle_mesh_defaults(args: argparse.Namespace, mesh: str) -> list[str]:

@@ -79,6 +79,14 @@ def pytest_collection_modifyitems(config, items):
                 and not any(m.args == ("multihost",) for m in item.iter_markers("xdist_group"))]
     if unmarked:
         raise pytest.UsageError(f'Mark these @pytest.mark.xdist_group("multihost"): {unmarked}')
+    # The long tests first (the multi-process launch, then those marked slow): xdist hands
+    # out tests in this order, so the run does not end with one worker on a 2-minute test
+    # while the other idles. A stable sort: the rest keep their order.
+    def rank(item):
+        multihost = any(m.args == ("multihost",) for m in item.iter_markers("xdist_group"))
+        return 0 if multihost else 1 if item.get_closest_marker("slow") else 2
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(autouse=True)

@@ -267,9 +267,11 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
                 "fits": memory <= budget, "bubble": bubble, "_mesh": mesh}
 
     def allowed(mesh):
+        # The schedule's settings belong to a pipeline: a mesh without one is built without.
         try:
             Parallelism.build(mesh_spec(mesh), num_devices, sync_every=sync_every,
-                              context_parallel=context_parallel, **schedule)
+                              context_parallel=context_parallel,
+                              **(schedule if mesh["stage"] > 1 else {}))
         except ValueError:
             return False
         return True

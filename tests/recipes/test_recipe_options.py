@@ -5,6 +5,7 @@ when it cannot work."""
 
 import sys
 
+import keras
 import pytest
 
 import kdist
@@ -118,6 +119,24 @@ def test_sync_every_without_a_replica_axis_is_refused():
     with pytest.raises(ValueError, match="names no 'replica' axis.*'replica=1,...'"):
         kdist.distribution("fsdp=8", sync_every=2)
     assert kdist.distribution("replica=1,fsdp=8", sync_every=2).config.replicas.sync_every == 2
+
+
+def test_auto_without_a_pipeline_leaves_the_schedule_flags_out():
+    """``--mesh auto --pipeline-microbatches 8`` on a model that needs no pipeline: auto
+    searches every mesh (the flags used to empty the search of all but pipelines), and the
+    distribution then gets no schedule for a mesh without stages (it used to refuse)."""
+    from kdist.models import GPT_PRESETS, GPTCausalLM
+
+    args = parse("gpt_pretrain", ["--pipeline-microbatches", "8", "--pipeline-repeats", "2"])
+    recipe_options.check_together(args)
+    mesh, why = recipe_run.resolve_mesh(args, GPTCausalLM.cost_model_for(
+        GPT_PRESETS["gpt-nano"]), 128, "float32")
+    assert kdist.parse_mesh(mesh, 8)["stage"] == 1, why
+    assert why[1] == ("--pipeline-microbatches 8 and --pipeline-repeats 2 left out: the mesh "
+                      "chosen has no pipeline")
+    assert args.pipeline_microbatches is None and args.pipeline_repeats == 1
+    recipe_run.set_distribution(args, mesh, "float32")  # what refused it
+    keras.distribution.set_distribution(None)
 
 
 def test_remat_takes_the_same_values_in_the_recipes_and_kdist_plan():
