@@ -7,19 +7,20 @@ input gradient ``I`` (on the critical path: the stage before waits for it) and t
 gradient ``W`` (needed by nobody, so it can fill idle ticks). With ``chunks`` v per device
 (kdist's circular repeats) virtual stage ``k = chunk * S + s`` lives on device ``s = k % S``.
 
-The table is built by simulating the pipeline tick by tick: a task may run once what it
-needs finished at an earlier tick (its input crosses one collective-permute per tick); among
-the ready tasks each schedule picks by its own rule, and 1F1B-like schedules start a new
-forward only while fewer than a cap of microbatches are in flight (forward done, backward
-not yet), which is what bounds their activation memory by ``S`` instead of ``M``:
+The table is built by simulating the pipeline tick by tick: each device has its tasks in a
+fixed order (:func:`order`) and runs the next one as soon as what it needs finished at an
+earlier tick (its input crosses one collective-permute per tick), else idles. The order is
+what bounds the microbatches in flight (forward done, backward not yet), and with them the
+activation memory:
 
 - ``gpipe``: every forward first, then every backward: ``M`` microbatches in flight.
-- ``1f1b``: a backward as soon as one is ready; stage ``s`` holds at most ``S - s``.
+- ``1f1b``: ``S - s - 1`` warm-up forwards, then one forward and one backward in turn:
+  stage ``s`` holds at most ``S - s``.
+- ``interleaved_1f1b`` (Megatron-LM's order, ``v`` chunks per stage): the bubble divided
+  by ``v``, ``(S - 1) / (v M + S - 1)``; stage 0 holds ``2 (S - 1) + (v - 1) S + 1``
+  chunk activations (each ``1 / v`` of a stage's layers) whatever ``M``.
 
-Interleaved 1F1B (``v`` chunks in Megatron-LM's order) and zero-bubble (ZB-H1: ``B`` split into
-``I`` and ``W``) are the next rows of :data:`SCHEDULES`: a greedy pick over ready tasks is not
-enough for them (interleaved stalls at ``S=4, M=16, v=2``; ZB's ``W`` placement gave twice the
-ZB-H1 bubble), so they need explicit per-stage task orders.
+Zero-bubble (ZB-H1: ``B`` split into ``I`` and ``W``) is the next row of :data:`SCHEDULES`.
 
 This module is pure Python (no JAX): the planner, ``kdist plan``'s timeline and the tests
 read the same tables.
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -118,8 +119,17 @@ def check(name: str, stages: int, microbatches: int, chunks: int = 1) -> None:
             raise ValueError(f"{what} must be a positive int; got {value!r}.")
     if name == "1f1b" and chunks != 1:
         raise ValueError(f"pipeline_schedule='1f1b' runs one model chunk per stage; got "
-                         f"{chunks} (pipeline_repeats). Use pipeline_repeats=1, or 'gpipe' "
-                         f"for circular repeats.")
+                         f"{chunks} (pipeline_repeats). Use pipeline_repeats=1, or "
+                         f"'interleaved_1f1b' for {chunks} chunks per stage.")
+    if name == "interleaved_1f1b" and chunks < 2:
+        raise ValueError(f"pipeline_schedule='interleaved_1f1b' runs several model chunks per "
+                         f"stage; got pipeline_repeats={chunks}. Use pipeline_repeats >= 2, or "
+                         f"'1f1b' for one chunk per stage.")
+    if name == "interleaved_1f1b" and microbatches % stages:
+        raise ValueError(f"pipeline_schedule='interleaved_1f1b' runs the microbatches in groups "
+                         f"of the {stages} stages; pipeline_microbatches={microbatches} is not "
+                         f"a multiple of {stages}. Use e.g. pipeline_microbatches="
+                         f"{stages * max(1, round(microbatches / stages))}.")
     if stages > 1 and microbatches < stages:
         raise ValueError(f"pipeline_microbatches={microbatches} is fewer than the {stages} "
                          f"stages: some stage would never have work.")
@@ -136,43 +146,65 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
     check(name, stages, microbatches, chunks)
     S, M, v = stages, microbatches, chunks
     V = S * v  # virtual stages; k lives on device k % S
+    orders = [list(order(name, S, M, v, s)) for s in range(S)]
     done: dict[tuple[str, int, int], int] = {}  # (action, microbatch, virtual stage) -> tick
 
     def finished(key: tuple[str, int, int], tick: int) -> bool:  # before this tick
         return done.get(key, tick) < tick
 
-    def runnable(action: str, m: int, k: int, tick: int) -> bool:
-        if (action, m, k) in done:
-            return False
-        if action == "F":
-            return k == 0 or finished(("F", m, k - 1), tick)
+    def ready(task: Task, s: int, tick: int) -> bool:
+        k = task.chunk * S + s
+        if task.action == "F":
+            return k == 0 or finished(("F", task.microbatch, k - 1), tick)
         # B: the last virtual stage's forward includes the loss, so it needs no cotangent.
-        return finished(("F", m, k), tick) and (k == V - 1 or finished(("B", m, k + 1), tick))
+        return finished(("F", task.microbatch, k), tick) and (
+            k == V - 1 or finished(("B", task.microbatch, k + 1), tick))
 
-    # 1F1B starts a forward only while fewer than S - s microbatches are in flight on stage s.
-    cap = [M * v if name == "gpipe" else S - s for s in range(S)]
-    held, forwards = [0] * S, [0] * S
-    cells = []
+    cells, position = [], [0] * S
     while len(done) < 2 * M * V:
-        tick, row = len(cells), []
-        for s in range(S):
-            mine = [(m, c) for c in range(v) for m in range(M)]
-            back = [(m, c) for m, c in mine if runnable("B", m, c * S + s, tick)]
-            fwd = [(m, c) for m, c in mine if runnable("F", m, c * S + s, tick)]
-            if back and (name != "gpipe" or forwards[s] == M * v):  # GPipe: every F first
-                m, c = min(back, key=lambda mc: (-mc[1], mc[0]))  # the last chunk first
-                row.append(Task("B", m, c))
-            elif fwd and held[s] < cap[s]:
-                m, c = min(fwd, key=lambda mc: (mc[1], mc[0]))
-                row.append(Task("F", m, c))
-            else:
-                row.append(None)
+        tick = len(cells)
+        row = tuple(orders[s][position[s]] if position[s] < len(orders[s])
+                    and ready(orders[s][position[s]], s, tick) else None for s in range(S))
+        if all(task is None for task in row):  # a bug in an order, never the user's input
+            raise RuntimeError(f"schedule {name!r} stalled at tick {tick} (S={S}, M={M}, v={v})")
         for s, task in enumerate(row):
             if task is not None:
-                done[(task.action, task.microbatch, task.chunk * S + s)] = len(cells)
-                held[s] += 1 if task.action == "F" else -1
-                forwards[s] += task.action == "F"
-        if all(task is None for task in row):  # a bug in a rule, never the user's input
-            raise RuntimeError(f"schedule {name!r} stalled at tick {tick} (S={S}, M={M}, v={v})")
-        cells.append(tuple(row))
+                done[(task.action, task.microbatch, task.chunk * S + s)] = tick
+                position[s] += 1
+        cells.append(row)
     return Table(name, S, M, v, tuple(cells))
+
+
+def order(name: str, stages: int, microbatches: int, chunks: int, stage: int):
+    """The tasks of device ``stage`` in the order it runs them (each as soon as what it needs
+    has arrived).
+
+    - ``gpipe``: every forward (chunk by chunk, microbatch by microbatch), then every
+      backward (the last chunk first).
+    - ``1f1b``: ``S - s - 1`` warm-up forwards, then one forward and one backward in turn,
+      then the backwards left.
+    - ``interleaved_1f1b`` (Megatron-LM's order): the microbatches in groups of ``S``, each
+      group's forwards through chunk 0, 1, ... and its backwards through chunk v-1, ..., 0;
+      ``2 (S - s - 1) + (v - 1) S`` warm-up forwards, then one forward and one backward
+      in turn.
+
+    Example:
+        >>> [t.label(1) for t in order("1f1b", 2, 3, 1, stage=0)]
+        ['F0', 'F1', 'B0', 'F2', 'B1', 'B2']
+    """
+    S, M, v, s = stages, microbatches, chunks, stage
+    if name == "gpipe":
+        forwards = [Task("F", m, c) for c in range(v) for m in range(M)]
+        return forwards + [Task("B", m, c) for c in reversed(range(v)) for m in range(M)]
+
+    def nth(action: str, i: int) -> Task:  # the i-th forward or backward of this device
+        group, rest = divmod(i, S * v)
+        c, j = divmod(rest, S)
+        return Task(action, group * S + j, c if action == "F" else v - 1 - c)
+
+    total = M * v
+    warm = min(S - s - 1 if name == "1f1b" else 2 * (S - s - 1) + (v - 1) * S, total)
+    tasks = [nth("F", i) for i in range(warm)]
+    for i in range(total - warm):
+        tasks += [nth("F", warm + i), nth("B", i)]
+    return tasks + [nth("B", i) for i in range(total - warm, total)]

@@ -7,9 +7,21 @@ import pytest
 from kdist.parallel import schedules
 from kdist.parallel.stages import bubble_fraction
 
-SHAPES = [(2, 2, 1), (2, 5, 1), (4, 8, 1), (4, 16, 1), (8, 32, 1), (2, 4, 2), (4, 8, 3)]
+SHAPES = [(2, 2, 1), (2, 5, 1), (4, 8, 1), (4, 16, 1), (8, 32, 1), (2, 4, 2), (4, 8, 3),
+          (4, 16, 2), (8, 16, 2), (4, 8, 4)]
+
+
+def runs(name, stages, microbatches, chunks):
+    """Whether the schedule takes these settings (the refusals are tested below)."""
+    if name == "1f1b":
+        return chunks == 1
+    if name == "interleaved_1f1b":
+        return chunks > 1 and microbatches % stages == 0
+    return True
+
+
 CASES = [(name, *shape) for name in schedules.SCHEDULES for shape in SHAPES
-         if name != "1f1b" or shape[2] == 1]  # 1F1B runs one chunk per stage (refused below)
+         if runs(name, *shape)]
 
 
 def ticks_of(table):
@@ -41,12 +53,16 @@ def test_every_task_runs_once_after_what_it_needs(name, stages, microbatches, ch
     assert len(when) == 2 * microbatches * (last + 1)
 
 
-@pytest.mark.parametrize("name", schedules.SCHEDULES)
-@pytest.mark.parametrize("stages, microbatches", [(2, 2), (4, 8), (4, 16), (8, 16), (8, 32)])
-def test_bubble_equals_the_formula(name, stages, microbatches):
-    table = schedules.build(name, stages, microbatches)
-    assert table.ticks == 2 * (microbatches + stages - 1)
-    assert table.bubble == pytest.approx(bubble_fraction(stages, microbatches), rel=1e-12)
+@pytest.mark.parametrize("name, stages, microbatches, chunks", [
+    (name, s, m, v) for name in schedules.SCHEDULES
+    for s, m in [(2, 2), (4, 8), (4, 16), (8, 16), (8, 32)] for v in (1, 2, 4)
+    if runs(name, s, m, v) and (v == 1 or name != "gpipe")])
+def test_bubble_equals_the_formula(name, stages, microbatches, chunks):
+    """(S - 1) / (v M + S - 1): every stage idles 2 (S - 1) ticks of 2 (v M + S - 1)."""
+    table = schedules.build(name, stages, microbatches, chunks)
+    assert table.ticks == 2 * (chunks * microbatches + stages - 1)
+    assert table.bubble == pytest.approx(bubble_fraction(stages, microbatches, chunks),
+                                         rel=1e-12)
 
 
 def test_circular_gpipe_bubble_shrinks_with_the_repeats():
@@ -65,6 +81,19 @@ def test_1f1b_holds_stages_not_microbatches(stages):
         assert one_f_one_b.in_flight(0)[-1] == 0 == gpipe.in_flight(0)[-1]
 
 
+@pytest.mark.parametrize("stages, chunks", [(2, 2), (4, 2), (4, 3), (8, 2)])
+def test_interleaved_holds_what_megatron_warms_up_whatever_the_microbatches(stages, chunks):
+    """Stage s holds 2 (S - s - 1) + (v - 1) S + 1 chunk activations (its warm-up forwards
+    and one), at every M; GPipe's circular repeats hold all v M."""
+    expected = [2 * (stages - s - 1) + (chunks - 1) * stages + 1 for s in range(stages)]
+    for microbatches in (stages, 2 * stages, 4 * stages):
+        table = schedules.build("interleaved_1f1b", stages, microbatches, chunks)
+        held = [max(table.in_flight(s)) for s in range(stages)]
+        assert held == [min(e, chunks * microbatches) for e in expected]
+        assert schedules.build("gpipe", stages, microbatches, chunks).max_in_flight() == \
+            chunks * microbatches
+
+
 def test_timeline_draws_the_table():
     assert schedules.build("gpipe", 2, 2).timeline() == (
         "stage 0 | F0 F1 .  .  B0 B1\n"
@@ -75,8 +104,11 @@ def test_timeline_draws_the_table():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("zero_bubble", 4, 8), "pipeline_schedule must be one of gpipe, 1f1b; got 'zero_bubble'"),
+    (("zero_bubble", 4, 8), "pipeline_schedule must be one of gpipe, 1f1b, interleaved_1f1b; "
+                            "got 'zero_bubble'"),
     (("1f1b", 4, 8, 2), "runs one model chunk per stage; got 2 \\(pipeline_repeats\\)"),
+    (("interleaved_1f1b", 4, 8), "several model chunks per stage; got pipeline_repeats=1"),
+    (("interleaved_1f1b", 4, 6, 2), "pipeline_microbatches=6 is not a multiple of 4"),
     (("1f1b", 4, 2), "pipeline_microbatches=2 is fewer than the 4 stages"),
     (("gpipe", 0, 2), "stages must be a positive int; got 0"),
     (("gpipe", 2, True), "microbatches must be a positive int; got True"),

@@ -1,0 +1,316 @@
+"""One SPMD program that runs any schedule table (:mod:`kdist.parallel.schedules`):
+forwards and backwards interleaved per the table, so 1F1B keeps about ``S`` microbatches'
+inputs on a stage where GPipe's scan keeps ``M`` microbatches' residuals.
+
+Today's GPipe (:mod:`kdist.parallel.pipeline`) lets JAX differentiate a scan over the
+schedule, so every iteration's residuals live until the backward scan. A schedule that
+starts microbatch 0's backward before microbatch ``S``'s forward cannot be a gradient of
+a forward program: the backward of a microbatch needs its loss, so the loss joins the
+schedule, and the interpreter computes the gradients itself — one ``lax.scan`` over the
+table's ticks in which every stage runs its tick's task:
+
+- ``F``: the stage's layers on the microbatch's input (from the inputs on virtual stage 0,
+  else from the buffer the previous stage's activation was written into); the input stays
+  in the buffer until the task's ``B``. On the last virtual stage ``F`` computes nothing:
+  its ``B`` recomputes it with the loss.
+- ``B``: ``jax.vjp`` of the stage's layers at the buffered input — the forward recomputed,
+  not its residuals kept — applied to the cotangent the next stage sent back (on the last
+  virtual stage: the vjp of layers + loss, at cotangent 1). The weights' gradient
+  accumulates on the device; the input's cotangent goes back to the previous stage.
+
+At the end of every tick each stage sends its ``F`` output forward and its input cotangent
+backward (one collective-permute each, zeros when it had none) and writes what arrived into
+a buffer slot the table assigned (:class:`Program`): slots are reused as soon as their
+microbatch's ``B`` has read them, so a buffer holds what the schedule keeps in flight and
+what arrived while the stage was busy: at most ``S`` inputs under 1F1B, whatever ``M``.
+
+Why recompute rather than keep residuals: a stage's vjp residuals include its weights (and
+their casts under mixed precision); kept per in-flight microbatch they would cost ``S``
+copies of the stage's weights, where recomputing costs one extra forward per microbatch
+and stage (the compute of full rematerialisation, which a pipeline pays at scale anyway).
+
+Example:
+    >>> from kdist.parallel import schedules
+    >>> program = Program(schedules.build("1f1b", stages=4, microbatches=8))
+    >>> program.input_slots, program.cotangent_slots  # buffer entries per stage
+    (4, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdist.parallel.region import to_varying
+
+AXIS = "stage"
+IDLE, FORWARD, BACKWARD, LAST_BACKWARD = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A table compiled to per-tick, per-stage integer arrays ``(ticks, stages)``:
+
+    ``action`` (:data:`IDLE`, :data:`FORWARD`, :data:`BACKWARD`, :data:`LAST_BACKWARD`),
+    ``microbatch``, ``chunk``; ``read`` (the input-buffer slot a task's input is in; -1:
+    the schedule's inputs), ``cotangent`` (the slot its cotangent is in); ``write`` and
+    ``write_cotangent`` (the slot what arrives at the end of the tick goes into; -1: none).
+    ``input_slots`` and ``cotangent_slots``: the buffers' sizes (the most any stage holds).
+    """
+
+    table: object
+    action: np.ndarray = None
+    microbatch: np.ndarray = None
+    chunk: np.ndarray = None
+    read: np.ndarray = None
+    cotangent: np.ndarray = None
+    write: np.ndarray = None
+    write_cotangent: np.ndarray = None
+    input_slots: int = 0
+    cotangent_slots: int = 0
+
+    def __post_init__(self):
+        t = self.table
+        S, V, shape = t.stages, t.stages * t.chunks, (t.ticks, t.stages)
+        arrays = {name: np.full(shape, fill, np.int32) for name, fill in (
+            ("action", IDLE), ("microbatch", 0), ("chunk", 0), ("read", -1),
+            ("cotangent", 0), ("write", -1), ("write_cotangent", -1))}
+        when = {}
+        for tick, row in enumerate(t.cells):
+            for s, task in enumerate(row):
+                if task is None:
+                    continue
+                k = task.chunk * S + s
+                when[(task.action, task.microbatch, k)] = tick
+                arrays["microbatch"][tick, s] = task.microbatch
+                arrays["chunk"][tick, s] = task.chunk
+                if task.action == "F":  # the last virtual stage's forward waits for its B
+                    arrays["action"][tick, s] = IDLE if k == V - 1 else FORWARD
+                elif task.action == "B":
+                    arrays["action"][tick, s] = LAST_BACKWARD if k == V - 1 else BACKWARD
+                else:
+                    raise ValueError(f"the interpreter runs F and B tasks; got {task}")
+        # An input arrives at the end of the previous virtual stage's F and is read by this
+        # one's F and B; a cotangent arrives at the end of the next one's B, read by this B.
+        inputs = [(k % S, when[("F", m, k - 1)], when[("B", m, k)],
+                   [when[("F", m, k)], when[("B", m, k)]])
+                  for m in range(t.microbatches) for k in range(1, V)]
+        cotangents = [(k % S, when[("B", m, k + 1)], when[("B", m, k)], [when[("B", m, k)]])
+                      for m in range(t.microbatches) for k in range(V - 1)]
+        sizes = {}
+        for name, write, read, intervals in (("input", "write", "read", inputs),
+                                             ("cotangent", "write_cotangent", "cotangent",
+                                              cotangents)):
+            sizes[name] = _assign_slots(intervals, arrays[write], arrays[read])
+        for name, value in arrays.items():
+            value.setflags(write=False)
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "input_slots", sizes["input"])
+        object.__setattr__(self, "cotangent_slots", sizes["cotangent"])
+
+
+def _assign_slots(intervals, write, read) -> int:
+    """Gives every ``(stage, arrives, last_read, reads)`` value a buffer slot free from its
+    arrival (written at the end of that tick) to its last read (a slot read at a tick can
+    take a new value at that tick's end); fills ``write``/``read``; returns the slots used."""
+    free_at: dict[int, list[int]] = {}  # stage -> per slot, the tick it is free from
+    for stage, arrives, last, reads in sorted(intervals, key=lambda i: i[1]):
+        slots = free_at.setdefault(stage, [])
+        slot = next((i for i, tick in enumerate(slots) if tick <= arrives), len(slots))
+        if slot == len(slots):
+            slots.append(0)
+        slots[slot] = last
+        write[arrives, stage] = slot
+        for tick in reads:
+            read[tick, stage] = slot
+    return max((len(s) for s in free_at.values()), default=0) or 1
+
+
+def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, data=None):
+    """One device's part of ``program`` (inside a ``shard_map`` with ``stage`` manual).
+
+    ``stage_fn(chunk_weights, x, data_m, chunk)`` applies this device's layers of model
+    ``chunk`` to a microbatch's activation ``x`` (``(b, ...)``, the shape it returns);
+    ``loss_fn(loss_weights, y, data_m)`` is that microbatch's share of the loss from the
+    last virtual stage's output (the step's loss is their sum). ``data``: a pytree of
+    ``(M, b, ...)`` arrays (masks, positions, targets, microbatch indices for seeds), of
+    which both get microbatch ``m``'s slices ``data_m``. ``weights``: arrays with a leading
+    chunk dimension (``(v, ...)``); ``xm``: the inputs ``(M, b, ...)`` (read on stage 0
+    only). Returns ``(loss, d_weights, d_loss_weights, d_xm)``, each this
+    device's part: the loss and ``d_loss_weights`` on the last stage, ``d_xm`` on stage 0,
+    zeros elsewhere.
+    """
+    table = program.table
+    S, v = table.stages, table.chunks
+    s = jax.lax.axis_index(AXIS)
+    # Round the ring only when a microbatch goes round again (interleaved chunks).
+    ring = S if v > 1 else S - 1
+    forward_perm = [(i, (i + 1) % S) for i in range(ring)]
+    backward_perm = [((i + 1) % S, i) for i in range(ring)]
+    columns = {name: jnp.asarray(getattr(program, name)) for name in (
+        "action", "microbatch", "chunk", "read", "cotangent", "write", "write_cotangent")}
+    zeros_x = jnp.zeros(xm.shape[1:], xm.dtype)
+    varying = _varying_axes(weights, loss_weights, xm, data) | {AXIS}
+
+    def vary(tree):
+        return jax.tree.map(lambda a: to_varying(a, varying), tree)
+
+    def zero(tree):
+        return vary(jax.tree.map(jnp.zeros_like, tree))
+
+    def tick(carry, t):
+        inputs, cotangents, d_w, d_lw, d_xm, loss = carry
+        at = {name: col[t, s] for name, col in columns.items()}
+        m, c = at["microbatch"], at["chunk"]
+        data_m = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, keepdims=False),
+                              data)
+        w = [jax.lax.dynamic_index_in_dim(a, c, keepdims=False) for a in weights]
+        x = jnp.where(at["read"] < 0, jax.lax.dynamic_index_in_dim(xm, m, keepdims=False),
+                      jax.lax.dynamic_index_in_dim(inputs, jnp.maximum(at["read"], 0),
+                                                   keepdims=False))
+        g = jax.lax.dynamic_index_in_dim(cotangents, at["cotangent"], keepdims=False)
+
+        def idle(w, x, g):
+            return vary((zeros_x, zeros_x, zero(w), zero(loss_weights), jnp.zeros(())))
+
+        def forward(w, x, g):
+            y = stage_fn(w, x, data_m, c)
+            return vary((y, zeros_x, zero(w), zero(loss_weights), jnp.zeros(())))
+
+        def backward(w, x, g):
+            _, vjp = jax.vjp(lambda w, x: stage_fn(w, x, data_m, c), w, x)
+            dw, dx = vjp(g)
+            return vary((zeros_x, dx, dw, zero(loss_weights), jnp.zeros(())))
+
+        def last_backward(w, x, g):
+            def full(w, lw, x):
+                return loss_fn(lw, stage_fn(w, x, data_m, c), data_m).astype(jnp.float32)
+
+            value, vjp = jax.vjp(full, w, vary(loss_weights), x)
+            dw, dlw, dx = vjp(vary(jnp.ones((), jnp.float32)))
+            return vary((zeros_x, dx, dw, dlw, value))
+
+        # Everything typed varying over every manual axis before any vjp: a replicated
+        # weight's cotangent would otherwise be summed inside the branch, a collective
+        # that only the devices taking that branch would reach (they would wait forever).
+        # The sums run once, after the schedule.
+        y, dx, dw, dlw, value = jax.lax.switch(
+            at["action"], (idle, forward, backward, last_backward), vary(w), x, g)
+        d_w = [jax.lax.dynamic_update_index_in_dim(
+            acc, jax.lax.dynamic_index_in_dim(acc, c, keepdims=False) + grad, c, 0)
+            for acc, grad in zip(d_w, dw)]
+        d_lw = jax.tree.map(jnp.add, d_lw, dlw)
+        first = (s == 0) & (c == 0) & (at["action"] >= BACKWARD)  # virtual stage 0's B
+        d_xm = jax.lax.dynamic_update_index_in_dim(
+            d_xm, jnp.where(first, dx, jax.lax.dynamic_index_in_dim(d_xm, m, keepdims=False)),
+            m, 0)
+        arrived = jax.lax.ppermute(y, AXIS, forward_perm)
+        returned = jax.lax.ppermute(dx, AXIS, backward_perm)
+        inputs = _store(inputs, arrived, at["write"])
+        cotangents = _store(cotangents, returned, at["write_cotangent"])
+        return (inputs, cotangents, d_w, d_lw, d_xm, loss + value), None
+
+    buffer = (program.input_slots,) + xm.shape[1:]
+    init = vary((jnp.zeros(buffer, xm.dtype),
+                 jnp.zeros((program.cotangent_slots,) + xm.shape[1:], xm.dtype),
+                 [jnp.zeros_like(w) for w in weights],
+                 jax.tree.map(jnp.zeros_like, loss_weights),
+                 jnp.zeros_like(xm), jnp.zeros((), jnp.float32)))
+    (_, _, d_w, d_lw, d_xm, loss), _ = jax.lax.scan(tick, init, jnp.arange(table.ticks))
+    return loss, d_w, d_lw, d_xm
+
+
+def _store(buffer, value, slot):
+    """``buffer[slot] = value`` where ``slot >= 0``."""
+    index = jnp.maximum(slot, 0)
+    old = jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, value, old),
+                                               index, 0)
+
+
+def _varying_axes(*trees) -> set:
+    from kdist.parallel.region import varying_axes
+
+    axes = set()
+    for leaf in jax.tree.leaves(trees):
+        axes |= set(varying_axes(leaf))
+    return axes
+
+
+def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None, *,
+                   mesh, batch_axes=()):
+    """The loss of ``table``'s schedule and its gradients, over ``mesh``.
+
+    ``weights``: stacked arrays ``(v, L / v, ...)`` whose second dimension is split over
+    ``stage`` (kdist's layer stacks under circular repeats: device ``s`` holds layers
+    ``(c S + s) K ... (c S + s + 1) K - 1`` of chunk ``c``); ``stage_fn`` gets one chunk's
+    ``(K, ...)`` slices. ``xm``: ``(M, B, ...)`` microbatches, rows split over
+    ``batch_axes``, and so are ``data``'s; ``loss_weights`` replicated. ``stage_fn`` and
+    ``loss_fn`` as in :func:`interpret` (on each device's rows; the loss is the sum over
+    devices). Returns
+    ``(loss, (d_weights, d_loss_weights, d_xm))``.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    program = Program(table)
+    rows = tuple(batch_axes) or None
+    w_specs = [P(None, AXIS) for _ in weights]
+    x_spec = P(None, rows)
+    everything = (AXIS,) + tuple(batch_axes)
+
+    def device(weights, loss_weights, xm, data):
+        loss, d_w, d_lw, d_xm = interpret(program, stage_fn, loss_fn, weights,
+                                          loss_weights, xm, data)
+        loss = jax.lax.psum(loss, everything)
+        d_w = [jax.lax.psum(g, tuple(batch_axes)) if batch_axes else g for g in d_w]
+        d_lw = jax.tree.map(lambda g: jax.lax.psum(g, everything), d_lw)
+        return loss, d_w, d_lw, jax.lax.psum(d_xm, AXIS)
+
+    lw_specs = jax.tree.map(lambda _: P(), loss_weights)
+    loss, d_w, d_lw, d_xm = jax.shard_map(
+        device, mesh=mesh,
+        in_specs=(w_specs, lw_specs, x_spec, jax.tree.map(lambda _: x_spec, data)),
+        out_specs=(P(), w_specs, lw_specs, x_spec))(list(weights), loss_weights, xm, data)
+    return loss, (d_w, d_lw, d_xm)
+
+
+def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None, *,
+                   mesh, batch_axes=()):
+    """:func:`value_and_grad`'s loss as a function JAX differentiates like any other: its
+    forward pass runs the whole schedule (forwards and backwards) and keeps the gradients,
+    its backward pass scales them by the loss's cotangent — so what computes ``xm`` (an
+    embedding) and what uses the weights elsewhere (a tied head) get their gradients from
+    the enclosing ``jax.grad``. ``data`` gets none (masks, targets, indices).
+
+    Example:
+        >>> grads = jax.grad(lambda w: scheduled_loss(table, f, loss, w, lw, xm,  # doctest: +SKIP
+        ...                                           mesh=mesh))(weights)
+    """
+    def run(weights, loss_weights, xm, data):
+        return value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data,
+                              mesh=mesh, batch_axes=batch_axes)
+
+    @jax.custom_vjp
+    def loss(weights, loss_weights, xm, data):
+        return run(weights, loss_weights, xm, data)[0]
+
+    def forward(weights, loss_weights, xm, data):
+        return run(weights, loss_weights, xm, data)
+
+    def backward(grads, cotangent):
+        scaled = jax.tree.map(lambda g: (g * cotangent).astype(g.dtype), grads)
+        return scaled + (jax.tree.map(_no_cotangent, data),)
+
+    loss.defvjp(forward, backward)
+    return loss(list(weights), loss_weights, xm, data)
+
+
+def _no_cotangent(a):
+    """The zero cotangent of an input that is not differentiated (float0 for integers);
+    from its shape and type only (the backward pass keeps no copy of it)."""
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return jnp.zeros(a.shape, a.dtype)
+    return np.zeros(a.shape, jax.dtypes.float0)
