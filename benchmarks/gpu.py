@@ -25,6 +25,12 @@ three extra compilations this costs). On one device it says so and measures noth
     python benchmarks/gpu.py --communicate-less   # 2+ GPUs: 8-bit gradients, DiLoCo vs data=N
     python benchmarks/gpu.py --communicate-less --dry-run   # CPU, 8 host devices, tiny shape
     python benchmarks/gpu.py --hf-load            # loading a Hugging Face checkpoint onto GPUs
+    python benchmarks/gpu.py --pipeline           # 2+ GPUs: GPipe vs 1F1B vs interleaved
+    python benchmarks/gpu.py --pipeline --dry-run # CPU, 8 host devices (stage=2,data=4)
+
+``--pipeline`` (issue 26; 2 or more devices): gpt2-medium on ``stage=N`` with each
+``pipeline_schedule`` at M = 2N and 4N microbatches: step time against GPipe's at the same M,
+tokens/s, MFU and peak device memory (the schedules' point: 1F1B's does not grow with M).
 """
 
 from __future__ import annotations
@@ -79,6 +85,13 @@ COMMUNICATE_LESS_RUNS = [
                                             "error_feedback": True}),
     ("DiLoCo H=10", "replica=2,data={half}", {"sync_every": 10}),
     ("bfloat16", "data={n}", {"gradient_reduction": "bfloat16"}),
+]
+# Pipeline schedules (--pipeline; 2+ devices): (schedule, repeats, microbatches per stage).
+# Figure still to take: step time and peak memory of 1F1B and interleaved against GPipe on
+# stage=N GPUs (a one-GPU machine cannot pipeline).
+PIPELINE_RUNS = [
+    ("gpipe", 1, 2), ("1f1b", 1, 2), ("interleaved_1f1b", 2, 2),
+    ("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 4),
 ]
 DRY_SHAPE = dict(vocabulary_size=512, num_layers=2, num_heads=4, hidden_dim=64,
                  intermediate_dim=256, max_sequence_length=64)
@@ -274,6 +287,62 @@ def communicate_less(args) -> list[dict]:
     return rows
 
 
+def pipeline_schedules(args) -> list[dict]:
+    """--pipeline: PIPELINE_RUNS on every device (dry run: stage=2,data=4 of 8 host
+    devices, 4 layers), one table against GPipe's row of the same M, one result."""
+    import jax
+
+    n = jax.device_count()
+    if n < 2:
+        print(f"--pipeline splits the model over stages and needs 2 or more devices; JAX sees "
+              f"{n} ({jax.devices()[0].device_kind}). Skipped: nothing measured, no result "
+              f"written.", flush=True)
+        return []
+    stages = 2 if args.dry_run else n
+    mesh = f"stage={stages}" + (f",data={n // stages}" if n > stages else "")
+    length = 64 if args.dry_run else args.length
+    steps = 3 if args.dry_run else args.steps
+    batch = 8 * n
+    preset, shape = "gpt2-medium", ({"num_layers": 4} if args.dry_run else {})
+    start, rows, skipped = time.perf_counter(), [], []
+    for i, (schedule, repeats, per_stage) in enumerate(PIPELINE_RUNS):
+        micro = per_stage * stages
+        if args.runs is not None and i not in args.runs:
+            continue
+        if time.perf_counter() - start > args.budget_s:
+            skipped.append(f"{schedule} M={micro} (time budget)")
+            continue
+        options = dict(pipeline_schedule=schedule, pipeline_microbatches=micro,
+                       pipeline_repeats=repeats)
+        row = measure(preset, shape, {}, batch, length, steps, args.dry_run,
+                      check_attention=False, mesh=mesh, mesh_options=options)
+        row.update(variant=schedule, mesh=mesh, microbatches=micro, repeats=repeats)
+        rows.append(row)
+        print(f"{schedule} M={micro} ({mesh}): {row['tokens_per_s']:,.0f} tokens/s, MFU "
+              f"{row['mfu']:.1%}, peak {row['peak_memory_gib']:.2f} GiB", flush=True)
+    for row in rows:  # against GPipe at the same M, measured in this run
+        gpipe = next((r for r in rows if r["variant"] == "gpipe"
+                      and r["microbatches"] == row["microbatches"]), None)
+        row["step_vs_gpipe"] = row["step_s"] / gpipe["step_s"] if gpipe else None
+        row["memory_vs_gpipe"] = (row["peak_memory_gib"] / gpipe["peak_memory_gib"]
+                                  if gpipe and gpipe["peak_memory_gib"] else None)
+    print_table(f"{'DRY RUN (tiny shape, CPU host devices) — ' if args.dry_run else ''}"
+                f"pipeline schedules: {preset}, {mesh}, batch {batch} x T={length}, "
+                f"{rows[0]['dtype_policy'] if rows else ''}; ratios against GPipe at the same M",
+                rows,
+                [("schedule", "variant", ""), ("M", "microbatches", "d"),
+                 ("chunks", "repeats", "d"), ("step s", "step_s", ".4f"),
+                 ("vs GPipe", "step_vs_gpipe", ".3f"), ("tokens/s", "tokens_per_s", ",.0f"),
+                 ("MFU", "mfu", ".1%"), ("peak GiB", "peak_memory_gib", ".2f"),
+                 ("memory vs GPipe", "memory_vs_gpipe", ".3f"), ("loss", "final_loss", ".3f")])
+    if skipped:
+        print(f"skipped: {', '.join(skipped)}")
+    print(f"total {time.perf_counter() - start:.0f} s")
+    write_result("gpu_dry_run_pipeline" if args.dry_run else f"{args.output}_pipeline",
+                 {"args": vars(args), "rows": rows, "skipped": skipped})
+    return rows
+
+
 def codec_throughput(dry_run: bool) -> list[dict]:
     """The 8-bit gradient codec (``kdist.parallel.compression``) on one device: encode +
     decode of a gpt2-medium-sized gradient (355 M float32 values), values per second. The
@@ -324,6 +393,9 @@ def main(argv=None):
     p.add_argument("--no-bytes", action="store_true",
                    help="--communicate-less without the HLO byte counts (saves the XLA and "
                         "DiLoCo rows' extra compilations)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="PIPELINE_RUNS instead (2+ devices): gpt2-medium on stage=N, GPipe, "
+                        "1F1B and interleaved 1F1B at M = 2N and 4N")
     p.add_argument("--hf-load", action="store_true",
                    help="instead: load a gpt2-medium-shaped Hugging Face checkpoint onto the "
                         "GPUs, kdist vs keras-hub (benchmarks/hf_loading.py; ~2 min)")
@@ -335,7 +407,7 @@ def main(argv=None):
         print(result)
         write_result("gpu_hf_loading", result)
         return result
-    if (args.context or args.communicate_less) and args.dry_run:
+    if (args.context or args.communicate_less or args.pipeline) and args.dry_run:
         import kdist
 
         kdist.force_host_devices(8)  # a CPU's 8 host devices stand in for the GPUs
@@ -347,6 +419,8 @@ def main(argv=None):
                          f"JAX's CUDA wheels (pip install -e '.[gpu]'), or pass --dry-run.")
     if args.communicate_less:
         return communicate_less(args)
+    if args.pipeline:
+        return pipeline_schedules(args)
     if args.context and jax.device_count() < 2:
         raise SystemExit("--context splits a sequence over several devices; JAX sees one.")
     runs = CONTEXT_RUNS if args.context else RUNS

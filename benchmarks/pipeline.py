@@ -16,7 +16,14 @@ rounds: ``1 - t_unpipelined / t_pipelined``. On forced host devices all "devices
 CPU cores, so (2) charges the bubble's compute on zeros as real work — as a GPU would
 charge its idle time — plus the schedule's overhead (copies, permutes).
 
+``schedules``: per-device memory of the compiled train step (``kdist.planning.plan``) of
+gpt2-xl at batch 32 x 1024 on ``stage=8`` under each ``pipeline_schedule`` at M = 16 and 32,
+against GPipe at the same M and against ``fsdp=8``, beside the analytic estimate
+``--mesh auto`` ranks by; and gpt-nano (4 blocks) on ``stage=2,data=4`` with circular GPipe
+and interleaved 1F1B (2 chunks per stage).
+
     python benchmarks/pipeline.py compile     # minutes, ~7 GB peak: run on a quiet machine
+    python benchmarks/pipeline.py schedules   # ~5 minutes
     python benchmarks/pipeline.py bubble
     python benchmarks/pipeline.py bubble --real-devices --devices 8 --batch 64 --length 1024
 """
@@ -40,6 +47,12 @@ COMPILE_CASES = [  # (label, mesh, scan_layers, pipeline_microbatches)
     ("stacked, fsdp=8", "fsdp=8", True, None),
     ("pipeline, stage=8", "stage=8", True, 8),
 ]
+SCHEDULE_CASES = [  # (preset, mesh, batch, length, schedule, microbatches, repeats)
+    ("gpt2-xl", "fsdp=8", 32, 1024, None, None, 1),
+    *(("gpt2-xl", "stage=8", 32, 1024, s, m, 1) for m in (16, 32) for s in ("gpipe", "1f1b")),
+    *(("gpt-nano", "stage=2,data=4", 64, 256, s, 16, r)
+      for s, r in (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved_1f1b", 2))),
+]
 BUBBLE_MODEL = dict(vocabulary_size=256, num_layers=8, num_heads=4, hidden_dim=256,
                     intermediate_dim=1024, max_sequence_length=128)
 
@@ -60,6 +73,51 @@ def _compile_child(args) -> dict:
             "theory_gib": sum(p.theoretical_collectives.values()) / 2**30,
             "collectives": p.collectives, "theory": p.theoretical_collectives,
             "pipeline": p.pipeline, "report": p.report()}
+
+
+def _schedule_child(args) -> dict:
+    import kdist
+
+    options = dict(pipeline_schedule=args.schedule, pipeline_microbatches=args.microbatches,
+                   pipeline_repeats=args.repeats) if args.schedule else {}
+    p = kdist.planning.plan(args.preset, mesh=args.mesh, global_batch_size=args.batch,
+                            sequence_length=args.length, device_memory="141GiB",
+                            suggest=False, **options)
+    analytic = kdist.planning.estimate(args.preset, p.mesh, args.batch, args.length, **options)
+    return {"memory_gib": p.memory["total"] / 2**30,
+            "activations_gib": p.memory["activations_and_temporaries"] / 2**30,
+            "estimate_gib": analytic["total"] / 2**30, "compile_s": p.compile_seconds,
+            "permute_mib": p.collectives.get("collective-permute", {}).get("bytes", 0) / 2**20,
+            "in_flight": (p.pipeline or {}).get("in_flight"),
+            "bubble": (p.pipeline or {}).get("bubble")}
+
+
+def schedules_benchmark(args) -> None:
+    rows = []
+    for preset, mesh, batch, length, schedule, micro, repeats in SCHEDULE_CASES:
+        child = ["schedules", "--preset", preset, "--mesh", mesh, "--batch", str(batch),
+                 "--length", str(length), "--repeats", str(repeats)] + (
+            ["--schedule", schedule, "--microbatches", str(micro)] if schedule else [])
+        row = run_child(SCRIPT, child, devices=8, timeout=1800)
+        row.update(preset=preset, mesh=mesh, schedule=schedule or "-", microbatches=micro,
+                   repeats=repeats)
+        rows.append(row)
+        print(f"{preset} {mesh} {schedule} M={micro} R={repeats}: {row['memory_gib']:.2f} GiB",
+              flush=True)
+    for row in rows:  # against GPipe (R = 1) at the same preset, mesh and M
+        gpipe = next((r for r in rows if r["schedule"] == "gpipe" and r["repeats"] == 1
+                      and (r["preset"], r["mesh"], r["microbatches"])
+                      == (row["preset"], row["mesh"], row["microbatches"])), None)
+        row["vs_gpipe"] = row["memory_gib"] / gpipe["memory_gib"] if gpipe else None
+    print_table("per-device memory of the compiled train step by pipeline schedule (float32, "
+                "8 host devices, XLA:CPU memory_analysis)", rows,
+                [("preset", "preset", ""), ("mesh", "mesh", ""), ("schedule", "schedule", ""),
+                 ("M", "microbatches", "d"), ("R", "repeats", "d"),
+                 ("activations GiB", "activations_gib", ".2f"), ("total GiB", "memory_gib", ".2f"),
+                 ("vs GPipe", "vs_gpipe", ".3f"), ("estimate GiB", "estimate_gib", ".2f"),
+                 ("permutes MiB", "permute_mib", ".1f"), ("in flight", "in_flight", ""),
+                 ("compile s", "compile_s", ".0f")])
+    write_result("pipeline_schedules", {"args": vars(args), "rows": rows})
 
 
 def compile_benchmark(args) -> None:
@@ -164,7 +222,9 @@ def bubble_benchmark(args) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["compile", "bubble"])
+    p.add_argument("what", choices=["compile", "bubble", "schedules"])
+    p.add_argument("--preset", default="gpt2-xl", help="(schedules)")
+    p.add_argument("--schedule", default=None, help="pipeline_schedule (schedules)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mesh", default="fsdp=8")
     p.add_argument("--scan", action="store_true")
@@ -179,10 +239,12 @@ def main(argv=None):
                    help="bubble on the machine's own devices (e.g. 8 GPUs), not host devices")
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps((_compile_child if args.what == "compile" else _bubble_child)(args),
-                         default=str))
+        child = {"compile": _compile_child, "bubble": _bubble_child,
+                 "schedules": _schedule_child}[args.what]
+        print(json.dumps(child(args), default=str))
         return
-    (compile_benchmark if args.what == "compile" else bubble_benchmark)(args)
+    {"compile": compile_benchmark, "bubble": bubble_benchmark,
+     "schedules": schedules_benchmark}[args.what](args)
 
 
 if __name__ == "__main__":

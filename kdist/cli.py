@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from kdist import _keras_compat
+from kdist.parallel.schedules import SCHEDULES
 from kdist.run_report import REPORT_PNG, write_report
 
 # === Subcommands ===
@@ -75,7 +76,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                   context_parallel=args.context_parallel,
                   load_balance=not args.no_load_balance,
                   pipeline_microbatches=args.pipeline_microbatches,
-                  pipeline_repeats=args.pipeline_repeats, sync_every=args.sync_every,
+                  pipeline_repeats=args.pipeline_repeats,
+                  pipeline_schedule=args.pipeline_schedule, sync_every=args.sync_every,
                   devices_per_host=args.devices_per_host)
     print(result.report())
     if args.json:
@@ -108,6 +110,10 @@ def add_plan_parser(subparsers) -> None:
                    help="with a stage axis: microbatches per step (default: one per stage)")
     p.add_argument("--pipeline-repeats", type=int, default=1,
                    help="with a stage axis: circular repeats (stages per device)")
+    p.add_argument("--pipeline-schedule", default="gpipe", choices=list(SCHEDULES),
+                   help="with a stage axis: the order of the microbatches' forwards and "
+                        "backwards (1f1b, interleaved_1f1b: about S microbatches in flight "
+                        "instead of M; the report draws the timeline)")
     p.add_argument("--device-memory", default=None,
                    help="per device, e.g. 80GiB (default: the device's own)")
     p.add_argument("--devices", type=int, default=None,

@@ -58,13 +58,15 @@ def resolve_mesh(args: argparse.Namespace, cost_model, sequence_length: int,
         grad_accum=args.grad_accum, context_parallel=args.context_parallel,
         pipeline_microbatches=args.pipeline_microbatches,
         pipeline_repeats=args.pipeline_repeats, sync_every=getattr(args, "sync_every", None),
-        devices_per_host=jax.local_device_count())
+        devices_per_host=jax.local_device_count(), pipeline_schedule=args.pipeline_schedule)
     lines = [f"mesh auto: {why}"]
     if chosen["stage"] == 1:  # the schedule's flags were for a pipeline auto did not choose
         unused = [f"--pipeline-microbatches {args.pipeline_microbatches}"] * bool(
             args.pipeline_microbatches) + [f"--pipeline-repeats {args.pipeline_repeats}"] * (
-            args.pipeline_repeats > 1)
+            args.pipeline_repeats > 1) + [f"--pipeline-schedule {args.pipeline_schedule}"] * (
+            args.pipeline_schedule != "gpipe")
         args.pipeline_microbatches, args.pipeline_repeats = None, 1
+        args.pipeline_schedule = "gpipe"
         if unused:
             lines.append(f"{' and '.join(unused)} left out: the mesh chosen has no pipeline")
     return kdist.plan.mesh_spec(chosen), lines
@@ -95,7 +97,7 @@ def set_distribution(args: argparse.Namespace, mesh: str, dtype: str) -> None:
         sync_every=args.sync_every, outer_learning_rate=args.outer_learning_rate,
         outer_momentum=args.outer_momentum, context_parallel=args.context_parallel,
         load_balance=not args.no_load_balance, pipeline_microbatches=args.pipeline_microbatches,
-        pipeline_repeats=args.pipeline_repeats))
+        pipeline_repeats=args.pipeline_repeats, pipeline_schedule=args.pipeline_schedule))
     keras.config.set_dtype_policy("mixed_bfloat16" if dtype == "bfloat16" else "float32")
 
 

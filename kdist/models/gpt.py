@@ -8,6 +8,8 @@ model is :class:`~kdist.models.gpt_cost.GPTCostModel`; generation is :mod:`kdist
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 from keras import layers, ops
@@ -26,6 +28,7 @@ from kdist.models.layers import (
 )
 from kdist.models.presets import GPT_PRESETS
 from kdist.models.scan import LayerStack, stacking_default
+from kdist.parallel import pipeline
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import check_divisible, current_mesh_shape
 from kdist.parallel.rules import build_with_axes
@@ -264,12 +267,13 @@ class GPTBackbone(Backbone, keras.Model):
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_heads
 
-    def embed(self, token_ids, start_index=0, positions=None):
-        """Token (plus learned position) embeddings: ``(B, T)`` ids to ``(B, T, D)``."""
+    def embed(self, token_ids, start_index=0, positions=None, training=None):
+        """Token (plus learned position) embeddings: ``(B, T)`` ids to ``(B, T, D)``
+        (``training``: dropout on, where a caller outside the functional graph says so)."""
         x = self.token_embedding(token_ids)
         if self.position_embedding is not None:
             x = x + self.position_embedding(x, start_index=start_index, positions=positions)
-        return self.embedding_dropout(x)
+        return self.embedding_dropout(x, training=training)
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -312,7 +316,7 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
 
     backbone_class = GPTBackbone
     step_features = frozenset({"gradient_reduction", "fused_loss", "context_parallel",
-                               "token_reordering", "pipeline"})
+                               "token_reordering", "pipeline", "scheduled_pipeline"})
     token_id_labels = True
 
     def __init__(self, backbone: GPTBackbone, loss_chunk_size: int | str | None = "auto",
@@ -328,6 +332,7 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
         self.loss_chunk_size = loss_chunk_size
         self.check_token_ids = check_token_ids
         self._fused_loss = False  # set by compile(): the default loss, no metrics
+        self._pipeline_targets = None  # (y, sample_weight) while a scheduled loss is traced
 
         # === Functional Model ===
         token_ids = backbone.input
@@ -340,8 +345,16 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
     def compile(self, optimizer="adamw", loss=None, **kwargs):
         # The fused cross-entropy computes exactly the default loss; a loss or metrics of
         # the user's need logits.
-        self._fused_loss = (self.loss_chunk_size not in (None, 0) and _is_default_loss(loss)
-                            and not kwargs.get("metrics") and not kwargs.get("weighted_metrics"))
+        default = (_is_default_loss(loss) and not kwargs.get("metrics")
+                   and not kwargs.get("weighted_metrics"))
+        self._fused_loss = self.loss_chunk_size not in (None, 0) and default
+        schedule = pipeline.scheduled_name()
+        if schedule != "gpipe" and not default:
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} computes the default loss (sparse categorical "
+                f"cross-entropy on the logits) inside the pipeline, microbatch by microbatch; "
+                f"this compile() asks for another loss or for metrics. Leave loss and metrics "
+                f"out, or use pipeline_schedule='gpipe'.")
         if loss is None:
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
@@ -364,14 +377,39 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
         return losses.auto_chunk_size(batch, length, embedding.vocabulary_size,
                                       embedding.input_dim, self.backbone.hidden_dim)
 
+    @contextlib.contextmanager
+    def pipeline_loss_for(self, y, sample_weight):
+        """While entered, the training forward pass returns the loss of ``y``, computed inside
+        the pipeline schedule (:meth:`pipeline_loss`), and ``compute_loss`` passes it on
+        (the ``scheduled_pipeline`` step feature: :mod:`kdist.parallel.step`)."""
+        self._pipeline_targets = (y, sample_weight)
+        try:
+            yield
+        finally:
+            self._pipeline_targets = None
+
+    def pipeline_loss(self, inputs, y, sample_weight=None):
+        """The default loss of ``inputs`` against ``y``, computed inside the pipeline
+        schedule: :func:`kdist.models.gpt_scheduled.causal_lm_loss`."""
+        from kdist.models.gpt_scheduled import causal_lm_loss
+
+        return causal_lm_loss(self, inputs, y, sample_weight)
+
     def call(self, inputs, training=None, mask=None):
         token_ids = inputs["token_ids"] if isinstance(inputs, dict) else inputs
+        if training and self._pipeline_targets is not None:
+            return self.input_alarm(inputs, self.pipeline_loss(inputs, *self._pipeline_targets))
         if training and self.fused_loss_chunk_size(*token_ids.shape):
             hidden = self.backbone(inputs, training=training)  # (B, T, D): no logits
             return self.input_alarm(inputs, hidden)
         return super().call(inputs, training=training, mask=mask)  # (B, T, V) float32 logits
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        if training and self._pipeline_targets is not None:  # y_pred: the loss already
+            loss = y_pred
+            for extra in self.losses:
+                loss = loss + _keras_compat.aggregate_additional_loss(self, extra)
+            return self.label_alarm(y, loss)
         chunk_size = training and y is not None and self.fused_loss_chunk_size(*y.shape)
         if chunk_size and sample_weight is not None:
             # The fused loss takes no weights: the logits from the hidden states, as the

@@ -209,7 +209,9 @@ class LayerStack(layers.Layer):
         y, _ = self.block.stateless_call(list(weights), states, x, training=training, **kwargs)
         return y
 
-    def call(self, x, attention_mask=None, positions=None, segment_ids=None, training=None):
+    def _prepare(self, x, attention_mask, positions, segment_ids, training):
+        """What both forward paths need: the weights, the step's dropout seed, the layers'
+        keyword arguments, the layer function and the pipeline schedule (or None)."""
         weights = [ops.convert_to_tensor(v) for v in self._parts.stacked]  # lead + shape
         seed = self.seed_generator.next() if self.seed_generator is not None else None
         kwargs = {k: v for k, v in (("attention_mask", attention_mask),
@@ -226,6 +228,23 @@ class LayerStack(layers.Layer):
                 f"pipeline_repeats than the distribution's {schedule.repeats}. Build the model "
                 f"after setting the distribution (or load it under it: kdist.models.stacking "
                 f"converts the weights).")
+        return weights, seed, kwargs, layer, schedule
+
+    def scheduled_loss(self, x, loss_fn, loss_weights, targets, attention_mask=None,
+                       positions=None, segment_ids=None):
+        """The training loss of ``x`` through the stack and ``loss_fn`` under a
+        ``pipeline_schedule`` that needs the loss inside it (1F1B, interleaved:
+        :func:`kdist.parallel.pipeline.scheduled`); ``loss_fn(loss_weights, y, targets_m)``
+        is one microbatch's share on one device's rows. Called in the model's training
+        forward pass, inside Keras' stateless scope."""
+        weights, seed, kwargs, layer, schedule = self._prepare(
+            x, attention_mask, positions, segment_ids, True)
+        return pipeline.scheduled(layer, weights, x, kwargs, seed, schedule, loss_fn,
+                                  loss_weights, targets)
+
+    def call(self, x, attention_mask=None, positions=None, segment_ids=None, training=None):
+        weights, seed, kwargs, layer, schedule = self._prepare(
+            x, attention_mask, positions, segment_ids, training)
         if schedule is not None:
             layouts = [pipeline.layout_axes(v) for v in self._parts.stacked]
             x = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule, layouts)

@@ -28,9 +28,11 @@ FEATURES = {
     "replica": "DiLoCo replica groups (sync_every)",
     "reduction": "kdist's gradient reduction (gradient_reduction='float32'/'bfloat16')",
     "8-bit": "8-bit gradient codes (gradient_reduction='float8'/'int8')",
+    "schedule": "a pipeline schedule run by kdist.parallel.interpreter "
+                "(pipeline_schedule='1f1b'/'interleaved_1f1b')",
 }
 # The README's matrix: these rows against every axis.
-MATRIX_ROWS = ("stage", "seq", "replica", "reduction", "8-bit")
+MATRIX_ROWS = ("stage", "seq", "replica", "reduction", "8-bit", "schedule")
 MATRIX_COLUMNS = ("data", "fsdp", "model", "stage", "seq", "replica")
 
 
@@ -71,6 +73,12 @@ RULES: tuple[Rule, ...] = (
     _built("8-bit", "stage"),
     _built("8-bit", "seq", "causal LMs, no dropout"),
     _built("8-bit", "replica", "nested"),
+    # The interpreter's shard_map is manual over stage and data only (so far).
+    _built("schedule", "stage"), _built("schedule", "data"),
+    *(refused("schedule", other, "runs on a mesh of 'stage' and 'data' so far, not with {b}. "
+                                 "Use pipeline_schedule='gpipe' (which composes with every "
+                                 "axis), or put those devices on 'data'.")
+      for other in ("fsdp", "model", "seq", "replica", "reduction", "8-bit")),
 )
 _BY_PAIR = {frozenset((r.a, r.b)): r for r in RULES}
 assert len(_BY_PAIR) == len(RULES), "a pair of features is in the table twice"
@@ -93,6 +101,7 @@ def rule(a: str, b: str, rules: tuple[Rule, ...] | None = None) -> Rule:
 def _describe(feature: str) -> str:
     return {"reduction": "gradient_reduction='float32'/'bfloat16'",
             "8-bit": "gradient_reduction='float8'/'int8'",
+            "schedule": "pipeline_schedule='1f1b'/'interleaved_1f1b'",
             "replica": "DiLoCo replica groups (sync_every)"}.get(feature, f"the '{feature}' axis")
 
 

@@ -9,7 +9,7 @@ owns from ``dist.config`` — nothing else holds a setting.
 Example:
     >>> config = Parallelism.build("stage=2,fsdp=4", 8, pipeline_microbatches=4)
     >>> config.pipeline, config.features
-    (Pipeline(microbatches=4, repeats=1), frozenset({'fsdp', 'stage'}))
+    (Pipeline(microbatches=4, repeats=1, schedule='gpipe'), frozenset({'fsdp', 'stage'}))
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class Pipeline:
 
     microbatches: int
     repeats: int = 1
+    schedule: str = "gpipe"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,20 +114,23 @@ class Parallelism:
             found.add("replica")
         if self.gradients.reduction is not None:
             found.add("8-bit" if self.gradients.compressed else "reduction")
+        if self.pipeline is not None and self.pipeline.schedule != "gpipe":
+            found.add("schedule")
         return frozenset(found)
 
     @classmethod
     def build(cls, spec: str, num_devices: int, *, gradient_reduction=None,
               error_feedback=False, sync_every=None, outer_learning_rate=0.7,
               outer_momentum=0.9, outer_nesterov=True, pipeline_microbatches=None,
-              pipeline_repeats=1, context_parallel="all_gather",
+              pipeline_repeats=1, pipeline_schedule="gpipe", context_parallel="all_gather",
               load_balance=True) -> Parallelism:
         """Parses ``spec``, checks every setting (a ``ValueError`` naming the argument and
         its valid values) and every combination (:func:`combinations.check`)."""
         sizes = parse_mesh(spec, num_devices)
         config = cls(
             sizes=tuple((a, sizes[a]) for a in MESH_AXES),
-            pipeline=_pipeline(spec, sizes, pipeline_microbatches, pipeline_repeats),
+            pipeline=_pipeline(spec, sizes, pipeline_microbatches, pipeline_repeats,
+                               pipeline_schedule),
             context=_context(sizes, context_parallel, load_balance),
             replicas=_replicas(spec, sizes, sync_every, outer_learning_rate, outer_momentum,
                                outer_nesterov),
@@ -195,13 +199,23 @@ def _replicas(spec, sizes, sync_every, learning_rate, momentum, nesterov) -> Rep
     return Replicas(int(sync_every), float(learning_rate), float(momentum), nesterov)
 
 
-def _pipeline(spec, sizes, microbatches, repeats) -> Pipeline | None:
+def _pipeline(spec, sizes, microbatches, repeats, schedule) -> Pipeline | None:
+    from kdist.parallel import schedules
     from kdist.parallel.stages import check_settings
 
     stages = sizes["stage"]
+    if schedule not in schedules.SCHEDULES:
+        raise ValueError(f"pipeline_schedule must be one of {', '.join(schedules.SCHEDULES)}; "
+                         f"got {schedule!r}.")
+    if stages == 1 and schedule != "gpipe":
+        raise ValueError(f"pipeline_schedule={schedule!r} orders a pipeline's microbatches; "
+                         f"mesh '{spec}' has no 'stage' axis. Add e.g. 'stage=2' to the spec, "
+                         f"or leave pipeline_schedule out.")
     if stages == 1 and microbatches not in (None, 1):
         raise ValueError(f"pipeline_microbatches={microbatches!r} needs a 'stage' mesh axis of "
                          f"size > 1; mesh '{spec}' has none. Add e.g. 'stage=2' to the spec, "
                          f"or leave pipeline_microbatches out.")
     microbatches = check_settings(stages, microbatches, repeats)
-    return Pipeline(microbatches, repeats) if stages > 1 else None
+    if stages > 1:
+        schedules.check(schedule, stages, microbatches, repeats)
+    return Pipeline(microbatches, repeats, schedule) if stages > 1 else None

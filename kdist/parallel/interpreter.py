@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdist.parallel import region
 from kdist.parallel.region import to_varying
 
 AXIS = "stage"
@@ -129,7 +130,8 @@ def _assign_slots(intervals, write, read) -> int:
     return max((len(s) for s in free_at.values()), default=0) or 1
 
 
-def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, data=None):
+def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
+              shared=None):
     """One device's part of ``program`` (inside a ``shard_map`` with ``stage`` manual).
 
     ``stage_fn(chunk_weights, x, data_m, chunk)`` applies this device's layers of model
@@ -139,7 +141,8 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
     ``(M, b, ...)`` arrays (masks, positions, targets, microbatch indices for seeds), of
     which both get microbatch ``m``'s slices ``data_m``. ``weights``: arrays with a leading
     chunk dimension (``(v, ...)``); ``xm``: the inputs ``(M, b, ...)`` (read on stage 0
-    only). Returns ``(loss, d_weights, d_loss_weights, d_xm)``, each this
+    only); ``shared``: a dict of arrays every microbatch gets whole (a dropout seed), merged
+    into ``data_m`` (then a dict). Returns ``(loss, d_weights, d_loss_weights, d_xm)``, each this
     device's part: the loss and ``d_loss_weights`` on the last stage, ``d_xm`` on stage 0,
     zeros elsewhere.
     """
@@ -167,6 +170,8 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
         m, c = at["microbatch"], at["chunk"]
         data_m = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, keepdims=False),
                               data)
+        if shared:
+            data_m = {**data_m, **shared}
         w = [jax.lax.dynamic_index_in_dim(a, c, keepdims=False) for a in weights]
         x = jnp.where(at["read"] < 0, jax.lax.dynamic_index_in_dim(xm, m, keepdims=False),
                       jax.lax.dynamic_index_in_dim(inputs, jnp.maximum(at["read"], 0),
@@ -240,17 +245,17 @@ def _varying_axes(*trees) -> set:
     return axes
 
 
-def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None, *,
-                   mesh, batch_axes=()):
+def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
+                   shared=None, *, mesh, batch_axes=()):
     """The loss of ``table``'s schedule and its gradients, over ``mesh``.
 
     ``weights``: stacked arrays ``(v, L / v, ...)`` whose second dimension is split over
     ``stage`` (kdist's layer stacks under circular repeats: device ``s`` holds layers
     ``(c S + s) K ... (c S + s + 1) K - 1`` of chunk ``c``); ``stage_fn`` gets one chunk's
     ``(K, ...)`` slices. ``xm``: ``(M, B, ...)`` microbatches, rows split over
-    ``batch_axes``, and so are ``data``'s; ``loss_weights`` replicated. ``stage_fn`` and
-    ``loss_fn`` as in :func:`interpret` (on each device's rows; the loss is the sum over
-    devices). Returns
+    ``batch_axes``, and so are ``data``'s; ``loss_weights`` and ``shared`` replicated.
+    ``stage_fn`` and ``loss_fn`` as in :func:`interpret` (on each device's rows; the loss
+    is the sum over devices). Returns
     ``(loss, (d_weights, d_loss_weights, d_xm))``.
     """
     from jax.sharding import PartitionSpec as P
@@ -261,24 +266,28 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     x_spec = P(None, rows)
     everything = (AXIS,) + tuple(batch_axes)
 
-    def device(weights, loss_weights, xm, data):
+    def device(weights, loss_weights, xm, data, shared):
         loss, d_w, d_lw, d_xm = interpret(program, stage_fn, loss_fn, weights,
-                                          loss_weights, xm, data)
+                                          loss_weights, xm, data, shared)
         loss = jax.lax.psum(loss, everything)
         d_w = [jax.lax.psum(g, tuple(batch_axes)) if batch_axes else g for g in d_w]
         d_lw = jax.tree.map(lambda g: jax.lax.psum(g, everything), d_lw)
         return loss, d_w, d_lw, jax.lax.psum(d_xm, AXIS)
 
     lw_specs = jax.tree.map(lambda _: P(), loss_weights)
-    loss, d_w, d_lw, d_xm = jax.shard_map(
-        device, mesh=mesh,
-        in_specs=(w_specs, lw_specs, x_spec, jax.tree.map(lambda _: x_spec, data)),
-        out_specs=(P(), w_specs, lw_specs, x_spec))(list(weights), loss_weights, xm, data)
+    # Every axis manual (those not named have size 1 here), in a kdist region so that the
+    # layers inside know their arrays are blocks.
+    loss, d_w, d_lw, d_xm = region.shard_map(
+        device, mesh=mesh, axes=set(mesh.axis_names),
+        in_specs=(w_specs, lw_specs, x_spec, jax.tree.map(lambda _: x_spec, data),
+                  jax.tree.map(lambda _: P(), shared)),
+        out_specs=(P(), w_specs, lw_specs, x_spec))(list(weights), loss_weights, xm, data,
+                                                     shared)
     return loss, (d_w, d_lw, d_xm)
 
 
-def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None, *,
-                   mesh, batch_axes=()):
+def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
+                   shared=None, *, mesh, batch_axes=()):
     """:func:`value_and_grad`'s loss as a function JAX differentiates like any other: its
     forward pass runs the whole schedule (forwards and backwards) and keeps the gradients,
     its backward pass scales them by the loss's cotangent — so what computes ``xm`` (an
@@ -289,23 +298,24 @@ def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
         >>> grads = jax.grad(lambda w: scheduled_loss(table, f, loss, w, lw, xm,  # doctest: +SKIP
         ...                                           mesh=mesh))(weights)
     """
-    def run(weights, loss_weights, xm, data):
+    def run(weights, loss_weights, xm, data, shared):
         return value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data,
-                              mesh=mesh, batch_axes=batch_axes)
+                              shared, mesh=mesh, batch_axes=batch_axes)
 
     @jax.custom_vjp
-    def loss(weights, loss_weights, xm, data):
-        return run(weights, loss_weights, xm, data)[0]
+    def loss(weights, loss_weights, xm, data, shared):
+        return run(weights, loss_weights, xm, data, shared)[0]
 
-    def forward(weights, loss_weights, xm, data):
-        return run(weights, loss_weights, xm, data)
+    def forward(weights, loss_weights, xm, data, shared):
+        return run(weights, loss_weights, xm, data, shared)
 
     def backward(grads, cotangent):
         scaled = jax.tree.map(lambda g: (g * cotangent).astype(g.dtype), grads)
-        return scaled + (jax.tree.map(_no_cotangent, data),)
+        return scaled + (jax.tree.map(_no_cotangent, data),
+                         jax.tree.map(_no_cotangent, shared))
 
     loss.defvjp(forward, backward)
-    return loss(list(weights), loss_weights, xm, data)
+    return loss(list(weights), loss_weights, xm, data, shared)
 
 
 def _no_cotangent(a):

@@ -167,7 +167,8 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                  error_feedback: bool = False, sync_every: int | None = None,
                  outer_learning_rate: float = 0.7, outer_momentum: float = 0.9,
                  outer_nesterov: bool = True, pipeline_microbatches: int | None = None,
-                 pipeline_repeats: int = 1, context_parallel: str = "all_gather",
+                 pipeline_repeats: int = 1, pipeline_schedule: str = "gpipe",
+                 context_parallel: str = "all_gather",
                  load_balance: bool = True) -> KdistDistribution:
     """Builds the Keras distribution for a mesh spec over all (or the given) devices.
 
@@ -197,7 +198,12 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     axis (``"stage=4,fsdp=2"``: :mod:`kdist.parallel.pipeline`): each replica group's batch
     is cut into that many microbatches (default: one per stage; at least one per stage),
     and each device holds ``pipeline_repeats`` non-adjacent stages (circular repeats: the
-    bubble falls from ``(S-1)/(M+S-1)`` to ``(S-1)/(R M+S-1)``).
+    bubble falls from ``(S-1)/(M+S-1)`` to ``(S-1)/(R M+S-1)``). ``pipeline_schedule``
+    orders the microbatches' forwards and backwards (:mod:`kdist.parallel.schedules`):
+    ``"gpipe"`` (default) every forward first; ``"1f1b"`` and ``"interleaved_1f1b"``
+    (with ``pipeline_repeats >= 2`` chunks per stage) a backward as soon as it can run, so a
+    stage holds about ``S`` microbatches' inputs instead of ``M`` microbatches' activations
+    (:mod:`kdist.parallel.interpreter`; a causal LM's default loss, ``stage`` with ``data``).
 
     A ``seq`` axis splits every sequence's tokens (context parallelism,
     :mod:`kdist.parallel.context`): ``context_parallel="all_gather"`` (default) gathers
@@ -217,8 +223,8 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
             error_feedback=error_feedback, sync_every=sync_every,
             outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
             outer_nesterov=outer_nesterov, pipeline_microbatches=pipeline_microbatches,
-            pipeline_repeats=pipeline_repeats, context_parallel=context_parallel,
-            load_balance=load_balance)
+            pipeline_repeats=pipeline_repeats, pipeline_schedule=pipeline_schedule,
+            context_parallel=context_parallel, load_balance=load_balance)
     except ValueError as e:
         raise ValueError(_host_devices_hint(spec, devices) or str(e)) from None
     grid = device_grid(devices, config.mesh)

@@ -307,3 +307,64 @@ def _wire_dtype(dtype):
     on XLA:CPU, whose all-reduce promotion pass aborts on these bfloat16 all-reduces (jax
     0.10.2; it would promote them to float32 anyway), else the activations' own."""
     return jnp.float32 if jax.default_backend() == "cpu" else dtype
+
+
+def scheduled_name() -> str:
+    """The active distribution's ``pipeline_schedule`` (``"gpipe"`` without a pipeline)."""
+    dist = active()
+    pipe = None if dist is None else dist.config.pipeline
+    return "gpipe" if pipe is None else pipe.schedule
+
+
+def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss_weights,
+              targets):
+    """The loss of ``x`` ``(B, T, D)`` through the stacked layers and ``loss_fn``, with the
+    distribution's ``pipeline_schedule`` run by :mod:`kdist.parallel.interpreter` (the loss
+    joins the schedule, so a microbatch's backward starts as soon as its forward is done).
+
+    ``layer``, ``weights``, ``kwargs`` and ``seed`` as in :func:`pipelined`;
+    ``loss_fn(loss_weights, y, targets_m)`` is a microbatch's share of the loss on one
+    device's rows (the step's loss is the sum over microbatches and devices); ``targets``
+    a pytree of ``(B, ...)`` arrays cut into microbatches like ``x``. Differentiable in
+    ``weights``, ``loss_weights`` and ``x``. Each device folds the dropout seed with its
+    row shard, as :func:`pipelined` does.
+    """
+    from kdist.parallel import interpreter, schedules
+
+    dist = active()
+    sizes = dist.mesh_shape
+    stages, repeats = schedule.stages, schedule.repeats
+    table = schedules.build(dist.config.pipeline.schedule, stages, schedule.microbatches,
+                            repeats)
+    batch = x.shape[0]
+    per_row = {k: _to_microbatches(v, schedule) for k, v in kwargs.items()
+               if v.ndim and v.shape[0] == batch}
+    shared = {"kwargs": {k: v for k, v in kwargs.items() if k not in per_row}}
+    if seed is not None:
+        shared["seed"] = seed
+    data = {"per_row": per_row,
+            "targets": jax.tree.map(lambda a: _to_microbatches(a, schedule), targets)}
+    chunks = [w[None] for w in weights] if repeats == 1 else list(weights)  # (v, L / v, ...)
+    per_stage = schedule.layers_per_stage
+    rows = tuple(a for a in REPLICA_AXES if sizes.get(a, 1) > 1)
+
+    def stage_fn(w, h, d, c):  # this device's layers of chunk c: (b, T, D) -> (b, T, D)
+        first = (c * stages + jax.lax.axis_index(AXIS)) * per_stage
+        kw = {**d["per_row"], **d["kwargs"]}
+        key = d.get("seed")
+        if key is not None:
+            key = jax.random.fold_in(key, jax.lax.axis_index(rows) if rows else 0)
+
+        def body(h, xs):
+            w_k, k = xs
+            return layer(w_k, h, kw, first + k, key), None
+
+        return jax.lax.scan(body, h, (w, jnp.arange(per_stage)))[0]
+
+    def microbatch_loss(lw, y, d):
+        return loss_fn(lw, y, d["targets"])
+
+    return interpreter.scheduled_loss(
+        table, stage_fn, microbatch_loss, chunks, loss_weights,
+        _to_microbatches(x, schedule), data, shared, mesh=schedule.mesh, batch_axes=rows)
+

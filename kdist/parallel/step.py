@@ -35,6 +35,11 @@ STEP_FEATURES = {
     "pipeline": "its backbone holds its blocks as a scanned layer stack "
                 "(kdist.models.scan.LayerStack), which a 'stage' mesh axis splits into "
                 "pipeline stages (kdist.parallel.pipeline); nothing else is per layer",
+    "scheduled_pipeline": "its training forward pass computes its loss inside the pipeline "
+                          "schedule while `pipeline_loss_for(y, sample_weight)` is entered "
+                          "(returning the loss, which compute_loss passes on), so 1F1B-like "
+                          "schedules can start a microbatch's backward early "
+                          "(kdist.parallel.interpreter)",
 }
 
 
@@ -85,6 +90,8 @@ def requested_features() -> frozenset:
         features.add("context_parallel")
     if dist is not None and dist.mesh_shape.get("stage", 1) > 1:
         features.add("pipeline")
+        if dist.config.pipeline.schedule != "gpipe":
+            features.add("scheduled_pipeline")
     return frozenset(features)
 
 
@@ -103,6 +110,14 @@ def check_compile(model) -> None:
                 f"which {type(model).__name__} does not support (it does not declare the "
                 f"'context_parallel' step feature): each device would compute what its "
                 f"'seq' neighbours compute. Put those devices on data, fsdp or model.")
+        if feature == "scheduled_pipeline" and not supports(model, feature):
+            raise ValueError(
+                f"pipeline_schedule={dist.config.pipeline.schedule!r} computes the loss "
+                f"inside the pipeline, which {type(model).__name__} does not support (it does "
+                f"not declare the 'scheduled_pipeline' step feature). Use "
+                f"pipeline_schedule='gpipe', or a kdist GPT task.")
+        if feature == "scheduled_pipeline":
+            continue
         if feature == "pipeline" and not supports(model, feature):
             raise ValueError(
                 f"The mesh '{dist.spec}' has a 'stage' axis (a pipeline), which "
@@ -205,6 +220,9 @@ def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_
                        sample_weight, training=training,
                        optimizer_variables=optimizer_variables)
 
+    if training and "scheduled_pipeline" in features:
+        with model.pipeline_loss_for(y, sample_weight):
+            return loss_and_updates(x, y, sample_weight)
     if "context_parallel" in features and supports(model, "context_parallel"):
         return context_step.loss_and_updates(
             model, loss_and_updates, x, y, sample_weight,

@@ -104,6 +104,7 @@ def plan(
     gradient_reduction: str | None = None,
     pipeline_microbatches: int | None = None,
     pipeline_repeats: int = 1,
+    pipeline_schedule: str = "gpipe",
     context_parallel: str = "all_gather",
     load_balance: bool = True,
     sync_every: int | None = None,
@@ -139,7 +140,9 @@ def plan(
         pipeline_microbatches, pipeline_repeats: the distribution's, for a mesh with a
             ``stage`` axis (:mod:`kdist.parallel.pipeline`); the plan then also reports the
             bubble, each stage's share and the bytes between stages
-            (:mod:`kdist.planning.stages`).
+            (:mod:`kdist.planning.stages`). ``pipeline_schedule``: the distribution's
+            (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``): the program compiled runs it,
+            and the report draws its timeline.
         context_parallel, load_balance: the distribution's, for a mesh with a ``seq`` axis
             (``"all_gather"`` or ``"ring"``; load-balanced causal layout).
         sync_every: the distribution's, for a mesh with a ``replica`` axis (DiLoCo groups;
@@ -192,7 +195,8 @@ def plan(
             precision=policy, remat=remat, grad_accum=grad_accum,
             context_parallel=context_parallel,
             pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats,
-            sync_every=sync_every, devices_per_host=devices_per_host)
+            sync_every=sync_every, devices_per_host=devices_per_host,
+            pipeline_schedule=pipeline_schedule)
         mesh = mesh_spec(chosen)
         auto_candidates = sorted((r for r in table if r.get("rank") is not None),
                                  key=lambda r: r["rank"])[:AUTO_TRIES]
@@ -211,7 +215,8 @@ def plan(
         return compile_plan(fn, sizes, devices, policy, global_batch_size // grad_accum,
                             sequence_length, grad_accum, optimizer or adamw, batch,
                             auto_shard, gradient_reduction, context_parallel, load_balance,
-                            pipeline=(pipeline_microbatches, pipeline_repeats),
+                            pipeline=(pipeline_microbatches, pipeline_repeats,
+                                      pipeline_schedule if sizes["stage"] > 1 else "gpipe"),
                             sync_every=sync_every)
 
     start = time.perf_counter()
@@ -225,10 +230,11 @@ def plan(
         cost = _task_cost_model(model_obj)
     num = math.prod(sizes.values())
     schedule = (pipeline_microbatches, pipeline_repeats)
+    pipeline_schedule = pipeline_schedule if sizes["stage"] > 1 else "gpipe"
     # The program compiled under DiLoCo is a sync step: its theory counts one sync.
     theory_terms = _theory(cost, sizes, global_batch_size // grad_accum, sequence_length,
                            policy, gradient_reduction, grad_accum, context_parallel,
-                           schedule, 1 if sizes["replica"] > 1 else None)
+                           (*schedule, pipeline_schedule), 1 if sizes["replica"] > 1 else None)
     found = hlo.parse_collectives(compiled.as_text(), num)
     result = Plan(
         config=dict(model=model_name, mesh=mesh, global_batch_size=global_batch_size,
@@ -253,7 +259,8 @@ def plan(
         mesh_choice=mesh_choice,
         device_memory_source=memory_source,
         pipeline=(stages.summary(cost, sizes, global_batch_size, sequence_length,
-                                 *schedule, compute_bytes(policy), grad_accum)
+                                 *schedule, compute_bytes(policy), grad_accum,
+                                 pipeline_schedule)
                   if sizes.get("stage", 1) > 1 and cost is not None else None),
     )
     if suggest and not result.fits:
@@ -375,7 +382,8 @@ def _collectives(found, grad_accum) -> dict:
 
 
 def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, grad_accum,
-            context_parallel="all_gather", schedule=(None, 1), sync_every=None) -> list:
+            context_parallel="all_gather", schedule=(None, 1, "gpipe"),
+            sync_every=None) -> list:
     """The theoretical minimum's terms per optimizer step (none when it cannot be
     counted: no cost model, or one without the dimensions its axes need)."""
     needs = {"hidden_dim", "num_layers"} | ({"num_heads"} if sizes["seq"] > 1 else set())
@@ -387,7 +395,7 @@ def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, gra
         gradient_bytes={"bfloat16": 2, "float8": 1, "int8": 1}.get(gradient_reduction),
         context_parallel=context_parallel,
         pipeline_microbatches=schedule[0], pipeline_repeats=schedule[1],
-        sync_every=sync_every)
+        pipeline_schedule=schedule[2], sync_every=sync_every)
     return [traffic.Traffic(t.kind, t.axes, t.bytes * grad_accum) for t in terms]
 
 

@@ -160,8 +160,9 @@ def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length,
     compiles it (``optimizer_fn()`` and sparse categorical cross-entropy on logits, unless
     it is compiled already) and compiles its train step on ``batch`` (default:
     :func:`abstract_batch`). ``pipeline``: the distribution's ``(pipeline_microbatches,
-    pipeline_repeats)``; ``sync_every``: DiLoCo's, for a ``replica`` axis (the program
-    compiled is a sync step's: each group's inner step and the average across groups).
+    pipeline_repeats[, pipeline_schedule])``; ``sync_every``: DiLoCo's, for a ``replica``
+    axis (the program compiled is a sync step's: each group's inner step and the average
+    across groups).
     Returns ``(compiled, abstract_state, model)``.
 
     A fresh Keras session is used (stable variable paths, the abstract model dropped
@@ -175,6 +176,7 @@ def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length,
                          gradient_reduction=gradient_reduction,
                          context_parallel=context_parallel, load_balance=load_balance,
                          pipeline_microbatches=pipeline[0], pipeline_repeats=pipeline[1],
+                         pipeline_schedule=pipeline[2] if len(pipeline) > 2 else "gpipe",
                          sync_every=sync_every)
             if num > 1 else None)
     try:

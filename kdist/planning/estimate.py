@@ -149,8 +149,8 @@ def collective_terms(model: Any, mesh: dict[str, int], global_batch_size: int,
                      sequence_length: int, compute_bytes: int = 4, parameter_bytes: int = 4,
                      gradient_bytes: int | None = None, context_parallel: str = "all_gather",
                      activations: bool = True, pipeline_microbatches: int | None = None,
-                     pipeline_repeats: int = 1,
-                     sync_every: int | None = None) -> list[traffic.Traffic]:
+                     pipeline_repeats: int = 1, sync_every: int | None = None,
+                     pipeline_schedule: str = "gpipe") -> list[traffic.Traffic]:
     """The minimum ring wire bytes per device per step of a strategy, one
     :class:`~kdist.planning.traffic.Traffic` term (kind, axes, bytes) per collective.
 
@@ -201,7 +201,7 @@ def collective_terms(model: Any, mesh: dict[str, int], global_batch_size: int,
         terms = stages.collective_terms(
             cost, mesh, group_batch, sequence_length, compute_bytes, dims,
             pipeline_microbatches, pipeline_repeats, parameter_bytes, gradient_bytes,
-            context_parallel, activations)
+            context_parallel, activations, pipeline_schedule)
     else:
         terms = _terms(cost, dims, mesh, group_batch, sequence_length, compute_bytes,
                        parameter_bytes, gradient_bytes, context_parallel, activations)
@@ -239,22 +239,23 @@ def _terms(cost, dims, mesh, batch, length, value_bytes, parameter_bytes, gradie
 def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
              *, precision: str = "float32", remat: bool = False, grad_accum: int = 1,
              context_parallel: str = "all_gather", pipeline_microbatches: int | None = None,
-             pipeline_repeats: int = 1) -> dict:
-    """Analytic per-device bytes (weights, optimizer, gradients, activations) of a model on
-    a mesh. ``model`` is anything :func:`cost_model_of` reads. Weights are float32 (mixed
-    precision keeps float32 variables); activations use the compute dtype (the cost
-    model's ``activation_bytes_per_token``); gradient accumulation adds a float32
-    accumulator per weight. A ``seq`` axis keeps ``1/seq`` of each sequence's tokens per
-    device, and no ``T x T`` attention scores (an online softmax: the cost model's bytes at
-    length 1, where its only length-dependent term vanishes), plus, with
+             pipeline_repeats: int = 1, pipeline_schedule: str = "gpipe") -> dict:
+    """Analytic per-device bytes (weights, optimizer, gradients, activations) of a model on a
+    mesh. ``model`` is anything :func:`cost_model_of` reads. Weights are float32 (mixed
+    precision keeps float32 variables); activations use the compute dtype (the cost model's
+    ``activation_bytes_per_token``); gradient accumulation adds a float32 accumulator per
+    weight. A ``seq`` axis keeps ``1/seq`` of each sequence's tokens per device, and no
+    ``T x T`` attention scores (an online softmax: the cost model's bytes at length 1,
+    where its only length-dependent term vanishes), plus, with
     ``context_parallel="all_gather"``, every layer's gathered keys and values. A ``stage``
     axis: :func:`kdist.planning.stages.memory` (blocks split over stages, the schedule's
-    bubble and buffers, the head on every stage). A ``replica`` axis (DiLoCo groups): each
-    group trains on ``1/r`` of the batch and a device holds, beside the outer weights and
-    its inner optimizer's state, its group's weights, the outer momentum and (in the sync
-    step) the outer gradient: ``replica_groups``, 3 x its weight shard (the compiled
-    ``replica=2,data=4`` gpt-nano step: optimizer state 4.0 x, temporaries +0.98 x the
-    weights against ``data=8``).
+    bubble and buffers, the head on every stage; under a ``pipeline_schedule`` other than
+    GPipe the inputs of the microbatches in flight and one microbatch's recomputed
+    blocks). A ``replica`` axis (DiLoCo groups): each group trains on ``1/r`` of the
+    batch and a device holds, beside the outer weights and its inner optimizer's state,
+    its group's weights, the outer momentum and (in the sync step) the outer gradient:
+    ``replica_groups``, 3 x its weight shard (the compiled ``replica=2,data=4`` gpt-nano
+    step: optimizer state 4.0 x, temporaries +0.98 x the weights against ``data=8``).
 
     Example:
         >>> e = estimate("gpt2-small", {"data": 1, "fsdp": 8, "model": 1}, 64, 1024)
@@ -270,7 +271,7 @@ def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_
     if mesh.get("stage", 1) > 1:
         out = stages.memory(cost, mesh, group_batch, sequence_length, compute_bytes(precision),
                             remat, grad_accum, pipeline_microbatches, pipeline_repeats,
-                            dimensions(model), context_parallel)
+                            dimensions(model), context_parallel, pipeline_schedule)
     else:
         out = _memory(cost, dimensions(model), mesh, group_batch, sequence_length, precision,
                       remat, grad_accum, context_parallel)

@@ -103,9 +103,13 @@ class Plan:
                  f"(XLA / formula {f['xla'] / f['formula']:.3f}; loop bodies' matmuls counted "
                  f"per iteration)"]
         if f.get("program") and self.mesh.get("stage", 1) > 1:
+            gpipe = (self.pipeline or {}).get("schedule", "gpipe") == "gpipe"
+            why = ("the bubble computes on zeros" if gpipe else
+                   "every branch of each tick's switch is counted, and a backward "
+                   "recomputes its forward")
             lines.append(
                 f"  the pipelined program's matmuls: {f['program']:.4g} "
-                f"({f['program'] / f['formula']:.3f} x formula: the bubble computes on zeros). "
+                f"({f['program'] / f['formula']:.3f} x formula: {why}). "
                 f"MFU uses the formula, the model's FLOPs")
         return lines
 

@@ -195,7 +195,7 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
                 grad_accum: int = 1, context_parallel: str = "all_gather",
                 pipeline_microbatches: int | None = None,
                 pipeline_repeats: int = 1, sync_every: int | None = None,
-                devices_per_host: int | None = None,
+                devices_per_host: int | None = None, pipeline_schedule: str = "gpipe",
                 host_link_slowdown: float = HOST_LINK_SLOWDOWN
                 ) -> tuple[dict[str, int], list[dict], str]:
     """The mesh that fits in memory with the least communication per step (analytic).
@@ -207,7 +207,8 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
 
     The search: every (data, fsdp, seq, model) mesh (:func:`candidate_meshes`); only if
     none fits, every pipeline (:func:`pipeline_meshes`: a stage axis with data, fsdp, seq
-    and model inside, ``pipeline_microbatches`` and ``pipeline_repeats``). With
+    and model inside, ``pipeline_microbatches``, ``pipeline_repeats`` and
+    ``pipeline_schedule``, which may narrow the meshes a pipeline can have). With
     ``sync_every`` (DiLoCo), every mesh has a ``replica`` axis of :func:`replica_counts`
     groups, each group's mesh searched the same way over its devices and batch share.
     A candidate the distribution itself would refuse
@@ -245,13 +246,14 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     def axis_bytes(mesh, activations=True):
         terms = collective_terms(dims_source, mesh, micro, sequence_length, value_bytes,
                                  context_parallel=context_parallel, activations=activations,
-                                 sync_every=sync_every, **schedule)
+                                 sync_every=sync_every, pipeline_schedule=pipeline_schedule,
+                                 **schedule)
         return {a: b * grad_accum for a, b in traffic.by_axis(terms, mesh).items()}
 
     def row(mesh):
         memory = estimate(cost, mesh, global_batch_size, sequence_length, precision=precision,
                           remat=remat, grad_accum=grad_accum, context_parallel=context_parallel,
-                          **schedule)["total"]
+                          pipeline_schedule=pipeline_schedule, **schedule)["total"]
         per_axis, quiet = axis_bytes(mesh), axis_bytes(mesh, activations=False)
         # Tensor parallelism's activation all-reduces and context parallelism's keys and
         # values sit on the critical path (each layer waits for them); gradient all-reduces
@@ -271,7 +273,8 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
         try:
             Parallelism.build(mesh_spec(mesh), num_devices, sync_every=sync_every,
                               context_parallel=context_parallel,
-                              **(schedule if mesh["stage"] > 1 else {}))
+                              **({**schedule, "pipeline_schedule": pipeline_schedule}
+                                 if mesh["stage"] > 1 else {}))
         except ValueError:
             return False
         return True

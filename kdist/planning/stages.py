@@ -35,7 +35,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from kdist.parallel import schedules
 from kdist.parallel.stages import bubble_fraction
+
+TIMELINE_TICKS = 48  # the longest schedule `kdist plan` draws
 
 
 def _ring(n: int) -> float:
@@ -89,7 +92,7 @@ def split(cost: Any, sequence_length: int, value_bytes: int, remat: bool) -> dic
 def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
            value_bytes: int, remat: bool = False, grad_accum: int = 1,
            microbatches: int | None = None, repeats: int = 1, dims: dict | None = None,
-           context_parallel: str = "all_gather") -> dict[str, float]:
+           context_parallel: str = "all_gather", schedule: str = "gpipe") -> dict[str, float]:
     """Per-device bytes of a pipelined step (see the module docstring); with a ``seq``
     axis each stage keeps ``1/s`` of every sequence's tokens (no ``T x T`` scores) and,
     with ``context_parallel="all_gather"``, its blocks' gathered keys and values.
@@ -107,8 +110,16 @@ def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_len
     rows = global_batch_size / grad_accum / (d * f)
     tokens = rows * sequence_length / seq
     stretch = (repeats * micro + s - 1) / (repeats * micro)
-    activations = (parts["block_activations"] / s * stretch + parts["other_activations"] / v) \
-        * tokens / m
+    if schedule == "gpipe":  # every iteration's activations, kept for the backward scan
+        activations = (parts["block_activations"] / s * stretch
+                       + parts["other_activations"] / v) * tokens / m
+    else:  # one microbatch's chunk (recomputed) or head at a time, the inputs in flight
+        kept = schedules.build(schedule, s, micro, repeats).max_in_flight()
+        activations = ((parts["block_activations"] / (s * repeats) + parts["other_activations"])
+                       * tokens / micro / m
+                       # the embedding's output and its gradient, for the whole batch
+                       + (kept / micro + 2) * tokens * (dims.get("hidden_dim") or 0)
+                       * value_bytes)
     if seq > 1 and context_parallel == "all_gather":
         layers = 1 if remat else dims["num_layers"] / s * stretch
         activations += gathered_kv_bytes(dims, rows, sequence_length, m, value_bytes, layers)
@@ -122,17 +133,27 @@ def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_len
     return out
 
 
+def _sends(schedule: str, stages: int, micro: int, repeats: int) -> int:
+    """Activations a stage sends each way per step: GPipe's scan once per iteration, the
+    interpreter once per tick of its table."""
+    if schedule == "gpipe":
+        return repeats * micro + stages - 1
+    return schedules.build(schedule, stages, micro, repeats).ticks
+
+
 def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
                      sequence_length: int, value_bytes: int, dims: dict,
                      microbatches: int | None = None, repeats: int = 1,
                      parameter_bytes: int = 4, gradient_bytes: int | None = None,
-                     context_parallel: str = "all_gather", activations: bool = True) -> list:
+                     context_parallel: str = "all_gather", activations: bool = True,
+                     schedule: str = "gpipe") -> list:
     """Theoretical ring wire bytes per device of one pipelined micro-step of one replica
     group (``micro_batch`` its sequences), as :class:`kdist.planning.traffic.Traffic`
     terms. With a ``seq`` axis a device's tokens are ``1/s`` of its rows', the gradients
     are summed over ``data x seq``, and every iteration of the stage's blocks exchanges
     one microbatch's keys and values over ``seq`` (bubble iterations too: they compute on
-    zeros)."""
+    zeros). GPipe's scan sends one activation each way per iteration; the interpreter of
+    the other schedules (:mod:`kdist.parallel.interpreter`) at every tick of its table."""
     from kdist.planning.traffic import Traffic, context_terms, needs_dimensions
 
     d, s, f, m = _sizes(mesh)
@@ -159,7 +180,8 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
                 2 * _ring(d * seq) * g * (pb / (s * f * m) + po / (f * m))),
         Traffic("all-reduce", ("stage",), (2 + 2 * (v > 1)) * 2 * _ring(s) * tokens
                 * hidden_dim * value_bytes),
-        Traffic("collective-permute", ("stage",), 2 * iterations * activation),
+        Traffic("collective-permute", ("stage",), 2 * _sends(schedule, s, micro, repeats)
+                * activation),
     ]
     needs_dimensions(dims, mesh, activations)
     if activations and m > 1:  # tensor parallel inside each stage, as the estimate counts
@@ -174,10 +196,12 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
 
 def summary(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
             microbatches: int | None = None, repeats: int = 1, value_bytes: int = 4,
-            grad_accum: int = 1) -> dict[str, Any]:
+            grad_accum: int = 1, schedule: str = "gpipe") -> dict[str, Any]:
     """The schedule and each stage's share: bubble, blocks per stage, the layers each
     stage holds, per-device training FLOPs of its blocks (useful and in the bubble) and of
-    the embedding and head it runs, and the bytes it sends to the next stage per step.
+    the embedding and head it runs, and the bytes it sends to the next stage per step;
+    the schedule's table (:mod:`kdist.parallel.schedules`): its microbatches in flight and
+    its timeline (up to :data:`TIMELINE_TICKS` ticks).
 
     FLOPs are the cost model's (matmuls, training = 3 x forward); a device's share of its
     stage group's work: ``/ (d f m)``.
@@ -202,29 +226,44 @@ def summary(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_le
                   for r in range(repeats)]
         stages.append({"stage": i, "layers": layers,
                        "block_flops": useful, "bubble_flops": useful * bubble / (1 - bubble),
-                       "head_flops": head * tokens_step / devices / v})
+                       # GPipe: every stage its share of the vocabulary, outside the
+                       # pipeline; the others: the last stage, inside the schedule.
+                       "head_flops": head * tokens_step / devices / v if schedule == "gpipe"
+                       else head * tokens_step / devices * (i == s - 1)})
+    table = schedules.build(schedule, s, micro, repeats)
     return {
+        "schedule": schedule, "ticks": table.ticks,
+        "in_flight": [max(table.in_flight(i)) for i in range(s)],
+        "timeline": table.timeline() if table.ticks <= TIMELINE_TICKS else None,
         "stages": s, "repeats": repeats, "microbatches": micro, "bubble": bubble,
         "blocks_per_stage": num_layers // s if num_layers else None,
         "iterations": repeats * micro + s - 1,
         "microbatch_rows_per_device": global_batch_size / grad_accum / (d * f) / micro,
-        "bytes_to_next_stage": 2 * (repeats * micro + s - 1) * activation * value_bytes
-        * grad_accum, "vocabulary_over_stages": v > 1,
+        "bytes_to_next_stage": 2 * _sends(schedule, s, micro, repeats) * activation
+        * value_bytes * grad_accum,
+        "vocabulary_over_stages": v > 1 and schedule == "gpipe",
         "per_stage": stages,
     }
 
 
 def report_lines(info: dict[str, Any], format_bytes) -> list[str]:
     """The plan's pipeline lines (``kdist plan``)."""
-    lines = [f"pipeline: {info['stages']} stages x {info['repeats']} repeats, "
+    name = info.get("schedule", "gpipe")
+    where = ("the embedding and head run outside the pipeline, on every stage" if name == "gpipe"
+             else "the embedding runs on every stage before the schedule, the head and loss "
+                  "on the last stage inside it")
+    steps = (f"{info['iterations']} iterations; bubble {info['bubble']:.1%} = "
+             f"(S-1)/(R*M+S-1) of each stage's iterations compute on zeros" if name == "gpipe"
+             else f"{info['ticks']} ticks of one forward or one backward; bubble "
+                  f"{info['bubble']:.1%} = (S-1)/(R*M+S-1) of each stage's ticks idle")
+    lines = [f"pipeline: {name}, {info['stages']} stages x {info['repeats']} repeats, "
              f"{info['microbatches']} microbatches ({info['microbatch_rows_per_device']:g} rows "
-             f"per device each), {info['iterations']} iterations; bubble "
-             f"{info['bubble']:.1%} = (S-1)/(R*M+S-1) of each stage's iterations compute on "
-             f"zeros",
+             f"per device each), {steps}",
              f"  to the next stage per step: {format_bytes(info['bytes_to_next_stage'])} per "
              f"device (activations forward, their gradients backward)",
-             "  per device of each stage (training FLOPs per step; the embedding and head run "
-             "outside the pipeline, on every stage" + (
+             f"  microbatch chunks in flight per stage (their inputs kept): "
+             f"{info.get('in_flight')}",
+             f"  per device of each stage (training FLOPs per step; {where}" + (
                  ", each stage 1/S of the vocabulary):" if info.get("vocabulary_over_stages")
                  else "):")]
     for row in info["per_stage"]:
@@ -232,4 +271,11 @@ def report_lines(info: dict[str, Any], format_bytes) -> list[str]:
         lines.append(f"    stage {row['stage']}: blocks {layers}: {row['block_flops']:.3g} "
                      f"+ bubble {row['bubble_flops']:.3g}; embedding+head "
                      f"{row['head_flops']:.3g}")
+    if info.get("timeline"):
+        lines.append("  timeline (F forward, B backward; a letter: the model chunk):")
+        lines += ["    " + line for line in info["timeline"].splitlines()]
+    elif "ticks" in info:
+        lines.append(f"  timeline: {info['ticks']} ticks, longer than the {TIMELINE_TICKS} "
+                     f"drawn: kdist.parallel.schedules.build({name!r}, {info['stages']}, "
+                     f"{info['microbatches']}, {info['repeats']}).timeline()")
     return lines

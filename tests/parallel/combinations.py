@@ -67,6 +67,7 @@ CONFIGS = {
     # A deeper GPT, its blocks one scanned stack: 1, 2 or 4 layers per pipeline stage.
     "deep": {**TINY_GPT, "num_layers": 8, "scan_layers": True},
     "scanned": {"scan_layers": True},
+    "deep-dropout": {**TINY_GPT, "num_layers": 8, "scan_layers": True, "dropout": 0.1},
 }
 # DiLoCo's exact special case: inner SGD, every step synchronised, outer lr 1 and no
 # momentum is synchronous data-parallel SGD, i.e. one device's SGD.
@@ -74,6 +75,9 @@ EXACT_DILOCO = dict(sync_every=1, outer_learning_rate=1.0, outer_momentum=0.0, o
                     steps=4)
 # DiLoCo (AdamW inside, H = 2) over 2 rounds, against data-parallel groups.
 DILOCO_LIKE = dict(sync_every=2, steps=4, like={"mesh": "replica=2,data=4", "sync_every": 2})
+
+SCHEDULE_ONLY = (r"pipeline_schedule='1f1b'/'interleaved_1f1b' runs on a mesh of 'stage' and "
+                 r"'data' so far, not with ")
 
 TABLE: list[Row] = [
     # --- data, fsdp, model: XLA's partitioner reduces the gradients -----------------------
@@ -109,6 +113,32 @@ TABLE: list[Row] = [
     trains("stage=2,data=4", "llama", config="scanned", rows=16, task={"loss_chunk_size": 8}),
     trains("stage=2,data=4", "bert", config="scanned"),
     trains("stage=4,data=2", "gpt", config="deep", rows=16, tolerance="bfloat16"),
+    # 1F1B and interleaved 1F1B (kdist.parallel.interpreter: the loss inside the schedule)
+    trains("stage=4,data=2", "gpt llama", config="deep", rows=16, pipeline_microbatches=8,
+           pipeline_schedule="1f1b"),
+    trains("stage=4,data=2", "gpt", config="deep", rows=16, pipeline_microbatches=8,
+           pipeline_repeats=2, pipeline_schedule="interleaved_1f1b"),
+    trains("stage=2,data=4", "llama-documents", config="deep", rows=16, pipeline_repeats=2,
+           pipeline_schedule="interleaved_1f1b"),
+    trains("stage=4,data=2", "gpt", config="deep", rows=16, pipeline_schedule="1f1b",
+           tolerance="bfloat16"),
+    # With dropout, GPipe's masks (the same per microbatch) are not one device's: 1F1B
+    # draws GPipe's.
+    trains("stage=4,data=2", "gpt", config="deep-dropout", rows=16, pipeline_microbatches=8,
+           pipeline_schedule="1f1b", like={"mesh": "stage=4,data=2", "pipeline_microbatches": 8}),
+    # The interpreter's region is manual over stage and data only, so far.
+    refused("stage=2,fsdp=4", "schedule x fsdp", SCHEDULE_ONLY + "the 'fsdp' axis",
+            pipeline_schedule="1f1b"),
+    refused("stage=2,model=4", "schedule x model", SCHEDULE_ONLY + "the 'model' axis",
+            pipeline_schedule="1f1b"),
+    refused("stage=2,seq=4", "schedule x seq", SCHEDULE_ONLY + "the 'seq' axis",
+            pipeline_schedule="interleaved_1f1b", pipeline_repeats=2),
+    refused("replica=2,stage=2,data=2", "schedule x replica",
+            SCHEDULE_ONLY + "DiLoCo replica groups", pipeline_schedule="1f1b", sync_every=2),
+    refused("stage=2,data=4", "schedule x reduction", SCHEDULE_ONLY + "gradient_reduction=",
+            pipeline_schedule="1f1b", gradient_reduction="float32"),
+    refused("stage=2,data=4", "schedule x 8-bit", SCHEDULE_ONLY + "gradient_reduction=",
+            pipeline_schedule="1f1b", gradient_reduction="int8"),
     # kdist's reduction around the pipeline: the stages' region nested in the per-device loss
     trains("stage=2,fsdp=2,model=2", "gpt", config="deep", rows=16, gradient_reduction="float32"),
     trains("stage=4,data=2", "gpt llama", config="deep", rows=16, gradient_reduction="float32"),

@@ -271,8 +271,9 @@ def _spies(dist, options) -> dict[str, tuple]:
         spies["split attention"] = (context_layer, "local_attention")
     if options.get("gradient_reduction"):
         spies["kdist's gradient reduction"] = (reduction_module, "loss_and_updates")
-    if sizes.get("stage", 1) > 1:
-        spies["the pipeline schedule"] = (pipeline, "pipelined")
+    if sizes.get("stage", 1) > 1:  # GPipe differentiated by JAX, or the interpreter's
+        scheduled = options.get("pipeline_schedule", "gpipe") != "gpipe"
+        spies["the pipeline schedule"] = (pipeline, "scheduled" if scheduled else "pipelined")
     return spies
 
 

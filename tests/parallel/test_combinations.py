@@ -30,7 +30,7 @@ def test_trains_like_one_device(row: Row, family: str):
     assert_trains_like_one_device(family, row.mesh, **settings)
 
 
-if REFUSED:  # every pair is built today; a refused pair gets its row and these tests
+if REFUSED:  # the schedule's refused pairs (kdist.parallel.combinations)
     @pytest.mark.parametrize("row", REFUSED)
     def test_is_refused_before_compiling(row: Row):
         with pytest.raises(ValueError, match=row.refusal):
@@ -78,6 +78,8 @@ def _refused_concepts(row: Row) -> set[str]:
     reduction = row.options.get("gradient_reduction")
     if reduction:
         found.add("8-bit" if reduction in ("float8", "int8") else "reduction")
+    if row.options.get("pipeline_schedule", "gpipe") != "gpipe":
+        found.add("schedule")
     return found
 
 

@@ -20,7 +20,7 @@ def test_pipeline_plan_reports_the_schedule_and_its_bytes(capsys):
                    "--json", "/dev/null"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert "pipeline: 4 stages x 1 repeats, 8 microbatches (1 rows per device each)" in out
+    assert "pipeline: gpipe, 4 stages x 1 repeats, 8 microbatches (1 rows per device each)" in out
     assert "bubble 27.3%" in out  # 3 / (8 + 3)
     assert "stage 3: blocks 3-3" in out and "MFU uses the formula" in out
 

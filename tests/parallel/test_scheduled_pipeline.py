@@ -1,0 +1,116 @@
+"""pipeline_schedule='1f1b' / 'interleaved_1f1b' in the training step (the loss inside the
+schedule: kdist.parallel.pipeline.scheduled). Parity with one device and GPipe is in the
+combination table (tests/parallel/combinations.py); here: what is refused and where,
+evaluation and generation of a model trained so, and the plan's memory and timeline."""
+
+import keras
+import numpy as np
+import pytest
+
+import kdist
+from kdist.models import BertBackbone, BertMaskedLM, GPTBackbone, GPTCausalLM
+from tests.bert_helpers import TINY_BERT
+from tests.helpers import TINY_GPT, parity_optimizer
+
+DEEP = dict(TINY_GPT, num_layers=8)
+
+
+@pytest.mark.parametrize("mesh, options, message", [
+    ("data=8", dict(pipeline_schedule="1f1b"),
+     "pipeline_schedule='1f1b' orders a pipeline's microbatches; mesh 'data=8' has no 'stage'"),
+    ("stage=4,data=2", dict(pipeline_schedule="zero_bubble"),
+     "pipeline_schedule must be one of gpipe, 1f1b, interleaved_1f1b; got 'zero_bubble'"),
+    # (with fsdp, model, seq, replica groups or gradient_reduction: combination table rows)
+    ("stage=4,data=2", dict(pipeline_schedule="1f1b", pipeline_repeats=2),
+     "runs one model chunk per stage; got 2 \\(pipeline_repeats\\)"),
+    ("stage=4,data=2", dict(pipeline_schedule="interleaved_1f1b"),
+     "several model chunks per stage; got pipeline_repeats=1"),
+    ("stage=4,data=2", dict(pipeline_schedule="interleaved_1f1b", pipeline_repeats=2,
+                            pipeline_microbatches=6),
+     "pipeline_microbatches=6 is not a multiple of 4"),
+])
+def test_a_schedule_it_cannot_run_is_refused_by_the_distribution(mesh, options, message):
+    with pytest.raises(ValueError, match=message):
+        kdist.distribution(mesh, **options)
+
+
+def _gpt(mesh="stage=4,data=2", config=DEEP, **options):
+    keras.distribution.set_distribution(kdist.distribution(mesh, **options))
+    keras.utils.set_random_seed(0)
+    return GPTCausalLM(GPTBackbone(**config))
+
+
+def test_a_model_that_cannot_put_its_loss_in_the_schedule_is_refused_at_compile():
+    keras.distribution.set_distribution(
+        kdist.distribution("stage=2,data=4", pipeline_schedule="1f1b"))
+    bert = BertMaskedLM(BertBackbone(**dict(TINY_BERT, scan_layers=True)))
+    with pytest.raises(ValueError, match="does not declare the 'scheduled_pipeline' step "
+                                         "feature\\). Use pipeline_schedule='gpipe'"):
+        bert.compile(optimizer="adam")
+
+
+def test_metrics_or_another_loss_are_refused_at_compile():
+    lm = _gpt(pipeline_schedule="1f1b")
+    with pytest.raises(ValueError, match="computes the default loss .* asks for another loss "
+                                         "or for metrics"):
+        lm.compile(optimizer="adam", metrics=["accuracy"])
+    with pytest.raises(ValueError, match="asks for another loss"):
+        lm.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy())
+
+
+def test_a_sample_weight_is_refused_by_name():
+    lm = _gpt(pipeline_schedule="1f1b")
+    lm.compile(optimizer="adam")
+    x = np.random.default_rng(0).integers(0, 256, (8, 17)).astype("int32")
+    with pytest.raises(ValueError, match="unweighted default loss .* given a sample_weight"):
+        lm.fit(x[:, :-1], x[:, 1:], sample_weight=np.ones((8, 16), "float32"), verbose=0)
+
+
+def test_evaluation_and_generation_of_a_model_trained_with_1f1b():
+    """Evaluation runs GPipe's forward pass: the loss of the same weights as the first
+    training step's, which 1F1B computed; the model then generates."""
+    lm = _gpt(pipeline_schedule="1f1b", pipeline_microbatches=4)
+    lm.compile(optimizer=parity_optimizer())
+    x = np.random.default_rng(1).integers(0, 256, (8, 17)).astype("int32")
+    evaluated = lm.evaluate(x[:, :-1], x[:, 1:], verbose=0)
+    trained = float(lm.train_on_batch(x[:, :-1], x[:, 1:]))
+    np.testing.assert_allclose(trained, evaluated, rtol=2e-6)
+    later = [float(lm.train_on_batch(x[:, :-1], x[:, 1:])) for _ in range(3)]
+    assert later[-1] < trained  # (parity_optimizer's first step has no learning rate)
+    assert lm.generate(x[:2, :4], max_length=8, sampler="greedy").shape == (2, 8)
+
+
+def _plan(schedule, microbatches, repeats=1, mesh="stage=2,data=4"):
+    return kdist.planning.plan("gpt-nano", mesh=mesh, global_batch_size=64, sequence_length=64,
+                           pipeline_schedule=schedule, pipeline_microbatches=microbatches,
+                           pipeline_repeats=repeats, suggest=False,
+                           model_overrides={"vocabulary_size": 512})
+
+
+def test_the_plan_compiles_the_schedule_and_its_activations_do_not_grow_with_m():
+    """From the compiled programs (kdist plan): 1F1B's and interleaved's activations at
+    M = 16 are at most half GPipe's, and do not grow from M = 8 to M = 16. The analytic
+    estimate (what --mesh auto ranks by) follows the schedule, and the bytes sent between
+    stages are the table's: one activation each way per tick."""
+    activations = {}
+    for schedule, repeats in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        for m in (8, 16):
+            result = _plan(schedule, m, repeats)
+            activations[schedule, m] = result.memory["activations_and_temporaries"]
+            assert result.pipeline["schedule"] == schedule
+            analytic = kdist.planning.estimate(
+                {**kdist.planning.preset_backbone_config("gpt-nano"), "vocabulary_size": 512},
+                result.mesh, 64, 64, pipeline_microbatches=m, pipeline_repeats=repeats,
+                pipeline_schedule=schedule)
+            assert 0.3 < analytic["total"] / result.memory["total"] < 3
+            sent = result.pipeline["bytes_to_next_stage"]
+            assert result.theoretical_collectives["collective-permute"] == sent
+            assert result.collectives["collective-permute"]["bytes"] == pytest.approx(sent)
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in activations.items()})
+    for schedule in ("1f1b", "interleaved_1f1b"):
+        assert activations[schedule, 16] <= 0.5 * activations["gpipe", 16]
+        assert activations[schedule, 16] <= 1.15 * activations[schedule, 8]
+    report = _plan("1f1b", 4).report()
+    assert "pipeline: 1f1b, 2 stages" in report
+    assert "microbatch chunks in flight per stage (their inputs kept): [2, 1]" in report
+    assert "stage 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3" in report
