@@ -100,11 +100,12 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
                         "into; None: one per stage")
     g.add_argument("--pipeline-repeats", type=positive_int("--pipeline-repeats", 2), default=1,
                    help="with a stage axis: circular repeats (non-adjacent stages per device)")
-    g.add_argument("--pipeline-schedule", default="gpipe",
-                   choices=["gpipe", "1f1b", "interleaved_1f1b"],
+    g.add_argument("--pipeline-schedule", default="auto",
+                   choices=["auto", "gpipe", "1f1b", "interleaved_1f1b"],
                    help="with a stage axis: gpipe (every forward first), 1f1b or "
                         "interleaved_1f1b (with --pipeline-repeats >= 2): about S microbatches "
-                        "in flight instead of M (mesh: stage and data)")
+                        "in flight instead of M (mesh: stage, data, fsdp); auto: gpipe if it "
+                        "fits the device, else 1f1b")
 
 
 def add_text_flags(g) -> None:

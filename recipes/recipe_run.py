@@ -64,7 +64,7 @@ def resolve_mesh(args: argparse.Namespace, cost_model, sequence_length: int,
         unused = [f"--pipeline-microbatches {args.pipeline_microbatches}"] * bool(
             args.pipeline_microbatches) + [f"--pipeline-repeats {args.pipeline_repeats}"] * (
             args.pipeline_repeats > 1) + [f"--pipeline-schedule {args.pipeline_schedule}"] * (
-            args.pipeline_schedule != "gpipe")
+            args.pipeline_schedule not in ("gpipe", "auto"))
         args.pipeline_microbatches, args.pipeline_repeats = None, 1
         args.pipeline_schedule = "gpipe"
         if unused:
@@ -89,6 +89,22 @@ def settle_mesh_defaults(args: argparse.Namespace, mesh: str) -> list[str]:
     return lines
 
 
+def resolve_schedule(args: argparse.Namespace, cost_model, mesh: str, dtype: str) -> list[str]:
+    """``--pipeline-schedule auto``: the planner's schedule for the mesh and batch
+    (``kdist.plan.choose_schedule``: gpipe if it fits the device, else 1f1b), with the line
+    that says why when there is a pipeline."""
+    if args.pipeline_schedule != "auto":
+        return []
+    sizes = kdist.parse_mesh(mesh, jax.device_count())
+    args.pipeline_schedule, why = kdist.plan.choose_schedule(
+        cost_model, sizes, kdist.plan.default_device_memory(), args.global_batch_size,
+        args.sequence_length, precision=dtype, remat=args.remat == "block",
+        grad_accum=args.grad_accum, context_parallel=args.context_parallel,
+        pipeline_microbatches=args.pipeline_microbatches,
+        pipeline_repeats=args.pipeline_repeats, sync_every=getattr(args, "sync_every", None))
+    return [f"--pipeline-schedule auto: {why}"] if sizes["stage"] > 1 else []
+
+
 def set_distribution(args: argparse.Namespace, mesh: str, dtype: str) -> None:
     """Sets the Keras distribution (every mesh feature flag) and the dtype policy: before
     any model is built."""
@@ -110,6 +126,7 @@ def prepare(args: argparse.Namespace, state: RunState, cost_model, chosen: list[
     dtype = precision(args)
     mesh, explained = resolve_mesh(args, cost_model, args.sequence_length, dtype)
     chosen = chosen + settle_mesh_defaults(args, mesh)
+    chosen = chosen + resolve_schedule(args, cost_model, mesh, dtype)
     check_together(args)
     state.announce(mesh)
     for line in explained + [f"default {line}" for line in chosen]:

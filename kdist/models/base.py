@@ -46,6 +46,10 @@ class CostModel(abc.ABC):
         True
     """
 
+    # The task computes its loss inside a 1F1B schedule (its "scheduled_pipeline" step
+    # feature), so the planner may choose one (kdist.planning.search.choose_schedule).
+    loss_in_schedule = False
+
     @property
     @abc.abstractmethod
     def parameters(self) -> int:

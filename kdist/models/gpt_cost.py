@@ -23,6 +23,8 @@ class GPTCostModel(CostModel):
         33.0
     """
 
+    loss_in_schedule = True  # GPTCausalLM's "scheduled_pipeline" step feature
+
     def __init__(self, backbone_config):
         """``backbone_config``: every ``GPTBackbone`` argument (``GPTBackbone.full_config``)."""
         self.config = dict(backbone_config)

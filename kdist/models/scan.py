@@ -239,8 +239,9 @@ class LayerStack(layers.Layer):
         forward pass, inside Keras' stateless scope."""
         weights, seed, kwargs, layer, schedule = self._prepare(
             x, attention_mask, positions, segment_ids, True)
+        layouts = [pipeline.layout_axes(v) for v in self._parts.stacked]
         return pipeline.scheduled(layer, weights, x, kwargs, seed, schedule, loss_fn,
-                                  loss_weights, targets)
+                                  loss_weights, targets, layouts)
 
     def call(self, x, attention_mask=None, positions=None, segment_ids=None, training=None):
         weights, seed, kwargs, layer, schedule = self._prepare(

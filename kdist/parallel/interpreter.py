@@ -245,8 +245,32 @@ def _varying_axes(*trees) -> set:
     return axes
 
 
+def _sharded_dims(axes, batch_axes) -> list[tuple[int, str]]:
+    """A weight's dimensions split over a batch axis (``fsdp``): ``(dimension, axis)``."""
+    return [(d, a) for d, a in enumerate(axes) if a is not None and a in batch_axes]
+
+
+def _gather(w, axes, batch_axes):
+    """One device's block of a weight whole over its batch axes (ZeRO-3's gather)."""
+    for d, a in _sharded_dims(axes, batch_axes):
+        w = jax.lax.all_gather(w, a, axis=d, tiled=True)
+    return w
+
+
+def _reduce(g, axes, batch_axes):
+    """A weight's gradient summed over the batch axes: reduce-scattered back into the
+    weight's blocks over the axes it is split on, all-reduced over the others."""
+    sharded = _sharded_dims(axes, batch_axes)
+    rest = tuple(a for a in batch_axes if a not in {a for _, a in sharded})
+    if rest:
+        g = jax.lax.psum(g, rest)
+    for d, a in sharded:
+        g = jax.lax.psum_scatter(g, a, scatter_dimension=d, tiled=True)
+    return g
+
+
 def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
-                   shared=None, *, mesh, batch_axes=()):
+                   shared=None, *, mesh, batch_axes=(), weight_axes=None):
     """The loss of ``table``'s schedule and its gradients, over ``mesh``.
 
     ``weights``: stacked arrays ``(v, L / v, ...)`` whose second dimension is split over
@@ -255,22 +279,27 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     ``(K, ...)`` slices. ``xm``: ``(M, B, ...)`` microbatches, rows split over
     ``batch_axes``, and so are ``data``'s; ``loss_weights`` and ``shared`` replicated.
     ``stage_fn`` and ``loss_fn`` as in :func:`interpret` (on each device's rows; the loss
-    is the sum over devices). Returns
+    is the sum over devices). ``weight_axes``: per weight, its mesh axes per dimension
+    (default: ``(None, "stage")``); a dimension over ``fsdp`` (a batch axis too: ZeRO-3)
+    is all-gathered once before the schedule and its gradient reduce-scattered once after
+    it, as GPipe's stages do (:func:`kdist.parallel.pipeline.pipelined`). Returns
     ``(loss, (d_weights, d_loss_weights, d_xm))``.
     """
     from jax.sharding import PartitionSpec as P
 
     program = Program(table)
     rows = tuple(batch_axes) or None
-    w_specs = [P(None, AXIS) for _ in weights]
+    axes = [tuple(a) for a in weight_axes] if weight_axes else [(None, AXIS)] * len(weights)
+    w_specs = [P(*a) for a in axes]
     x_spec = P(None, rows)
     everything = (AXIS,) + tuple(batch_axes)
 
     def device(weights, loss_weights, xm, data, shared):
+        weights = [_gather(w, a, batch_axes) for w, a in zip(weights, axes)]
         loss, d_w, d_lw, d_xm = interpret(program, stage_fn, loss_fn, weights,
                                           loss_weights, xm, data, shared)
         loss = jax.lax.psum(loss, everything)
-        d_w = [jax.lax.psum(g, tuple(batch_axes)) if batch_axes else g for g in d_w]
+        d_w = [_reduce(g, a, batch_axes) for g, a in zip(d_w, axes)]
         d_lw = jax.tree.map(lambda g: jax.lax.psum(g, everything), d_lw)
         return loss, d_w, d_lw, jax.lax.psum(d_xm, AXIS)
 
@@ -287,7 +316,7 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
 
 
 def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
-                   shared=None, *, mesh, batch_axes=()):
+                   shared=None, *, mesh, batch_axes=(), weight_axes=None):
     """:func:`value_and_grad`'s loss as a function JAX differentiates like any other: its
     forward pass runs the whole schedule (forwards and backwards) and keeps the gradients,
     its backward pass scales them by the loss's cotangent — so what computes ``xm`` (an
@@ -300,7 +329,8 @@ def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     """
     def run(weights, loss_weights, xm, data, shared):
         return value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data,
-                              shared, mesh=mesh, batch_axes=batch_axes)
+                              shared, mesh=mesh, batch_axes=batch_axes,
+                              weight_axes=weight_axes)
 
     @jax.custom_vjp
     def loss(weights, loss_weights, xm, data, shared):

@@ -317,7 +317,7 @@ def scheduled_name() -> str:
 
 
 def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss_weights,
-              targets):
+              targets, layouts=None):
     """The loss of ``x`` ``(B, T, D)`` through the stacked layers and ``loss_fn``, with the
     distribution's ``pipeline_schedule`` run by :mod:`kdist.parallel.interpreter` (the loss
     joins the schedule, so a microbatch's backward starts as soon as its forward is done).
@@ -325,7 +325,9 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     ``layer``, ``weights``, ``kwargs`` and ``seed`` as in :func:`pipelined`;
     ``loss_fn(loss_weights, y, targets_m)`` is a microbatch's share of the loss on one
     device's rows (the step's loss is the sum over microbatches and devices); ``targets``
-    a pytree of ``(B, ...)`` arrays cut into microbatches like ``x``. Differentiable in
+    a pytree of ``(B, ...)`` arrays cut into microbatches like ``x``; ``layouts`` each
+    weight's mesh axes per dimension, as in :func:`pipelined` (a dimension over ``fsdp`` is
+    gathered once per step, its gradient reduce-scattered once). Differentiable in
     ``weights``, ``loss_weights`` and ``x``. Each device folds the dropout seed with its
     row shard, as :func:`pipelined` does.
     """
@@ -345,6 +347,13 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     data = {"per_row": per_row,
             "targets": jax.tree.map(lambda a: _to_microbatches(a, schedule), targets)}
     chunks = [w[None] for w in weights] if repeats == 1 else list(weights)  # (v, L / v, ...)
+    lead = 1 if repeats == 1 else 2
+    if layouts is None:
+        layouts = [(None,) * (lead - 1) + (AXIS,) for _ in weights]
+    # Only stage and fsdp split a weight in the schedule's region (anything else, e.g. a
+    # dimension over several axes, enters whole: correct, if gathered by XLA).
+    axes = [(None,) * (2 - lead) + tuple(a if a in (AXIS, "fsdp") else None for a in layout)
+            for layout in layouts]
     per_stage = schedule.layers_per_stage
     rows = tuple(a for a in REPLICA_AXES if sizes.get(a, 1) > 1)
 
@@ -366,5 +375,6 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
 
     return interpreter.scheduled_loss(
         table, stage_fn, microbatch_loss, chunks, loss_weights,
-        _to_microbatches(x, schedule), data, shared, mesh=schedule.mesh, batch_axes=rows)
+        _to_microbatches(x, schedule), data, shared, mesh=schedule.mesh, batch_axes=rows,
+        weight_axes=axes)
 

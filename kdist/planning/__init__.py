@@ -60,6 +60,7 @@ from kdist.planning.search import (
     candidate_meshes,
     check_model_axis,
     choose_mesh,
+    choose_schedule,
     mesh_devices,
     model_axis_sizes,
 )
@@ -75,8 +76,8 @@ AUTO_TRIES = 3  # meshes mesh="auto" compiles at most before it says none fits
 
 __all__ = [
     "USABLE_FRACTION", "Plan", "abstract_batch", "build_abstract", "candidate_meshes",
-    "check_model_axis", "choose_mesh", "compile_plan", "compile_train_step", "compute_bytes",
-    "cost_model_of", "model_axis_sizes",
+    "check_model_axis", "choose_mesh", "choose_schedule", "compile_plan",
+    "compile_train_step", "compute_bytes", "cost_model_of", "model_axis_sizes",
     "default_device_memory", "dimensions", "estimate", "format_bytes", "memory_breakdown",
     "mesh_devices", "mesh_spec", "parse_bytes", "plan", "precision_policy",
     "preset_backbone_config", "theoretical_collective_bytes", "xla_flops",
@@ -142,7 +143,9 @@ def plan(
             bubble, each stage's share and the bytes between stages
             (:mod:`kdist.planning.stages`). ``pipeline_schedule``: the distribution's
             (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``): the program compiled runs it,
-            and the report draws its timeline.
+            and the report draws its timeline; ``"auto"``: the one
+            :func:`~kdist.planning.search.choose_schedule` picks for the mesh (GPipe if it
+            fits, else 1F1B), and the report says why.
         context_parallel, load_balance: the distribution's, for a mesh with a ``seq`` axis
             (``"all_gather"`` or ``"ring"``; load-balanced causal layout).
         sync_every: the distribution's, for a mesh with a ``replica`` axis (DiLoCo groups;
@@ -209,6 +212,24 @@ def plan(
         causal = cost is None or getattr(cost.flops_per_token(sequence_length), "causal", True)
         SequenceLayout(sequence_length, sizes["seq"], balanced=causal and load_balance)
 
+    if pipeline_schedule == "auto" and cost is None:
+        cost = _cost_of_function(model_fn)
+        if cost is None and sizes["stage"] > 1:
+            raise ValueError("pipeline_schedule='auto' needs the model's cost model (a kdist "
+                             "preset, or a model with a cost_model() method); for other "
+                             "models name the schedule, e.g. pipeline_schedule='1f1b'.")
+
+    def schedule_for(sizes, remat, grad_accum):  # (schedule, why "auto" chose it, or None)
+        if sizes["stage"] == 1:
+            return "gpipe", None
+        if pipeline_schedule != "auto":
+            return pipeline_schedule, None
+        return choose_schedule(cost, sizes, device_memory, global_batch_size, sequence_length,
+                               precision=policy, remat=remat, grad_accum=grad_accum,
+                               context_parallel=context_parallel, sync_every=sync_every,
+                               pipeline_microbatches=pipeline_microbatches,
+                               pipeline_repeats=pipeline_repeats)
+
     def run(sizes, remat, grad_accum):
         # A preset is rebuilt with the remat asked for; a model function as it is.
         fn = model_fn(remat) if isinstance(model, str) else model_fn
@@ -216,7 +237,7 @@ def plan(
                             sequence_length, grad_accum, optimizer or adamw, batch,
                             auto_shard, gradient_reduction, context_parallel, load_balance,
                             pipeline=(pipeline_microbatches, pipeline_repeats,
-                                      pipeline_schedule if sizes["stage"] > 1 else "gpipe"),
+                                      schedule_for(sizes, remat, grad_accum)[0]),
                             sync_every=sync_every)
 
     start = time.perf_counter()
@@ -230,7 +251,7 @@ def plan(
         cost = _task_cost_model(model_obj)
     num = math.prod(sizes.values())
     schedule = (pipeline_microbatches, pipeline_repeats)
-    pipeline_schedule = pipeline_schedule if sizes["stage"] > 1 else "gpipe"
+    pipeline_schedule, schedule_choice = schedule_for(sizes, remat, grad_accum)
     # The program compiled under DiLoCo is a sync step: its theory counts one sync.
     theory_terms = _theory(cost, sizes, global_batch_size // grad_accum, sequence_length,
                            policy, gradient_reduction, grad_accum, context_parallel,
@@ -258,9 +279,9 @@ def plan(
         compile_seconds=seconds,
         mesh_choice=mesh_choice,
         device_memory_source=memory_source,
-        pipeline=(stages.summary(cost, sizes, global_batch_size, sequence_length,
-                                 *schedule, compute_bytes(policy), grad_accum,
-                                 pipeline_schedule)
+        pipeline=(dict(stages.summary(cost, sizes, global_batch_size, sequence_length,
+                                      *schedule, compute_bytes(policy), grad_accum,
+                                      pipeline_schedule), choice=schedule_choice)
                   if sizes.get("stage", 1) > 1 and cost is not None else None),
     )
     if suggest and not result.fits:

@@ -190,6 +190,69 @@ def replica_counts(num_devices: int, devices_per_host: int | None,
     return [r for r in counts if num_devices % r == 0 and global_batch_size % r == 0]
 
 
+def choose_schedule(model: Any, mesh: Mapping[str, int], device_memory: float,
+                    global_batch_size: int, sequence_length: int, *,
+                    precision: str = "float32", remat: bool = False, grad_accum: int = 1,
+                    context_parallel: str = "all_gather",
+                    pipeline_microbatches: int | None = None, pipeline_repeats: int = 1,
+                    sync_every: int | None = None) -> tuple[str, str]:
+    """``pipeline_schedule="auto"``: GPipe if its analytic estimate fits in
+    ``device_memory`` (it recomputes nothing and sends half the activations), else the
+    1F1B of the same chunks (``1f1b``, or ``interleaved_1f1b`` with ``pipeline_repeats``
+    > 1), whose activations do not grow with the microbatches, if the mesh allows it; if
+    neither fits, the one that needs less. Returns ``(schedule, why)``; ``"gpipe"`` for a
+    mesh without stages or a task that cannot run its loss inside the schedule (BERT's).
+
+    Example:
+        >>> choose_schedule("gpt-nano", {"stage": 4, "data": 2}, 2**34, 64, 256,
+        ...                 pipeline_microbatches=16)[0]
+        'gpipe'
+        >>> choose_schedule("gpt-nano", {"stage": 4, "data": 2}, 2**27, 64, 256,
+        ...                 pipeline_microbatches=16)[0]
+        '1f1b'
+    """
+    from kdist.parallel.config import Parallelism
+
+    mesh = full_mesh(dict(mesh))
+    if mesh["stage"] == 1:
+        return "gpipe", "no pipeline"
+    cost = cost_model_of(model)
+    if not getattr(cost, "loss_in_schedule", False):
+        return "gpipe", (f"the 1F1B schedules need the loss inside the schedule, which "
+                         f"{type(cost).__name__}'s task does not compute there yet")
+    budget = device_memory * USABLE_FRACTION
+    settings = dict(pipeline_microbatches=pipeline_microbatches,
+                    pipeline_repeats=pipeline_repeats)
+    memory = {}
+    for schedule in ("gpipe", "1f1b" if pipeline_repeats == 1 else "interleaved_1f1b"):
+        try:
+            Parallelism.build(mesh_spec(mesh), math.prod(mesh.values()), sync_every=sync_every,
+                              context_parallel=context_parallel, pipeline_schedule=schedule,
+                              **settings)
+        except ValueError:
+            continue
+        memory[schedule] = estimate(
+            cost, mesh, global_batch_size, sequence_length, precision=precision, remat=remat,
+            grad_accum=grad_accum, context_parallel=context_parallel,
+            pipeline_schedule=schedule, **settings)["total"]
+    if not memory:  # the distribution refuses the mesh whatever the schedule
+        return "gpipe", f"mesh {mesh_spec(mesh)} is refused"
+    fitting = [s for s in memory if memory[s] <= budget]
+    chosen = fitting[0] if fitting else min(memory, key=memory.get)
+    shown = ", ".join(f"{s} {format_bytes(b)}" for s, b in memory.items())
+    if chosen == "gpipe" and fitting:
+        why = f"gpipe fits ({shown} estimated of {format_bytes(budget)} usable per device)"
+    elif fitting:
+        why = (f"{chosen}: gpipe does not fit and {chosen} does ({shown} estimated of "
+               f"{format_bytes(budget)} usable per device)")
+    else:
+        why = (f"{chosen}: nothing fits {format_bytes(budget)} usable per device; it needs "
+               f"the least ({shown} estimated)")
+    if len(memory) == 1 and chosen == "gpipe":
+        why += f"; the 1F1B schedules do not run on mesh {mesh_spec(mesh)} yet"
+    return chosen, why
+
+
 def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_size: int,
                 sequence_length: int, *, precision: str = "float32", remat: bool = False,
                 grad_accum: int = 1, context_parallel: str = "all_gather",
@@ -243,17 +306,30 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     schedule = dict(pipeline_microbatches=pipeline_microbatches,
                     pipeline_repeats=pipeline_repeats)
 
+    picked: dict[str, str] = {}
+
+    def schedule_of(mesh):  # "auto": the schedule choose_schedule would pick for the mesh
+        if mesh["stage"] == 1 or pipeline_schedule != "auto":
+            return pipeline_schedule if mesh["stage"] > 1 else "gpipe"
+        spec = mesh_spec(mesh)
+        if spec not in picked:
+            picked[spec] = choose_schedule(
+                cost, mesh, device_memory, global_batch_size, sequence_length,
+                precision=precision, remat=remat, grad_accum=grad_accum,
+                context_parallel=context_parallel, sync_every=sync_every, **schedule)[0]
+        return picked[spec]
+
     def axis_bytes(mesh, activations=True):
         terms = collective_terms(dims_source, mesh, micro, sequence_length, value_bytes,
                                  context_parallel=context_parallel, activations=activations,
-                                 sync_every=sync_every, pipeline_schedule=pipeline_schedule,
+                                 sync_every=sync_every, pipeline_schedule=schedule_of(mesh),
                                  **schedule)
         return {a: b * grad_accum for a, b in traffic.by_axis(terms, mesh).items()}
 
     def row(mesh):
         memory = estimate(cost, mesh, global_batch_size, sequence_length, precision=precision,
                           remat=remat, grad_accum=grad_accum, context_parallel=context_parallel,
-                          pipeline_schedule=pipeline_schedule, **schedule)["total"]
+                          pipeline_schedule=schedule_of(mesh), **schedule)["total"]
         per_axis, quiet = axis_bytes(mesh), axis_bytes(mesh, activations=False)
         # Tensor parallelism's activation all-reduces and context parallelism's keys and
         # values sit on the critical path (each layer waits for them); gradient all-reduces
@@ -266,14 +342,15 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
                 "wire_bytes": sum(per_axis.values()), "axis_bytes": per_axis,
                 "crosses_hosts": {a: round(f, 4) for a, f in crossing.items()},
                 "cost": traffic.weighted_bytes(ranked, crossing, host_link_slowdown),
-                "fits": memory <= budget, "bubble": bubble, "_mesh": mesh}
+                "fits": memory <= budget, "bubble": bubble, "_mesh": mesh,
+                **({"schedule": schedule_of(mesh)} if stages > 1 else {})}
 
     def allowed(mesh):
         # The schedule's settings belong to a pipeline: a mesh without one is built without.
         try:
             Parallelism.build(mesh_spec(mesh), num_devices, sync_every=sync_every,
                               context_parallel=context_parallel,
-                              **({**schedule, "pipeline_schedule": pipeline_schedule}
+                              **({**schedule, "pipeline_schedule": schedule_of(mesh)}
                                  if mesh["stage"] > 1 else {}))
         except ValueError:
             return False
@@ -316,6 +393,8 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
         if best["bubble"]:
             why += (f"; no mesh without a pipeline fits, so it has the smallest bubble "
                     f"({best['bubble']:.0%} of the iterations)")
+            if pipeline_schedule == "auto":
+                why += f", with pipeline_schedule {best['schedule']!r}"
     else:
         best = min(rows, key=lambda r: r["memory"])
         why = (f"no mesh fits {format_bytes(budget)} usable per device; {best['mesh']} needs "

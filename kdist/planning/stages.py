@@ -178,8 +178,11 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
         Traffic("reduce-scatter", ("fsdp",), _ring(f) * g * (pb / (s * m) + po / m)),
         Traffic("all-reduce", ("data", "seq"),
                 2 * _ring(d * seq) * g * (pb / (s * f * m) + po / (f * m))),
-        Traffic("all-reduce", ("stage",), (2 + 2 * (v > 1)) * 2 * _ring(s) * tokens
-                * hidden_dim * value_bytes),
+        # GPipe: the stages' output (and, vocabulary over stages, the embedding's output and
+        # the head's input gradient) summed over stages; the interpreter: only the
+        # embedding's gradient, from stage 0 (the head runs inside, on the last stage).
+        Traffic("all-reduce", ("stage",), ((2 + 2 * (v > 1)) if schedule == "gpipe" else 1)
+                * 2 * _ring(s) * tokens * hidden_dim * value_bytes),
         Traffic("collective-permute", ("stage",), 2 * _sends(schedule, s, micro, repeats)
                 * activation),
     ]
@@ -259,6 +262,7 @@ def report_lines(info: dict[str, Any], format_bytes) -> list[str]:
     lines = [f"pipeline: {name}, {info['stages']} stages x {info['repeats']} repeats, "
              f"{info['microbatches']} microbatches ({info['microbatch_rows_per_device']:g} rows "
              f"per device each), {steps}",
+             *([f"  pipeline_schedule auto: {info['choice']}"] if info.get("choice") else []),
              f"  to the next stage per step: {format_bytes(info['bytes_to_next_stage'])} per "
              f"device (activations forward, their gradients backward)",
              f"  microbatch chunks in flight per stage (their inputs kept): "

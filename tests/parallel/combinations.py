@@ -76,8 +76,8 @@ EXACT_DILOCO = dict(sync_every=1, outer_learning_rate=1.0, outer_momentum=0.0, o
 # DiLoCo (AdamW inside, H = 2) over 2 rounds, against data-parallel groups.
 DILOCO_LIKE = dict(sync_every=2, steps=4, like={"mesh": "replica=2,data=4", "sync_every": 2})
 
-SCHEDULE_ONLY = (r"pipeline_schedule='1f1b'/'interleaved_1f1b' runs on a mesh of 'stage' and "
-                 r"'data' so far, not with ")
+SCHEDULE_ONLY = (r"pipeline_schedule='1f1b'/'interleaved_1f1b' runs on a mesh of 'stage', "
+                 r"'data' and 'fsdp' so far, not with ")
 
 TABLE: list[Row] = [
     # --- data, fsdp, model: XLA's partitioner reduces the gradients -----------------------
@@ -126,9 +126,11 @@ TABLE: list[Row] = [
     # draws GPipe's.
     trains("stage=4,data=2", "gpt", config="deep-dropout", rows=16, pipeline_microbatches=8,
            pipeline_schedule="1f1b", like={"mesh": "stage=4,data=2", "pipeline_microbatches": 8}),
-    # The interpreter's region is manual over stage and data only, so far.
-    refused("stage=2,fsdp=4", "schedule x fsdp", SCHEDULE_ONLY + "the 'fsdp' axis",
-            pipeline_schedule="1f1b"),
+    # The interpreter's region splits weights over stage and fsdp only, so far.
+    trains("stage=2,fsdp=4", "gpt llama", config="deep", rows=16, pipeline_microbatches=4,
+           pipeline_schedule="1f1b"),
+    trains("stage=2,data=2,fsdp=2", "gpt", config="deep", rows=16, pipeline_microbatches=4,
+           pipeline_repeats=2, pipeline_schedule="interleaved_1f1b"),
     refused("stage=2,model=4", "schedule x model", SCHEDULE_ONLY + "the 'model' axis",
             pipeline_schedule="1f1b"),
     refused("stage=2,seq=4", "schedule x seq", SCHEDULE_ONLY + "the 'seq' axis",
