@@ -1,7 +1,8 @@
 """pipeline_schedule='1f1b' / 'interleaved_1f1b' in the training step (the loss inside the
 schedule: kdist.parallel.pipeline.scheduled). Parity with one device and GPipe is in the
 combination table (tests/parallel/combinations.py); here: what is refused and where,
-evaluation and generation of a model trained so, and the plan's memory and timeline."""
+evaluation, generation and a resumed checkpoint of a model trained so, the plan's memory
+and timeline, and pipeline_schedule="auto"."""
 
 import keras
 import numpy as np
@@ -162,3 +163,44 @@ def test_auto_keeps_gpipe_when_it_fits_and_turns_to_1f1b_when_it_does_not():
     assert {r["schedule"] for r in table if r["fits"]} == {"1f1b"}
     assert choose_schedule("gpt-nano", chosen, budget, **shape)[0] == "1f1b"
     assert mesh_spec(chosen) in {r["mesh"] for r in table}
+
+
+def test_a_checkpoint_saved_under_1f1b_resumes_bit_exactly(tmp_path):
+    """On stage=2,fsdp=4 under 1F1B: 4 steps straight, against 2 steps, a checkpoint, a
+    new process-like start (a fresh model) that restores it and trains 2 more: the same
+    losses and weights, bit for bit (the schedule changes no weight's layout)."""
+    from kdist.checkpointing import Checkpoint, state_variables
+    from kdist.data.lm import LMBatches
+
+    def model():
+        keras.utils.clear_session()
+        keras.distribution.set_distribution(kdist.distribution(
+            "stage=2,fsdp=4", pipeline_schedule="1f1b", pipeline_microbatches=4))
+        keras.utils.set_random_seed(0)
+        lm = GPTCausalLM(GPTBackbone(**DEEP))
+        lm.compile(optimizer=parity_optimizer())
+        return lm
+
+    def data():
+        return LMBatches(np.arange(5000) % 256, sequence_length=16, global_batch_size=16,
+                         seed=3)
+
+    def state(lm):
+        return {k: np.asarray(v.value) for k, v in state_variables(lm).items()}
+
+    def losses(history):
+        return history.history["loss"]
+
+    straight, batches = model(), data()
+    want = losses(straight.fit(batches, epochs=2, steps_per_epoch=2, verbose=0))
+    final = state(straight)
+
+    first, batches = model(), data()
+    first.fit(batches, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[
+        Checkpoint(tmp_path / "ckpt", save_every_steps=2, data=batches, verbose=False)])
+    resumed, batches = model(), data()
+    assert Checkpoint(tmp_path / "ckpt", data=batches, verbose=False).restore(resumed) == 2
+    got = losses(resumed.fit(batches, epochs=1, steps_per_epoch=2, verbose=0))
+    assert got[-1] == want[-1]  # the mean of steps 3 and 4
+    for key, value in state(resumed).items():
+        np.testing.assert_array_equal(value, final[key], err_msg=key)
