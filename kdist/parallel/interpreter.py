@@ -261,7 +261,8 @@ def _reduce(g, axes, batch_axes):
     """A weight's gradient summed over the batch axes: reduce-scattered back into the
     weight's blocks over the axes it is split on, all-reduced over the others."""
     sharded = _sharded_dims(axes, batch_axes)
-    rest = tuple(a for a in batch_axes if a not in {a for _, a in sharded})
+    split = {axis for _, axis in sharded}
+    rest = tuple(a for a in batch_axes if a not in split)
     if rest:
         g = jax.lax.psum(g, rest)
     for d, a in sharded:
