@@ -1,6 +1,11 @@
 """Test harness: 8 forced host devices, JAX backend, a fresh Keras state per test, and one
 compilation per distinct program per run.
 
+The suite's time is a budget (25 minutes on 2 cores, CI included). What keeps it: XLA:CPU
+flags that compile for compile time (FAST_COMPILE below), Python's collector kept off what
+outlives a test (``gc.freeze``, below), the caches below, one harness for every parity
+test (tests/parallel/harness.py) and one multi-process launch (``multihost_cases``).
+
 Caches (both in ``.cache/`` of the checkout, ignored by git, inherited by every child
 process through the environment; delete the folder to start cold — the suite passes either
 way):

@@ -90,10 +90,13 @@ TABLE: list[Row] = [
     trains("model=2,data=-1", "llama"),
     trains("data=2,fsdp=2,model=2", "gpt llama bert", layouts=True),
     trains("data=2,fsdp=2,model=2", "gpt", tolerance="bfloat16"),
+    # kdist's global-norm clip (active here) over sharded gradients, on each gradient path
+    trains("data=2,fsdp=2,model=2", "gpt llama", optimizer="adamw-clipped"),
     # --- explicit gradient reduction (kdist.parallel.reduction) ---------------------------
     trains("data=8", "gpt", gradient_reduction="float32"),
     trains("fsdp=8", "gpt", gradient_reduction="float32"),
     trains("data=2,fsdp=4", "gpt", gradient_reduction="float32"),
+    trains("data=2,fsdp=4", "gpt", gradient_reduction="float32", optimizer="adamw-clipped"),
     trains("data=2,fsdp=4", "llama", gradient_reduction="float32", task={"loss_chunk_size": 8}),
     trains("fsdp=8", "gpt", gradient_reduction="float32", config={"attention_chunk_size": 8}),
     trains("fsdp=4,model=2", "gpt", gradient_reduction="float32"),
@@ -108,6 +111,7 @@ TABLE: list[Row] = [
     # --- stage: pipelines over a scanned layer stack --------------------------------------
     trains("stage=8", "gpt", config="deep", rows=16),  # 1 layer per stage, M = S = 8
     trains("stage=4,data=2", "gpt", config="deep", rows=16, pipeline_microbatches=8),  # M = 2S
+    trains("stage=4,data=2", "gpt", config="deep", rows=16, optimizer="adamw-clipped"),
     trains("stage=2,fsdp=2,model=2", "gpt", config="deep", rows=16),
     trains("stage=4,fsdp=2", "gpt", config="deep", rows=16, pipeline_repeats=2),  # circular
     trains("stage=2,data=4", "llama", config="scanned", rows=16, task={"loss_chunk_size": 8}),
@@ -157,6 +161,7 @@ TABLE: list[Row] = [
     trains("seq=8", "gpt-documents", context_parallel="ring"),
     trains("seq=8", "llama", context_parallel="ring", gradient_reduction="float32"),
     trains("seq=4,data=2", "gpt llama-documents", context_parallel="ring"),
+    trains("seq=4,data=2", "gpt", context_parallel="ring", optimizer="adamw-clipped"),
     trains("seq=4,data=2", "llama", context_parallel="all_gather"),
     trains("seq=4,data=2", "gpt-documents", context_parallel="all_gather",
            gradient_reduction="float32"),
