@@ -16,6 +16,8 @@ with the same optimizer, and checks, against the reference:
 
 - the initial weights, bit for bit (initialisation does not depend on the mesh);
 - the loss of every step and every final weight, within a named :data:`TOLERANCES` entry;
+- every optimizer slot (Adam's moments: the gradients' running means), float32 only — a
+  gradient wrong by a constant factor barely moves Adam's update, but moves its moments;
 - that the feature the options ask for really ran (the split attention under ``seq``,
   kdist's reduction for ``gradient_reduction``, the pipeline schedule under ``stage``,
   DiLoCo for ``sync_every``), so a silent fall-back to plain training cannot pass;
