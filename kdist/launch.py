@@ -2,6 +2,7 @@
 
     python -m kdist.launch --processes 2 --devices-per-process 4 recipes/gpt_pretrain.py --steps 20
     python -m kdist.launch --processes 2 -m pytest ...        # a module instead of a script
+    python -m kdist.launch --replica-groups 2 --devices-per-process 4 SCRIPT  # kdist.groups
 
 Each process gets the host-device settings of ``kdist.force_host_devices(D)``, Keras' variables
 ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` (a free port on 127.0.0.1), ``_NUM_PROCESSES`` and
@@ -19,37 +20,13 @@ one process per host with the cluster's own launcher (see docs/multihost.md).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-from kdist.parallel.devices import host_device_environment
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_env(rank: int, processes: int, devices: int, port: int, base=None) -> dict:
-    """The environment of process ``rank``: device count, coordinator, id, CPU collectives."""
-    env = dict(os.environ if base is None else base)
-    env.update(host_device_environment(devices, env))
-    env.update(
-        KERAS_DISTRIBUTION_JOB_ADDRESSES=f"127.0.0.1:{port}",
-        KERAS_DISTRIBUTION_NUM_PROCESSES=str(processes),
-        KERAS_DISTRIBUTION_PROCESS_ID=str(rank),
-        JAX_PLATFORMS="cpu",
-        JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
+from kdist.local_processes import free_port, process_env  # noqa: F401  (kdist.launch.process_env, as before)
 
 
 def _pump(rank: int, stream, lock: threading.Lock) -> None:
@@ -165,6 +142,26 @@ def main(argv=None) -> int:
                    help="forced host (CPU) devices in each process")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds between SIGTERM and SIGKILL when a rank fails")
+    g = p.add_argument_group(
+        "replica groups as separate jobs (kdist.groups: DiLoCo groups that survive each "
+        "other; the script's mesh names replica=G and it passes sync_every)")
+    g.add_argument("--replica-groups", type=int, default=None, metavar="G",
+                   help="run G groups, each its own job, exchanging through --replica-store")
+    g.add_argument("--spare-groups", type=int, default=0, metavar="K",
+                   help="groups held back to replace a failed one")
+    g.add_argument("--processes-per-group", type=int, default=1, metavar="P",
+                   help="processes of each group (its own JAX cluster when P > 1)")
+    g.add_argument("--replica-store", default="replica-store", metavar="DIR",
+                   help="the directory every group reads and writes (shared storage)")
+    g.add_argument("--min-groups", type=int, default=1,
+                   help="fewest groups a round closes with; the job fails below it")
+    g.add_argument("--round-deadline", type=float, default=60.0, metavar="SECONDS",
+                   help="how long a round waits for a running group's outer gradient")
+    g.add_argument("--replica-mode", default="quorum", choices=("quorum", "async"),
+                   help="quorum: wait for every running group (up to the deadline); "
+                        "async: never wait, stale gradients down-weighted")
+    g.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of a failed group once no spare is left")
     p.add_argument("-m", dest="module", default=None, help="run a module, like python -m")
     p.add_argument("script", nargs="?", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
@@ -176,7 +173,18 @@ def main(argv=None) -> int:
         command = [sys.executable, args.script]
     else:
         p.error("give a SCRIPT (or -m MODULE) to run")
-    return launch(command + args.args, args.processes, args.devices_per_process, args.grace)
+    if args.replica_groups is None:
+        return launch(command + args.args, args.processes, args.devices_per_process,
+                      args.grace)
+    from kdist.groups.supervisor import supervise
+
+    try:
+        return supervise(command + args.args, args.replica_groups, args.spare_groups,
+                         args.processes_per_group, args.devices_per_process,
+                         args.replica_store, args.min_groups, args.round_deadline,
+                         args.replica_mode, args.max_restarts, args.grace)
+    except ValueError as e:
+        p.error(str(e))
 
 
 if __name__ == "__main__":

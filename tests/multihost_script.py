@@ -283,8 +283,52 @@ def hf(args) -> dict:
             "worst_shard_error": worst}
 
 
+def groups(args) -> dict:
+    """DiLoCo on ``--mesh`` (``replica=G,...``, ``--sync-every H``) for ``--steps`` one-step
+    epochs — in one program, or as one of G separate group jobs (``python -m kdist.launch
+    --replica-groups G``: the same call). Prints each step's loss; with ``--ckpt`` keeps a
+    checkpoint per group (``CKPT/group-<g>``) and resumes from it; ``--step-sleep`` per
+    batch stretches the run for fault trials. Writes the final weights to
+    ``OUT/<tag>-g<group>.npz`` and returns the losses and the validation loss."""
+    from kdist.callbacks import Checkpoint
+
+    info = setup(args.mesh, args.sync_every)
+    group = os.environ.get("KDIST_REPLICA_GROUP", "0")
+    out = Path(args.out)
+    data = tiny_data(out / "corpus", out / "cache")
+    if args.step_sleep:
+        class Slow(type(data.train)):
+            def __getitem__(self, index):
+                time.sleep(args.step_sleep)
+                return super().__getitem__(index)
+
+        data.train.__class__ = Slow
+    model = tiny_model(data.vocabulary_size)
+    model.compile(optimizer=kdist.optim.adamw(args.learning_rate, warmup_steps=1,
+                                              decay_steps=10, epsilon=1e-3))
+    callbacks = [PrintLoss()]
+    restored = 0
+    if args.ckpt:
+        checkpoint = Checkpoint(Path(args.ckpt) / f"group-{group}",
+                                save_every_steps=args.save_every, data=data.train)
+        restored = checkpoint.restore(model)
+        callbacks.append(checkpoint)
+    history = model.fit(data.train, epochs=args.steps, steps_per_epoch=1, shuffle=False,
+                        verbose=0, callbacks=callbacks, initial_epoch=0)
+    validation = model.evaluate(data.validation, verbose=0, return_dict=True)["loss"]
+    print(f"validation loss {validation!r}", flush=True)
+    if info.process_index == 0:
+        np.savez(out / f"{args.tag}-g{group}.npz",
+                 **{v.path: np.asarray(v.value) for v in model.trainable_variables})
+    outer = model.optimizer.groups.outer
+    return dict(losses={str(e + 1): float(v) for e, v in
+                        zip(history.epoch, history.history["loss"])},
+                validation=float(validation), restored_step=restored,
+                rounds=[] if outer is None else outer.rounds)
+
+
 COMMANDS = {"train": train, "hf": hf, "hang": hang, "ckpt": ckpt, "wordpiece": wordpiece,
-            "devices": devices, "stragglers": stragglers}
+            "devices": devices, "stragglers": stragglers, "groups": groups}
 
 # The cases the multi-process tests read, all run by one launch (``batch``): 2 processes pay
 # their imports and the cluster's start-up once for all of them (tests/conftest.py's
@@ -323,6 +367,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-every", type=int, default=None, help="DiLoCo's H (train)")
     p.add_argument("--slow-rank", type=int, default=1, help="the slow process (stragglers)")
     p.add_argument("--slow-seconds", type=float, default=0.3, help="its extra seconds per batch")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per batch (groups)")
+    p.add_argument("--learning-rate", type=float, default=1e-2, help="AdamW's peak (groups)")
     p.add_argument("--source", help="a Hugging Face checkpoint directory (hf)")
     p.add_argument("--scan-layers", action="store_true", help="load it stacked (hf)")
     return p
@@ -334,7 +380,9 @@ def run(argv: list[str]) -> None:
     keras.utils.clear_session()  # each command builds from a fresh Keras state
     result = COMMANDS[args.command](args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    out = Path(args.out) / f"{args.command}-rank{jax.process_index()}.json"
+    group = os.environ.get("KDIST_REPLICA_GROUP")  # one of separate replica group jobs
+    name = args.command if group is None else f"{args.command}-g{group}"
+    out = Path(args.out) / f"{name}-rank{jax.process_index()}.json"
     out.write_text(json.dumps(result))
     print(f"wrote {out}", flush=True)
 

@@ -288,9 +288,12 @@ def lm_dataset(
             f"sequence_length, or a larger corpus."
         )
     steps = min(validation_steps or full_validation_steps, full_validation_steps)
+    # Separate replica group jobs each validate the whole batch (the same outer weights).
+    validation_share, validation_shares = process_batch_share(global_batch_size, groups=False)
     validation = LMBatches(
         stores["validation"], sequence_length, global_batch_size, shuffle=False,
-        num_steps=steps, spread=True, **process,
+        num_steps=steps, spread=True,
+        **dict(process, process_index=validation_share, process_count=validation_shares),
     )
     split_tokens = full_validation_steps * global_batch_size * sequence_length
     if steps == full_validation_steps:

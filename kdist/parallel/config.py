@@ -18,6 +18,7 @@ import dataclasses
 import math
 import numbers
 
+from kdist.groups.job import JobGroups
 from kdist.parallel import combinations
 from kdist.parallel.mesh import MESH_AXES, mesh_spec, parse_mesh
 
@@ -53,6 +54,7 @@ class Replicas:
     outer_learning_rate: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
+    jobs: JobGroups | None = None  # the groups are separate jobs (kdist.groups); this one's
 
 
 @dataclasses.dataclass(frozen=True)

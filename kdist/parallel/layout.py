@@ -13,6 +13,7 @@ Everything else in kdist asks :func:`active` for the distribution in force.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ import numpy as np
 from keras.distribution import DeviceMesh, LayoutMap, ModelParallel, TensorLayout
 
 from kdist import _keras_compat
+from kdist.groups import job as groups_job
 from kdist.parallel import auto, rules
 from kdist.parallel.config import Parallelism
 from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, device_grid, mesh_spec
@@ -217,6 +219,15 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
         >>> keras.distribution.set_distribution(kdist.distribution("auto"))
     """
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
+    job = groups_job.from_environment()
+    if job is not None:  # this process's job is one group; the others are other jobs
+        if sync_every is None:
+            raise ValueError(
+                f"This process is replica group {job.index} of {job.count} separate jobs "
+                f"(KDIST_REPLICA_GROUP is set), which synchronise through DiLoCo's outer "
+                f"step: pass sync_every=H (the recipes' --sync-every), e.g. "
+                f"kdist.distribution({spec!r}, sync_every=50).")
+        spec = groups_job.local_spec(spec, job)
     try:
         config = Parallelism.build(
             spec, len(devices), gradient_reduction=gradient_reduction,
@@ -227,6 +238,9 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
             context_parallel=context_parallel, load_balance=load_balance)
     except ValueError as e:
         raise ValueError(_host_devices_hint(spec, devices) or str(e)) from None
+    if job is not None:
+        config = dataclasses.replace(
+            config, replicas=dataclasses.replace(config.replicas, jobs=job))
     grid = device_grid(devices, config.mesh)
     mesh = DeviceMesh(shape=grid.shape, axis_names=MESH_AXES, devices=grid)
     return KdistDistribution(mesh, config, auto_shard_dataset=auto_shard_dataset,
@@ -266,9 +280,17 @@ def current_mesh_shape() -> dict[str, int]:
 
 
 def replica_count() -> int:
-    """Number of model replicas the batch is split over under the active distribution."""
+    """Number of model replicas the batch is split over under the active distribution
+    (with separate group jobs, every group's: ``replica`` counts the jobs)."""
     shape = current_mesh_shape()
-    return math.prod(shape[a] for a in REPLICA_AXES)
+    return math.prod(shape[a] for a in REPLICA_AXES) * _job_groups()[1]
+
+
+def _job_groups() -> tuple[int, int]:
+    """``(this group, groups)`` when the groups are separate jobs, else ``(0, 1)``."""
+    dist = active()
+    job = None if dist is None or dist.config.replicas is None else dist.config.replicas.jobs
+    return (0, 1) if job is None else (job.index, job.count)
 
 
 def divisors(n: int, at_most: int = 64) -> list[int]:
@@ -295,8 +317,13 @@ def check_divisible(what: str, value: int, axis: str = "model") -> None:
         )
 
 
-def process_batch_share(global_batch_size: int) -> tuple[int, int]:
+def process_batch_share(global_batch_size: int, groups: bool = True) -> tuple[int, int]:
     """Which share of each global batch this process feeds: ``(share_index, share_count)``.
+
+    With replica groups as separate jobs (:mod:`kdist.groups`), group ``g`` of ``G`` feeds
+    rows ``g * B / G ... (g + 1) * B / G`` — the rows the ``replica`` axis gives group ``g``
+    in one program — split among its processes as below; ``groups=False`` leaves the
+    groups out (each group evaluates the whole validation batch).
 
     Under a distribution, the JAX trainer assembles the global batch with
     ``jax.make_array_from_process_local_data``: each process passes the rows that live on its
@@ -310,6 +337,16 @@ def process_batch_share(global_batch_size: int) -> tuple[int, int]:
         >>> process_batch_share(32)   # one process: the whole batch
         (0, 1)
     """
+    group, count = _job_groups() if groups else (0, 1)
+    if global_batch_size % count:
+        raise ValueError(f"The global batch of {global_batch_size} does not split into "
+                         f"{count} replica groups' shares; use a multiple of {count}.")
+    share, shares = _group_batch_share(global_batch_size // count)
+    return group * shares + share, count * shares
+
+
+def _group_batch_share(global_batch_size: int) -> tuple[int, int]:
+    """:func:`process_batch_share` within one job."""
     import jax
 
     dist = keras.distribution.distribution()

@@ -38,6 +38,7 @@ from kdist import _keras_compat
 from kdist.parallel import reduction, region
 from kdist.parallel import train_step as stateful
 from kdist.parallel.layout import BatchLayout, active
+from kdist.parallel.outer import outer_settings, outer_update
 
 AXIS = "replica"
 STACKED_PREFIX = "replica_"
@@ -55,6 +56,7 @@ class GroupState:
         self.templates = []  # the inner optimizer's variables, stacked in the same order
         self.params, self.stacked, self.momenta = [], [], []  # indices into .variables
         self.iterations = None  # index of DiLoCo's own step counter
+        self.outer = None  # separate group jobs: their kdist.groups.sync.OuterSync
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -238,20 +240,13 @@ def wrap(dist, optimizer):
                   groups.outer_momentum, groups.outer_nesterov)
 
 
-def _outer_update(optimizer, theta, momentum, delta):
-    """SGD with (Nesterov) momentum on the outer gradient, as the paper's PyTorch SGD:
-    ``m = mu m + delta; theta -= lr (delta + mu m)`` (``lr m`` without Nesterov)."""
-    mu, lr = optimizer.outer_momentum, optimizer.outer_learning_rate
-    momentum = mu * momentum + delta
-    step = delta + mu * momentum if optimizer.outer_nesterov else momentum
-    return theta - lr * step, momentum
-
-
-def train_step(model, state, data, sync: bool):
+def train_step(model, state, data, sync: bool, guard: bool = True):
     """One DiLoCo step: every group's inner step; with ``sync``, the outer step after it.
 
     Keras' JAX ``train_step(state, data)`` contract: same state layout (the model's
     weights are ``θ``; the optimizer's variables those of :class:`DiLoCo`), same logs.
+    ``guard``: a step run out of the sync phase logs NaN (off for separate group jobs,
+    whose outer step runs on the host, :mod:`kdist.groups.sync`).
     """
     dist = active()
     optimizer = model.optimizer
@@ -275,7 +270,7 @@ def train_step(model, state, data, sync: bool):
             model, inner, residuals, params, non_trainable, inner_state, metrics, x, y, sw)
         if sync:  # the only collective across groups: the outer gradient's mean
             delta = [mean(t - p) for t, p in zip(theta, params)]  # one all-reduce each
-            theta, momenta = zip(*(_outer_update(optimizer, t, m, d)
+            theta, momenta = zip(*(outer_update(outer_settings(optimizer), t, m, d)
                                    for t, m, d in zip(theta, momenta, delta)))
             params = [jax.lax.pcast(t, AXIS, to="varying") if groups > 1 else t
                       for t in theta]
@@ -298,8 +293,9 @@ def train_step(model, state, data, sync: bool):
      y_pred) = run(*args)
     theta = new_theta if sync else theta
     # A step run out of phase (the host's schedule, see make_train_function) shows as NaN.
-    in_phase = ((count + 1) % period == 0) == sync
-    unscaled = jnp.where(in_phase, unscaled, jnp.nan)
+    if guard:
+        in_phase = ((count + 1) % period == 0) == sync
+        unscaled = jnp.where(in_phase, unscaled, jnp.nan)
     opt = list(opt)
     for indices, values in ((parts.params, params), (parts.stacked, inner_state),
                             (parts.momenta, momenta)):
@@ -337,6 +333,11 @@ def make_train_function(model, force: bool = False) -> None:
     if model.train_function is not None and not force:
         return
     out_shardings = (None, _keras_compat.state_shardings(model))
+    job = active().config.replicas.jobs
+    if job is not None:
+        model.train_function = _keras_compat.step_function(
+            model, _group_job_step(model, job, out_shardings))
+        return
     programs = {sync: jax.jit(functools.partial(train_step, model, sync=sync),
                               donate_argnums=0, out_shardings=out_shardings)
                 for sync in (False, True)}
@@ -359,3 +360,29 @@ def make_train_function(model, force: bool = False) -> None:
 
     model.train_function = _keras_compat.step_function(model, step)
 
+
+
+def _group_job_step(model, job, out_shardings):
+    """The step of one group among separate group jobs: the inner step alone in the
+    program; every ``sync_every``-th, the outer step through the store, on the host
+    (:class:`kdist.groups.sync.OuterSync`)."""
+    from kdist.groups.sync import OuterSync
+
+    program = jax.jit(functools.partial(train_step, model, sync=False, guard=False),
+                      donate_argnums=0, out_shardings=out_shardings)
+    schedule = _Schedule(model)
+    outer = model.optimizer.groups.outer = OuterSync(model, job)
+
+    def step(state, data):
+        if outer.applied is None:
+            state = outer.join(state, jax.tree.leaves(data)[0].shape)
+        sync = schedule.is_sync(state)
+        logs, state = program(state, data)
+        schedule.returned(state)
+        outer.beat(state="training", step=schedule.count)
+        if sync:
+            state = outer.round(state, step=schedule.count)
+            schedule.last = state  # the same count, in a new state
+        return logs, state
+
+    return step

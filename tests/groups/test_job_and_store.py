@@ -1,0 +1,135 @@
+"""The group job's environment, the store's commits and the supervisor's checks: no JAX
+program, no child process but the launcher's refusal."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kdist.groups import job as groups_job
+from kdist.groups.store import STALE_AFTER, Store, StoreError, describe
+from kdist.groups.supervisor import supervise
+from tests.helpers import ROOT
+
+ENV = {"KDIST_REPLICA_GROUP": "1", "KDIST_REPLICA_GROUPS": "2", "KDIST_REPLICA_STORE": "/s"}
+
+
+def test_the_environment_names_the_group_and_every_bad_value_its_variable():
+    job = groups_job.from_environment(dict(ENV, KDIST_REPLICA_MIN="2",
+                                           KDIST_REPLICA_DEADLINE="7.5",
+                                           KDIST_REPLICA_MODE="async"))
+    assert (job.index, job.count, job.store, job.min_groups, job.deadline, job.mode) == \
+        (1, 2, "/s", 2, 7.5, "async")
+    assert groups_job.from_environment({}) is None
+    for change, named in [({"KDIST_REPLICA_GROUP": "2"}, "KDIST_REPLICA_GROUP='2'"),
+                          ({"KDIST_REPLICA_GROUP": "x"}, "KDIST_REPLICA_GROUP='x'"),
+                          ({"KDIST_REPLICA_GROUPS": "0"}, "KDIST_REPLICA_GROUPS='0'"),
+                          ({"KDIST_REPLICA_MIN": "3"}, "KDIST_REPLICA_MIN='3'"),
+                          ({"KDIST_REPLICA_DEADLINE": "-1"}, "KDIST_REPLICA_DEADLINE"),
+                          ({"KDIST_REPLICA_DEADLINE": "nan"}, "KDIST_REPLICA_DEADLINE"),
+                          ({"KDIST_REPLICA_MODE": "eager"}, "KDIST_REPLICA_MODE='eager'"),
+                          ({"KDIST_REPLICA_STORE": ""}, "KDIST_REPLICA_STORE")]:
+        with pytest.raises(ValueError, match=named):
+            groups_job.from_environment(dict(ENV, **change))
+    with pytest.raises(ValueError, match="without KDIST_REPLICA_GROUP"):
+        groups_job.from_environment({"KDIST_REPLICA_STORE": "/s"})
+
+
+def test_the_group_mesh_is_the_job_mesh_with_one_replica():
+    job = groups_job.from_environment(ENV)
+    assert groups_job.local_spec("replica=2,data=4", job) == "replica=1,data=4"
+    assert groups_job.local_spec("data=2, replica = 2,fsdp=2", job) == "data=2, replica = 1,fsdp=2"
+    with pytest.raises(ValueError, match="replica=3 but the job was started with 2"):
+        groups_job.local_spec("replica=3,data=4", job)
+    with pytest.raises(ValueError, match="names no 'replica=N'"):
+        groups_job.local_spec("data=8", job)
+
+
+def test_a_round_closes_once_and_every_group_reads_the_same_members(tmp_path):
+    a, b = Store(tmp_path, 0), Store(tmp_path, 1)
+    a.check_writable()
+    assert a.quorum(3) is None and a.closed_rounds() == []
+    first = a.propose(3, [1, 0], waited=0.5)
+    second = b.propose(3, [0], waited=9.0)  # late: the first proposal stands
+    assert first == second == b.quorum(3)
+    assert first["members"] == [0, 1] and first["proposer"] == 0
+    assert a.closed_rounds() == [3]
+    assert not [p for p in (tmp_path / "rounds" / "000003").iterdir() if p.name.startswith(".")]
+
+
+def test_the_manifest_is_the_first_group_s(tmp_path):
+    first, wrote = Store(tmp_path, 1).manifest({"model": "a"})
+    second, wrote_again = Store(tmp_path, 0).manifest({"model": "b"})
+    assert wrote and not wrote_again
+    assert first == second == {"fingerprint": {"model": "a"}, "group": 1}
+
+
+def test_running_groups_are_those_with_a_fresh_training_heartbeat(tmp_path):
+    store = Store(tmp_path, 0)
+    store.check_writable()
+    Store(tmp_path, 0).beat(state="training")
+    Store(tmp_path, 1).beat(state="starting")
+    Store(tmp_path, 2).beat(state="waiting")
+    Store(tmp_path, 3).beat(state="dead")
+    assert store.running() == {0, 2}
+    assert store.running(now=time.time() + STALE_AFTER + 1) == set()  # stale: not running
+    assert set(describe(tmp_path)["heartbeats"]) == {0, 1, 2, 3}
+
+
+def test_an_outer_state_counts_only_with_its_marker_and_damage_is_named(tmp_path):
+    import jax.numpy as jnp
+    import numpy as np
+
+    store = Store(tmp_path, 0)
+    store.check_writable()
+    tree = {"theta": {"w0000": jnp.arange(4.0)}, "momenta": {"w0000": jnp.zeros(4)}}
+    store.save_outer(1, tree, {"members": [0]})
+    (tmp_path / "outer" / "000002").mkdir()  # a save killed before its marker
+    assert store.outer_rounds() == [1]
+    target = {"theta": {"w0000": jnp.zeros(4)}, "momenta": {"w0000": jnp.zeros(4)}}
+    np.testing.assert_array_equal(store.load_outer(1, target)["theta"]["w0000"], np.arange(4.0))
+    data = [p for p in (tmp_path / "outer" / "000001").rglob("*") if p.is_file()
+            and p.name != "_CHECKPOINT_METADATA" and p.stat().st_size > 0]
+    biggest = max(data, key=lambda p: p.stat().st_size)
+    raw = bytearray(biggest.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    biggest.write_bytes(bytes(raw))
+    with pytest.raises(StoreError, match="outer state of round 1 .* is damaged"):
+        store.load_outer(1, target)
+
+
+def test_old_rounds_are_forgotten_but_the_newest_outer_state_before_them_is_kept(tmp_path):
+    store = Store(tmp_path, 0)
+    store.check_writable()
+    for r in range(1, 7):
+        store.round_dir(r).mkdir(parents=True)
+        (tmp_path / "outer" / f"{r}.json").write_text("{}")
+        (tmp_path / "outer" / f"{r:06d}").mkdir()
+    store.forget_before(5)
+    assert store.outer_rounds() == [4, 5, 6]
+    assert sorted(p.name for p in (tmp_path / "rounds").iterdir()) == \
+        ["000005", "000006"]
+
+
+def test_the_supervisor_refuses_bad_flags_before_starting_anything(tmp_path):
+    for kwargs, named in [({"groups": 0}, "--replica-groups"), ({"spares": -1}, "--spare-groups"),
+                          ({"processes": 0}, "--processes-per-group"),
+                          ({"min_groups": 3}, "--min-groups"),
+                          ({"deadline": 0}, "--round-deadline"),
+                          ({"mode": "eager"}, "--replica-mode"),
+                          ({"max_restarts": -1}, "--max-restarts")]:
+        with pytest.raises(ValueError, match=named):
+            supervise(["true"], **dict(dict(groups=2, store=str(tmp_path)), **kwargs))
+
+
+def test_a_store_no_group_can_write_is_an_error_before_training(tmp_path):
+    locked = tmp_path / "a-file"  # a path under a file: no one can create it, root neither
+    locked.write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "kdist.launch", "--replica-groups", "2", "--replica-store",
+         str(locked / "store"), str(ROOT / "tests" / "multihost_script.py"), "groups",
+         "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2
+    assert "--replica-store: The replica store" in result.stderr
+    assert "not writable" in result.stderr and "group 0 rank" not in result.stdout
