@@ -26,17 +26,7 @@ import sys
 import threading
 import time
 
-from kdist.local_processes import free_port, process_env  # noqa: F401  (kdist.launch.process_env, as before)
-
-
-def _pump(rank: int, stream, lock: threading.Lock) -> None:
-    """Copies one process's output to ours, line by line, prefixed by its rank."""
-    for line in iter(stream.readline, b""):
-        text = line.decode("utf-8", errors="replace").rstrip("\n")
-        with lock:
-            sys.stdout.write(f"[{rank}] {text}\n")
-            sys.stdout.flush()
-    stream.close()
+from kdist.local_processes import copy_output, free_port, process_env  # noqa: F401  (process_env: as before)
 
 
 def _status(code: int) -> int:
@@ -81,7 +71,8 @@ def launch(
         children.append(child)
         with lock:
             print(f"[launch] rank {rank} pid {child.pid}", flush=True)
-        pump = threading.Thread(target=_pump, args=(rank, child.stdout, lock), daemon=True)
+        pump = threading.Thread(target=copy_output, args=(str(rank), child.stdout, lock),
+                                daemon=True)
         pump.start()
         pumps.append(pump)
 

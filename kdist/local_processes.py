@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import threading
 
 from kdist.parallel.devices import host_device_environment
 
@@ -36,3 +38,13 @@ def process_env(rank: int, processes: int, devices: int, port: int, base=None) -
         PYTHONUNBUFFERED="1",
     )
     return env
+
+
+def copy_output(prefix: str, stream, lock: threading.Lock) -> None:
+    """Copies one process's output to ours, line by line, prefixed ``[prefix] ``."""
+    for line in iter(stream.readline, b""):
+        text = line.decode("utf-8", errors="replace").rstrip("\n")
+        with lock:
+            sys.stdout.write(f"[{prefix}] {text}\n")
+            sys.stdout.flush()
+    stream.close()

@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 from kdist.groups import job as groups_job
 from kdist.groups.store import Store, StoreError
 from kdist.groups.sync import REFUSED
-from kdist.local_processes import free_port, process_env
+from kdist.local_processes import copy_output, free_port, process_env
 
 POLL = 0.05
 
@@ -50,15 +49,6 @@ class _Group:
     spare: int | None = None  # the spare running in this group's place, if one is
     state: str = "running"  # running, finished, lost
     started: float = 0.0
-
-
-def _pump(prefix: str, stream, lock: threading.Lock) -> None:
-    for line in iter(stream.readline, b""):
-        text = line.decode("utf-8", errors="replace").rstrip("\n")
-        with lock:
-            sys.stdout.write(f"[{prefix}] {text}\n")
-            sys.stdout.flush()
-    stream.close()
 
 
 class Supervisor:
@@ -108,7 +98,7 @@ class Supervisor:
             prefix = f"g{group.index}" if self.processes == 1 else f"g{group.index}.{rank}"
             with self.lock:
                 print(f"[groups] group {group.index} rank {rank} pid {child.pid}", flush=True)
-            pump = threading.Thread(target=_pump, args=(prefix, child.stdout, self.lock),
+            pump = threading.Thread(target=copy_output, args=(prefix, child.stdout, self.lock),
                                     daemon=True)
             pump.start()
             self.pumps.append(pump)
