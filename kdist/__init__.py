@@ -39,6 +39,7 @@ with native_noise_filtered():
         callbacks,
         data,
         flops,
+        groups,  # replica groups as separate jobs (fault-tolerant DiLoCo)
         hf,  # Hugging Face checkpoints in and out
         models,
         optim,
@@ -57,7 +58,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KdistDistribution", "callbacks", "data", "distribution", "flops", "force_host_devices",
-    "hf", "models", "optim", "parallel", "parse_mesh",
+    "groups", "hf", "models", "optim", "parallel", "parse_mesh",
     "initialize",
     "hlo", "plan", "planning",
 ]

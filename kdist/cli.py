@@ -1,6 +1,7 @@
 """The ``kdist`` command.
 
     kdist report RUN_DIR [--output PNG]   plot and summarise a run's throughput.jsonl
+    kdist report STORE                    a replica-group job's rounds, failures, rejoins
     kdist inspect CKPT_DIR [--read]       list a checkpoint directory's steps, verify them
     kdist plan --preset P --mesh M ...     per-device memory, FLOPs, collectives; fits or not
 
@@ -23,9 +24,17 @@ from kdist.run_report import REPORT_PNG, write_report
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    png, text = write_report(args.run_dir, args.output)
-    print(text)
-    print(f"plot: {png}")
+    run_dir = Path(args.run_dir)
+    if (run_dir / "manifest.json").is_file() and (run_dir / "rounds").is_dir():
+        from kdist.groups.report import job_lines  # a replica store: the job's history
+
+        print("\n".join(job_lines(run_dir)))
+        return 0
+    groups = sorted(run_dir.glob("group-*/throughput.jsonl"))  # separate group jobs' runs
+    for log_dir in [p.parent for p in groups] if groups else [run_dir]:
+        png, text = write_report(log_dir, args.output if not groups else None)
+        print(text)
+        print(f"plot: {png}")
     return 0
 
 
@@ -33,7 +42,9 @@ def add_report_parser(subparsers) -> None:
     """Registers ``kdist report RUN_DIR [--output PNG]``."""
     p = subparsers.add_parser("report", help="plot and summarise a run (finished or running)",
                               description=write_report.__doc__.split("\n")[0])
-    p.add_argument("run_dir", help="the run's log directory (holds throughput.jsonl)")
+    p.add_argument("run_dir", help="the run's log directory (holds throughput.jsonl; with "
+                                   "group-*/ subdirectories, each group's), or a replica "
+                                   "store (python -m kdist.launch --replica-store)")
     p.add_argument("--output", help=f"PNG path (default RUN_DIR/{REPORT_PNG})")
     p.set_defaults(func=_run_report)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kdist.callbacks.throughput import JSONL_NAME
+from kdist.groups.report import round_lines
 
 REPORT_PNG = "report.png"
 
@@ -108,7 +109,7 @@ def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
             lines.append(f"memory: peak {memory / 2**30:.2f} GiB "
                          f"({last.get('memory_source')}), in use "
                          f"{last.get('memory_in_use_bytes', 0) / 2**30:.2f} GiB")
-    lines += _process_lines(intervals)
+    lines += _process_lines(intervals) + round_lines(rows)
     _, train = _series(rows, "interval", "loss")
     _, val = _series(rows, "validation", "val_loss")
     if train or val:

@@ -29,8 +29,15 @@ DEFAULT_SYNC_EVERY = 50
 
 def start(args: argparse.Namespace) -> None:
     """Checks ``--profile-steps``, presents the host devices (before JAX starts them) and
-    joins the cluster when launched as several processes (a no-op alone)."""
+    joins the cluster when launched as several processes (a no-op alone). One of separate
+    replica group jobs (``python -m kdist.launch --replica-groups G``) keeps its outputs
+    and checkpoints in ``OUTPUT_DIR/group-<index>``."""
     kdist.callbacks.parse_profile_steps(args.profile_steps)
+    job = kdist.groups.from_environment()
+    if job is not None:
+        args.output_dir = str(Path(args.output_dir) / f"group-{job.index}")
+        if args.checkpoint_dir:
+            args.checkpoint_dir = str(Path(args.checkpoint_dir) / f"group-{job.index}")
     if args.host_devices:
         kdist.force_host_devices(args.host_devices)
     kdist.initialize()
@@ -72,11 +79,18 @@ def resolve_mesh(args: argparse.Namespace, cost_model, sequence_length: int,
     return kdist.plan.mesh_spec(chosen), lines
 
 
+def mesh_sizes(mesh: str, own: bool = False) -> dict[str, int]:
+    """The mesh's axis sizes over the whole job (``own``: this job's devices alone, which
+    differ for one of separate replica group jobs: ``replica=1`` there)."""
+    whole, this = kdist.groups.job.job_mesh(mesh, jax.device_count())
+    return this if own else whole
+
+
 def settle_mesh_defaults(args: argparse.Namespace, mesh: str) -> list[str]:
     """The defaults that depend on the mesh: the global batch (a multiple of the batch
     shards: replica x data x fsdp, x the pipeline's microbatches, x --grad-accum) and,
     with a replica axis, ``--sync-every``. Returns the lines for the log."""
-    sizes = kdist.parse_mesh(mesh, jax.device_count())
+    sizes = mesh_sizes(mesh)
     shards = sizes["replica"] * sizes["data"] * sizes["fsdp"] * args.grad_accum
     if sizes["stage"] > 1:
         shards *= args.pipeline_microbatches or sizes["stage"]
@@ -95,7 +109,7 @@ def resolve_schedule(args: argparse.Namespace, cost_model, mesh: str, dtype: str
     that says why when there is a pipeline."""
     if args.pipeline_schedule != "auto":
         return []
-    sizes = kdist.parse_mesh(mesh, jax.device_count())
+    sizes = mesh_sizes(mesh)
     args.pipeline_schedule, why = kdist.plan.choose_schedule(
         cost_model, sizes, kdist.plan.default_device_memory(), args.global_batch_size,
         args.sequence_length, precision=dtype, remat=args.remat == "block",
@@ -133,7 +147,7 @@ def prepare(args: argparse.Namespace, state: RunState, cost_model, chosen: list[
         print(line)
     check_context(args, mesh)
     try:  # a model axis the heads do not divide: the sizes these devices can form
-        kdist.plan.check_model_axis(kdist.parse_mesh(mesh, jax.device_count()), cost_model,
+        kdist.plan.check_model_axis(mesh_sizes(mesh, own=True), cost_model,
                                     jax.device_count())
     except ValueError as e:
         raise ValueError(f"--mesh {mesh}: {e}") from None
@@ -146,7 +160,7 @@ def check_context(args: argparse.Namespace, mesh: str) -> None:
     """A seq axis must split --sequence-length evenly (into 2 x seq chunks when balanced)."""
     from kdist.parallel.context import SequenceLayout
 
-    seq = kdist.parse_mesh(mesh, jax.device_count())["seq"]
+    seq = mesh_sizes(mesh)["seq"]
     if seq > 1:
         try:
             SequenceLayout(args.sequence_length, seq, balanced=not args.no_load_balance)
@@ -234,8 +248,10 @@ def fit_callbacks(args: argparse.Namespace, state: RunState, model, train_data,
     this run starts from. The checkpoint is restored now, not in ``fit``: that positions
     ``train_data`` and lets the "before" validation describe the resumed model. Checkpoint
     steps count ``fit`` batches (micro-batches with ``--grad-accum``)."""
+    job = kdist.groups.from_environment()  # one of separate group jobs: its share's tokens
     throughput = kdist.callbacks.Throughput(
-        args.global_batch_size, args.sequence_length, log_dir=state.output_dir,
+        args.global_batch_size // (job.count if job else 1), args.sequence_length,
+        log_dir=state.output_dir,
         log_every=args.log_every, peak_tflops=args.peak_tflops,
         flops_per_token=flops_per_token,
         profile_steps=kdist.callbacks.parse_profile_steps(args.profile_steps))
@@ -250,5 +266,8 @@ def fit_callbacks(args: argparse.Namespace, state: RunState, model, train_data,
 
 
 def trained_tokens(args: argparse.Namespace, start_step: int) -> int:
-    """Tokens this process's run trained: the steps after ``start_step`` (optimizer steps)."""
-    return (args.steps - start_step) * args.global_batch_size * args.sequence_length
+    """Tokens this process's run trained: the steps after ``start_step`` (optimizer steps);
+    one of separate replica group jobs trains its share of each batch."""
+    job = kdist.groups.from_environment()
+    return ((args.steps - start_step) * args.global_batch_size // (job.count if job else 1)
+            * args.sequence_length)

@@ -289,7 +289,8 @@ def groups(args) -> dict:
     --replica-groups G``: the same call). Prints each step's loss; with ``--ckpt`` keeps a
     checkpoint per group (``CKPT/group-<g>``) and resumes from it; ``--step-sleep`` per
     batch stretches the run for fault trials. Writes the final weights to
-    ``OUT/<tag>-g<group>.npz`` and returns the losses and the validation loss."""
+    ``OUT/<tag>-g<group>.npz``, its throughput log to ``OUT/<tag>-run-g<group>/``, and
+    returns the losses and the validation loss."""
     from kdist.callbacks import Checkpoint
 
     info = setup(args.mesh, args.sync_every)
@@ -306,7 +307,11 @@ def groups(args) -> dict:
     model = tiny_model(data.vocabulary_size)
     model.compile(optimizer=kdist.optim.adamw(args.learning_rate, warmup_steps=1,
                                               decay_steps=10, epsilon=1e-3))
-    callbacks = [PrintLoss()]
+    from kdist.callbacks import Throughput
+
+    callbacks = [PrintLoss(), Throughput(GLOBAL_BATCH_SIZE, SEQUENCE_LENGTH, log_every=2,
+                                         log_dir=out / f"{args.tag}-run-g{group}",
+                                         tensorboard=False, progress_bar=False)]
     restored = 0
     if args.ckpt:
         checkpoint = Checkpoint(Path(args.ckpt) / f"group-{group}",
@@ -317,7 +322,7 @@ def groups(args) -> dict:
                         verbose=0, callbacks=callbacks, initial_epoch=0)
     validation = model.evaluate(data.validation, verbose=0, return_dict=True)["loss"]
     print(f"validation loss {validation!r}", flush=True)
-    if info.process_index == 0:
+    if info.process_count == 1:  # each weight whole in this process
         np.savez(out / f"{args.tag}-g{group}.npz",
                  **{v.path: np.asarray(v.value) for v in model.trainable_variables})
     outer = model.optimizer.groups.outer

@@ -18,11 +18,11 @@ What is measured, and how (all wall-clock, ``time.perf_counter()`` on the host):
   (:mod:`kdist.callbacks.mfu`): ``mfu`` is None and ``mfu_unreliable`` says why; a peak
   measured under load is flagged in every row, and such MFU is kept out of the progress bar.
 * **Loss**: ``loss`` is Keras' running epoch mean; ``step_losses`` each step's own
-  (:mod:`kdist.callbacks.step_loss`), which ``kdist report`` plots.
+  (:mod:`kdist.callbacks.step_loss`), which ``kdist report`` plots. **Rounds** of separate
+  replica group jobs: :mod:`kdist.groups.rounds`.
 
-Nothing in a batch hook touches ``self.model`` (on JAX that syncs the whole training state
-back into the Keras variables) or reads a device array; the model is read once, in
-``on_train_begin``.
+No batch hook touches ``self.model`` (on JAX that syncs the whole training state back
+into the Keras variables) or reads a device array; the model is read in ``on_train_begin``.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from kdist.callbacks.run_log import (
 from kdist.callbacks.step_clock import StepClock
 from kdist.callbacks.step_loss import StepLosses, per_optimizer_step
 from kdist.callbacks.stragglers import InputTimer, Stragglers
+from kdist.groups.rounds import interval_rounds
 from kdist.optim import AdamW
 from kdist.parallel.step import state_optimizer
 
@@ -103,10 +104,7 @@ class Throughput(keras.callbacks.Callback):
         (4, 512)
     """
 
-    # The batch hooks never touch the model or device arrays, so Keras may run them on its
-    # worker thread; declaring it keeps Keras' asynchronous dispatch (no per-step sync on
-    # the training thread). All shared state is guarded by self._lock.
-    async_safe = True
+    async_safe = True  # batch hooks touch no model or device array; state under self._lock
 
     def __init__(
         self,
@@ -179,6 +177,7 @@ class Throughput(keras.callbacks.Callback):
     def _read_optimizer(self, model) -> None:
         """Accumulation, steps per execution, the restored step count, the schedule."""
         optimizer = model.optimizer
+        self._groups = getattr(optimizer, "groups", None)  # DiLoCo's; separate jobs: rounds
         self._accumulation = int(getattr(optimizer, "gradient_accumulation_steps", None) or 1)
         if self.global_batch_size % self._accumulation:
             raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by "
@@ -438,7 +437,8 @@ class Throughput(keras.callbacks.Callback):
             for row in rows:
                 if row["kind"] == "interval":
                     row["lr"] = self._schedule_value(row.pop("_lr_at"))
-                    row.update(self.stragglers.interval(row["step"], row.pop("_figures")))
+                    row.update(self.stragglers.interval(row["step"], row.pop("_figures")),
+                               **interval_rounds(getattr(self, "_groups", None)))
                     row.update(memory_usage(self._local_devices))
                 self._log.write(row)
                 if row["kind"] in ("interval", "validation"):

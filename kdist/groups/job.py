@@ -117,3 +117,24 @@ def local_spec(spec: str, job: JobGroups) -> str:
             f"{job.count} replica groups ({GROUPS}={job.count}, python -m kdist.launch "
             f"--replica-groups {job.count}). Make them agree.")
     return re.sub(r"((?:^|,)\s*replica\s*=\s*)\d+", r"\g<1>1", str(spec))
+
+
+def job_mesh(spec: str, num_devices: int, env=None) -> tuple[dict[str, int], dict[str, int]]:
+    """``(the whole job's axis sizes, this process's job's)``: equal unless this process is
+    one of separate group jobs, whose own mesh has ``replica=1`` on its ``num_devices``.
+
+    Example:
+        >>> job_mesh("replica=2,data=4", 4, dict(EXAMPLE_ENV))[0]["replica"]
+        2
+    """
+    from kdist.parallel.mesh import parse_mesh
+
+    job = from_environment(env)
+    if job is None:
+        sizes = parse_mesh(spec, num_devices)
+        return sizes, sizes
+    own = parse_mesh(local_spec(spec, job), num_devices)
+    return dict(own, replica=job.count), own
+
+
+EXAMPLE_ENV = {GROUP: "0", GROUPS: "2", STORE: "/tmp/store"}

@@ -128,6 +128,15 @@ class Store:
                 if b.get("state") in ("training", "waiting")
                 and now - b.get("time", 0) < STALE_AFTER}
 
+    def record_join(self, r: int) -> None:
+        """Notes that this group (re)joined the job at round ``r`` (``kdist report``)."""
+        _write_json(self.root / "joins" / f"group-{self.group}-{time.time_ns()}.json",
+                    {"group": self.group, "round": r, "time": time.time()})
+
+    def joins(self) -> list[dict]:
+        found = [_read_json(p) for p in (self.root / "joins").glob("group-*.json")]
+        return sorted((j for j in found if j), key=lambda j: j["time"])
+
     # --- the job's manifest ---
 
     def manifest(self, fingerprint: dict) -> tuple[dict, bool]:
@@ -228,17 +237,22 @@ class Store:
         return _restore(source, target)
 
     def forget_before(self, r: int) -> None:
-        """Deletes round directories and outer states older than round ``r`` (never the
-        newest committed outer state before it: a joining group starts from one)."""
+        """Deletes the gradients and outer states of rounds older than ``r`` (never the newest
+        committed outer state before it: a joining group starts from one). The quorum
+        records stay: they are the job's history of who took part (a few bytes each)."""
         kept = [k for k in self.outer_rounds() if k < r]
         keep_outer = kept[-1] if kept else None
         for k in kept[:-1]:
             (self.root / "outer" / f"{k}.json").unlink(missing_ok=True)
             shutil.rmtree(self.root / "outer" / f"{k:06d}", ignore_errors=True)
         floor = r if keep_outer is None else min(r, keep_outer + 1)
-        for path in (self.root / "rounds").glob("*"):
+        for path in (self.root / "rounds").glob("*"):  # the gradients; quorum records stay
             if path.name.isdigit() and int(path.name) < floor:
-                shutil.rmtree(path, ignore_errors=True)
+                for entry in path.glob("group-*"):
+                    if entry.is_dir():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
 
 
 def _verify(root: Path, meta: dict | None, what: str) -> None:
@@ -261,10 +275,11 @@ def _restore(source: Path, target: dict) -> dict:
 
 
 def describe(root) -> dict[str, Any]:
-    """What the store holds, for ``kdist report`` and the launcher's log: closed rounds with
-    their members, the newest outer state, each group's last heartbeat."""
+    """What the store holds, for ``kdist report``: closed rounds (their quorum records), the
+    newest outer state, each group's last heartbeat, every join, the manifest."""
     store = Store(root, group=-1)
     rounds = {r: store.quorum(r) for r in store.closed_rounds()}
     outer = store.outer_rounds()
-    return {"rounds": {r: q.get("members") for r, q in rounds.items()},
-            "outer": outer[-1] if outer else None, "heartbeats": store.heartbeats()}
+    return {"rounds": {r: q for r, q in rounds.items() if q},
+            "outer": outer[-1] if outer else None, "heartbeats": store.heartbeats(),
+            "joins": store.joins(), "manifest": _read_json(store.root / "manifest.json")}

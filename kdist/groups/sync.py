@@ -27,10 +27,11 @@ failure cost.
 
 Asynchronous mode (``KDIST_REPLICA_MODE=async``) never waits: a round closes with the
 gradients present when the group syncs (its own included), so a slow or dead group holds
-nobody up. A gradient computed against an older outer state than the round's is *stale*
-by the number of rounds between; its weight in the average is divided by ``1 + staleness``
-(the staleness-dependent learning rate of Zhang, Gupta, Lian & Liu, "Staleness-aware
-Async-SGD for Distributed Deep Learning", IJCAI 2016: ``lr / τ``).
+nobody up. Each gradient counts as its group's share ``1 / G`` of an average (so G rounds
+of one gradient move the weights as far as one round of G), and one computed against an
+older outer state than the round's is *stale* by the number of rounds between: its weight is
+divided by ``1 + staleness`` (the staleness-dependent learning rate of Zhang, Gupta, Lian &
+Liu, "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016: ``lr / τ``).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class OuterSync:
         self.applied = None  # the last round whose outer step this group holds
         self.heartbeat = None
         self.process = jax.process_index()
-        self.rounds: list[dict] = []  # what each round cost here (kdist.callbacks.Throughput)
+        self.rounds: list[dict] = []  # what each round cost here (kdist.groups.rounds)
+        self.reported = 0  # of those, how many the throughput log has shown
 
     # --- the state's parts ---
 
@@ -177,7 +179,10 @@ class OuterSync:
             self.applied = 0
             return state
         closed = self.store.closed_rounds()
-        state = self._catch_up(state, closed[-1] if closed else 0)
+        state = self._catch_up(state, _agree(closed[-1] if closed else 0))
+        if self.process == 0:
+            self.store.record_join(self.applied)
+        self.rounds.append(dict(join=self.applied, group=self.job.index))
         say(f"group {self.job.index} joined at round {self.applied} (outer state from the "
             f"store; inner optimizer state and step its own)")
         return state
@@ -207,8 +212,9 @@ class OuterSync:
         r = self.applied + 1
         began = time.monotonic()
         closed = self.store.closed_rounds()
-        if closed and closed[-1] >= r:  # the job moved on without this group
-            state = self._catch_up(state, closed[-1])
+        latest = _agree(closed[-1] if closed else 0)  # one answer for the group's processes
+        if latest >= r:  # the job moved on without this group
+            state = self._catch_up(state, latest)
             self._record(r, [], began, behind=True)
             say(f"group {self.job.index} was behind: round {r} closed without it; caught up "
                 f"to round {self.applied} (its last {self.model.optimizer.sync_every} inner "
@@ -231,7 +237,7 @@ class OuterSync:
         """Asynchronous: publish into the next open round and close it at once with what
         is there; if another group closed it first without this gradient, the next one.
         Then replay every round up to it (this group's gradient included, down-weighted
-        by its staleness, :func:`_weight`)."""
+        by its staleness, :func:`_outer`)."""
         began = time.monotonic()
         theta, _, params = self._parts(state)
         delta = _tree(_deltas(theta, params))
@@ -303,8 +309,8 @@ class OuterSync:
         members = record["members"]
         published = self.store.published(r)
         deltas = [_leaves(self.store.read(r, g, _tree(target))) for g in members]
-        weights = tuple(_weight(self.job, published.get(g, {}), r) for g in members)
-        theta, momenta = _outer(self.model.optimizer, theta, momenta, deltas, weights)
+        theta, momenta = _outer(self.model.optimizer, self.job, theta, momenta, deltas,
+                                published, members, r)
         self.applied = r
         if members and self.job.index == members[0]:
             self._commit(r, theta, momenta, members, published)
@@ -328,7 +334,8 @@ class OuterSync:
         theta, momenta, _ = self._parts(state)
         target = _targets(theta)
         outer = [k for k in self.store.outer_rounds() if k <= latest]
-        base = outer[-1] if outer else None
+        base = _agree(outer[-1] if outer else -1)
+        base = None if base < 0 else base
         if base is None or (self.applied is not None and self.applied > base):
             if self.applied is None:  # no outer state to start from: wait for the first
                 base = self._wait_for_outer(latest)
@@ -346,9 +353,8 @@ class OuterSync:
             published = self.store.published(r)
             deltas = [_leaves(self.store.read(r, g, _tree(target)))
                       for g in record["members"]]
-            weights = tuple(_weight(self.job, published.get(g, {}), r)
-                            for g in record["members"])
-            theta, momenta = _outer(self.model.optimizer, theta, momenta, deltas, weights)
+            theta, momenta = _outer(self.model.optimizer, self.job, theta, momenta, deltas,
+                                    published, record["members"], r)
         self.applied = latest
         return self._with(state, theta, momenta)
 
@@ -356,19 +362,12 @@ class OuterSync:
         deadline = time.monotonic() + self.job.deadline + 60
         while time.monotonic() < deadline:
             outer = [k for k in self.store.outer_rounds() if k <= latest]
-            if outer:
-                return outer[-1]
+            found = _agree(outer[-1] if outer else -1)
+            if found >= 0:
+                return found
             time.sleep(POLL)
         raise StoreError(f"{self.store.root} has closed rounds but no committed outer state "
                          f"to join from after {self.job.deadline + 60:.0f} s.")
-
-
-def _weight(job: JobGroups, meta: dict, r: int) -> float:
-    """A gradient's weight in the round's average: 1 in quorum mode; in async mode
-    ``1 / (1 + staleness)``, staleness = rounds between its base and ``r - 1``."""
-    if job.mode != "async" or meta.get("base") is None:
-        return 1.0
-    return 1.0 / (1 + max(0, r - 1 - int(meta["base"])))
 
 
 def _alive(pid) -> bool:
@@ -398,20 +397,28 @@ def _deltas(theta, params):
     return [t - p[0] for t, p in zip(theta, params)]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _outer_jit(settings, theta, momenta, deltas, weights):
-    total = sum(weights)
-    if all(w == 1.0 for w in weights):  # as the in-program mean: a sum, then / n
-        mean = [functools.reduce(lambda a, b: a + b, ds) / len(ds) for ds in zip(*deltas)]
-    else:
-        mean = [functools.reduce(lambda a, b: a + b, (w * d for w, d in zip(weights, ds)))
-                / total for ds in zip(*deltas)]
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _outer_jit(settings, theta, momenta, deltas, weights, divisor):
+    # quorum mode: every weight 1 and divisor n, a sum then / n, as the in-program mean
+    mean = [functools.reduce(lambda a, b: a + b,
+                             (d if w == 1.0 else w * d for w, d in zip(weights, ds))) / divisor
+            for ds in zip(*deltas)]
     stepped = [outer_update(settings, t, m, d) for t, m, d in zip(theta, momenta, mean)]
     return [t for t, _ in stepped], [m for _, m in stepped]
 
 
-def _outer(optimizer, theta, momenta, deltas, weights):
-    return _outer_jit(outer_settings(optimizer), list(theta), list(momenta), deltas, weights)
+def _outer(optimizer, job, theta, momenta, deltas, published, members, r):
+    """The outer step of round ``r`` from its members' gradients. Quorum mode: their mean.
+    Async: each gradient is its group's share ``1 / G`` of an average, times
+    ``1 / (1 + staleness)``, staleness = rounds between its base and ``r - 1``."""
+    if job.mode == "async":
+        weights = tuple(1.0 / (1 + max(0, r - 1 - int(published.get(g, {}).get("base", r - 1))))
+                        for g in members)
+        divisor = job.count
+    else:
+        weights, divisor = (1.0,) * len(members), len(members)
+    return _outer_jit(outer_settings(optimizer), list(theta), list(momenta), deltas, weights,
+                      divisor)
 
 
 def _stack(theta, like):

@@ -23,6 +23,11 @@ no collective crosses groups unless written here. The sync step is a second comp
 program (:func:`make_train_function` picks it every H-th step on the host), so the
 collectives across groups appear in it alone; the other H-1 steps' program has none but
 the loss's mean for Keras' logs (4 bytes).
+
+With replica groups as separate jobs (:mod:`kdist.groups`: ``KDIST_REPLICA_GROUP`` set),
+each job holds one group and runs the inner step alone; the outer step runs on the host
+every ``sync_every`` steps, its gradients exchanged through storage
+(:class:`kdist.groups.sync.OuterSync`), with the same :func:`outer_update`.
 """
 
 from __future__ import annotations

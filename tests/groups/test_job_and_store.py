@@ -103,13 +103,16 @@ def test_old_rounds_are_forgotten_but_the_newest_outer_state_before_them_is_kept
     store = Store(tmp_path, 0)
     store.check_writable()
     for r in range(1, 7):
-        store.round_dir(r).mkdir(parents=True)
+        (store.round_dir(r) / "group-0").mkdir(parents=True)
+        (store.round_dir(r) / "group-0.json").write_text("{}")
+        store.propose(r, [0])
         (tmp_path / "outer" / f"{r}.json").write_text("{}")
         (tmp_path / "outer" / f"{r:06d}").mkdir()
     store.forget_before(5)
     assert store.outer_rounds() == [4, 5, 6]
-    assert sorted(p.name for p in (tmp_path / "rounds").iterdir()) == \
-        ["000005", "000006"]
+    assert [r for r in range(1, 7) if store.published(r)] == [5, 6]
+    assert not list(store.round_dir(4).glob("group-*"))
+    assert store.closed_rounds() == [1, 2, 3, 4, 5, 6]  # the history of who took part
 
 
 def test_the_supervisor_refuses_bad_flags_before_starting_anything(tmp_path):
@@ -133,3 +136,36 @@ def test_a_store_no_group_can_write_is_an_error_before_training(tmp_path):
     assert result.returncode == 2
     assert "--replica-store: The replica store" in result.stderr
     assert "not writable" in result.stderr and "group 0 rank" not in result.stdout
+
+
+def test_the_report_names_each_failure_its_round_and_when_the_group_rejoined(tmp_path):
+    import json
+
+    from kdist.groups.report import job_lines, round_lines
+
+    store = Store(tmp_path, 0)
+    store.check_writable()
+    store.manifest({"groups": 2})
+    for r, members in ((1, [0, 1]), (2, [0]), (3, [0, 1])):
+        store.propose(r, members, waited=0.5 * r)
+    failed_at = time.time()
+    (tmp_path / "events.jsonl").write_text(json.dumps(
+        {"event": "failure", "group": 1, "status": 137, "action": "restart", "round": 1,
+         "time": failed_at}) + "\n")
+    Store(tmp_path, 1).record_join(2)
+    lines = job_lines(tmp_path)
+    assert lines[0].startswith("replica groups: 2 groups, 3 rounds closed (newest 3)")
+    assert "members per round: 2 groups in 2 rounds, 1 groups in 1 rounds" in lines
+    failure = next(x for x in lines if x.startswith("failure"))
+    assert failure.startswith("failure: group 1 at round 1 (status 137): restart, rejoined "
+                              "at round 2 after ")
+    rows = [{"kind": "interval", "rounds": [
+        {"join": 2, "group": 1},
+        {"round": 3, "members": [0, 1], "seconds": 0.3, "waited": 0.2, "behind": False,
+         "group": 1},
+        {"round": 4, "members": [], "seconds": 0.1, "waited": 0.0, "behind": True,
+         "group": 1}]}]
+    assert round_lines(rows) == [
+        "replica rounds: 2 (this group in 1, behind 1 times); per round 0.20 s on the host "
+        "median, 0.10 s waiting for the quorum median / 0.20 s max",
+        "joined the job at round 2"]
