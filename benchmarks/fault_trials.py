@@ -1,8 +1,8 @@
 """Fault trials of replica groups as separate jobs, and the time a failure costs against
 today's relaunch from the last checkpoint.
 
-    python benchmarks/fault_trials.py                  # ~25 min on 2 CPU cores
-    python benchmarks/fault_trials.py --kills 3 --steps 80 --step-sleep 0.5   # quicker
+    python benchmarks/fault_trials.py                  # ~30 min on 2 CPU cores
+    python benchmarks/fault_trials.py --kills 3 --steps 80 --step-sleep 0.5   # ~12 min
 
 Every run is ``tests/multihost_script.py groups``: the tiny GPT of the multi-process tests,
 DiLoCo on ``replica=2,data=4`` (``--sync-every 3``), a checkpoint per group every round,
@@ -170,7 +170,9 @@ def main(argv=None):
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--sync-every", type=int, default=3)
-    p.add_argument("--step-sleep", type=float, default=1.0)
+    p.add_argument("--step-sleep", type=float, default=0.6)
+    p.add_argument("--time-lost-steps", type=int, default=60,
+                   help="steps of the four runs that time one failure")
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
     p.add_argument("--json", default=None, help="write the figures here too")
     args = p.parse_args(argv)
@@ -193,10 +195,11 @@ def main(argv=None):
               f"after each kill {trial['survivor_steps_per_s_after_kills']}; validation "
               f"{trial['validation_g0']:.4f} / {trial['validation_g1']:.4f} against "
               f"{clean['validation_g0']:.4f} without faults", flush=True)
-    one = groups_job(out / "groups-one-kill", args, "one", 1)
-    base = figures["quorum"]["clean_wall_s"]
-    today = relaunch_job(out / "relaunch-clean", args, "relaunch", kill=False)
-    today_kill = relaunch_job(out / "relaunch-kill", args, "relaunch", kill=True)
+    short = argparse.Namespace(**dict(vars(args), steps=args.time_lost_steps))
+    base = groups_job(out / "groups-no-kill", short, "none", 0)["wall_s"]
+    one = groups_job(out / "groups-one-kill", short, "one", 1)
+    today = relaunch_job(out / "relaunch-clean", short, "relaunch", kill=False)
+    today_kill = relaunch_job(out / "relaunch-kill", short, "relaunch", kill=True)
     figures["time_lost"] = dict(groups_s=one["wall_s"] - base, groups_wall_s=one["wall_s"],
                                 groups_clean_wall_s=base,
                                 relaunch_s=today_kill["wall_s"] - today["wall_s"],

@@ -291,27 +291,25 @@ def groups(args) -> dict:
     batch stretches the run for fault trials. Writes the final weights to
     ``OUT/<tag>-g<group>.npz``, its throughput log to ``OUT/<tag>-run-g<group>/``, and
     returns the losses and the validation loss."""
-    from kdist.callbacks import Checkpoint
+    from kdist.callbacks import Checkpoint, Throughput
 
     info = setup(args.mesh, args.sync_every)
-    group = os.environ.get("KDIST_REPLICA_GROUP", "0")
+    job = kdist.groups.from_environment()  # None in one program
+    group, groups = (job.index, job.count) if job else (0, 1)
     out = Path(args.out)
     data = tiny_data(out / "corpus", out / "cache")
-    if args.step_sleep:
-        class Slow(type(data.train)):
-            def __getitem__(self, index):
-                time.sleep(args.step_sleep)
-                return super().__getitem__(index)
-
-        data.train.__class__ = Slow
     model = tiny_model(data.vocabulary_size)
     model.compile(optimizer=kdist.optim.adamw(args.learning_rate, warmup_steps=1,
                                               decay_steps=10, epsilon=1e-3))
-    from kdist.callbacks import Throughput
 
-    callbacks = [PrintLoss(), Throughput(GLOBAL_BATCH_SIZE, SEQUENCE_LENGTH, log_every=2,
-                                         log_dir=out / f"{args.tag}-run-g{group}",
-                                         tensorboard=False, progress_bar=False)]
+    class Slow(keras.callbacks.Callback):  # a longer step, on the training thread
+        def on_train_batch_begin(self, batch, logs=None):
+            time.sleep(args.step_sleep)
+
+    throughput = Throughput(GLOBAL_BATCH_SIZE // groups, SEQUENCE_LENGTH, log_every=2,
+                            log_dir=out / f"{args.tag}-run-g{group}", tensorboard=False,
+                            progress_bar=False)  # a group's share of each batch
+    callbacks = [PrintLoss(), *[Slow()] * bool(args.step_sleep), throughput]
     restored = 0
     if args.ckpt:
         checkpoint = Checkpoint(Path(args.ckpt) / f"group-{group}",
