@@ -305,10 +305,11 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
         return loss, d_w, d_lw, jax.lax.psum(d_xm, AXIS)
 
     lw_specs = jax.tree.map(lambda _: P(), loss_weights)
-    # Every axis manual (those not named have size 1 here), in a kdist region so that the
-    # layers inside know their arrays are blocks.
+    # Every axis manual but ``model`` (those not named have size 1 here), in a kdist region
+    # so that the layers inside know their arrays are blocks; ``model`` stays with XLA's
+    # partitioner inside every stage (tensor parallelism), as in GPipe's stages.
     loss, d_w, d_lw, d_xm = region.shard_map(
-        device, mesh=mesh, axes=set(mesh.axis_names),
+        device, mesh=mesh, axes=set(mesh.axis_names) - {"model"},
         in_specs=(w_specs, lw_specs, x_spec, jax.tree.map(lambda _: x_spec, data),
                   jax.tree.map(lambda _: P(), shared)),
         out_specs=(P(), w_specs, lw_specs, x_spec))(list(weights), loss_weights, xm, data,

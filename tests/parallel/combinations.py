@@ -77,7 +77,7 @@ EXACT_DILOCO = dict(sync_every=1, outer_learning_rate=1.0, outer_momentum=0.0, o
 DILOCO_LIKE = dict(sync_every=2, steps=4, like={"mesh": "replica=2,data=4", "sync_every": 2})
 
 SCHEDULE_ONLY = (r"pipeline_schedule='1f1b'/'interleaved_1f1b' runs on a mesh of 'stage', "
-                 r"'data' and 'fsdp' so far, not with ")
+                 r"'data', 'fsdp' and 'model' so far, not with ")
 
 TABLE: list[Row] = [
     # --- data, fsdp, model: XLA's partitioner reduces the gradients -----------------------
@@ -130,13 +130,16 @@ TABLE: list[Row] = [
     # draws GPipe's.
     trains("stage=4,data=2", "gpt", config="deep-dropout", rows=16, pipeline_microbatches=8,
            pipeline_schedule="1f1b", like={"mesh": "stage=4,data=2", "pipeline_microbatches": 8}),
-    # The interpreter's region splits weights over stage and fsdp only, so far.
+    # The interpreter's region splits weights over stage and fsdp (model: XLA's).
     trains("stage=2,fsdp=4", "gpt llama", config="deep", rows=16, pipeline_microbatches=4,
            pipeline_schedule="1f1b"),
     trains("stage=2,data=2,fsdp=2", "gpt", config="deep", rows=16, pipeline_microbatches=4,
            pipeline_repeats=2, pipeline_schedule="interleaved_1f1b"),
-    refused("stage=2,model=4", "schedule x model", SCHEDULE_ONLY + "the 'model' axis",
-            pipeline_schedule="1f1b"),
+    # model stays with XLA inside every stage (as under GPipe)
+    trains("stage=2,fsdp=2,model=2", "gpt llama", config="deep", rows=16,
+           pipeline_microbatches=4, pipeline_schedule="1f1b"),
+    trains("stage=2,fsdp=2,model=2", "gpt llama", config="deep", rows=16,
+           pipeline_microbatches=4, pipeline_repeats=2, pipeline_schedule="interleaved_1f1b"),
     refused("stage=2,seq=4", "schedule x seq", SCHEDULE_ONLY + "the 'seq' axis",
             pipeline_schedule="interleaved_1f1b", pipeline_repeats=2),
     refused("replica=2,stage=2,data=2", "schedule x replica",

@@ -130,6 +130,29 @@ def test_under_fsdp_each_stage_gathers_its_weights_once_per_step():
     assert result.collectives["collective-permute"]["bytes"] == pytest.approx(sent)
 
 
+def test_under_model_tensor_parallelism_runs_inside_each_stage():
+    """On stage=2,fsdp=2,model=2 (parity: rows of the combination table) ``model`` stays
+    with XLA's partitioner inside the interpreter's region: the compiled 1F1B step
+    all-reduces the stages' activations over ``model`` inside the schedule's loop (once per
+    tick and layer, every branch counted), as GPipe's stages do inside theirs."""
+    from kdist import hlo
+    from kdist.parallel import schedules
+    from kdist.planning.compile import compile_train_step
+
+    mesh = "stage=2,fsdp=2,model=2"
+    dist = kdist.distribution(mesh, pipeline_schedule="1f1b", pipeline_microbatches=4)
+    lm = _gpt(mesh, dict(DEEP, scan_layers=True), pipeline_schedule="1f1b",
+              pipeline_microbatches=4)
+    lm.compile(optimizer="adam")
+    x = np.zeros((16, 16), "int32")
+    compiled, _ = compile_train_step(lm, x, x, dist)
+    found = hlo.parse_collectives(compiled.as_text(), 8)
+    ticks = schedules.build("1f1b", 2, 4).ticks
+    per_tick = [c.executions // ticks for c in found if c.kind == "all-reduce"
+                and c.axes(dist.mesh_shape) == {"model"} and c.executions % ticks == 0]
+    assert per_tick and max(per_tick) == DEEP["num_layers"] // 2, per_tick  # 4 layers a stage
+
+
 def test_auto_keeps_gpipe_when_it_fits_and_turns_to_1f1b_when_it_does_not():
     """pipeline_schedule='auto' (the recipes' and kdist plan's default): GPipe when its
     estimate fits (it recomputes nothing and sends half the activations), else 1F1B (or
@@ -148,8 +171,8 @@ def test_auto_keeps_gpipe_when_it_fits_and_turns_to_1f1b_when_it_does_not():
     assert schedule == "1f1b" and why.startswith("1f1b: gpipe does not fit and 1f1b does")
     assert choose_schedule("gpt-nano", {"stage": 2, "data": 4}, tight, 64, 256,
                            pipeline_microbatches=16, pipeline_repeats=2)[0] == "interleaved_1f1b"
-    # Where 1F1B is refused (a model axis) or the task cannot run it (BERT): GPipe.
-    assert choose_schedule("gpt-nano", {"stage": 4, "model": 2}, tight, **shape)[0] == "gpipe"
+    # Where 1F1B is refused (a seq axis) or the task cannot run it (BERT): GPipe.
+    assert choose_schedule("gpt-nano", {"stage": 4, "seq": 2}, tight, **shape)[0] == "gpipe"
     assert choose_schedule("bert-tiny", mesh, 1, 64, 128, pipeline_microbatches=16) == (
         "gpipe", "the 1F1B schedules need the loss inside the schedule, which "
                  "BertCostModel's task does not compute there yet")
