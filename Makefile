@@ -35,7 +35,10 @@ bert-finetune: setup  ## fine-tune it on the offline stdlib-packages task (runs/
 # The suite compiles mostly on one core at a time: one pytest worker per core (at most 4;
 # each holds 8 forced host devices), tests of one multi-process launch on one worker.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+# A crashed worker ends the run (--max-worker-restart=0): after replacing one, xdist's
+# loadgroup scheduler left the crashed worker's last tests unsent and the run waiting until
+# CI's limit (seen 2026-12-05, pytest-xdist 3.8).
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart=0
 
 test: setup  ## the whole test suite (and lint); what CI runs
 	$(BIN)/ruff check kdist recipes tests benchmarks

@@ -294,6 +294,20 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     w_specs = [P(*a) for a in axes]
     x_spec = P(None, rows)
     everything = (AXIS,) + tuple(batch_axes)
+    # Every axis manual but a ``model`` of size > 1 (axes not named have size 1 here): that
+    # one stays with XLA's partitioner inside every stage (tensor parallelism), as in
+    # GPipe's stages. Only then, since a partly manual region changes what XLA emits: its
+    # all-reduces carry a reducer whose root is a sharding annotation, and XLA:CPU's
+    # promotion of 16-bit all-reduces to float32 (AllReducePromotion, jaxlib 0.10) aborts
+    # the process on such a reducer ("Invalid binary instruction opcode copy") — so the
+    # input's bfloat16 cotangent is summed over stage in float32 there (exact: one stage
+    # holds it, the others add zeros).
+    auto = {"model"} if dict(mesh.shape).get("model", 1) > 1 else set()
+
+    def sum_over_stage(g):
+        if auto and jnp.issubdtype(g.dtype, jnp.floating) and jnp.finfo(g.dtype).bits < 32:
+            return jax.lax.psum(g.astype(jnp.float32), AXIS).astype(g.dtype)
+        return jax.lax.psum(g, AXIS)
 
     def device(weights, loss_weights, xm, data, shared):
         weights = [_gather(w, a, batch_axes) for w, a in zip(weights, axes)]
@@ -302,14 +316,12 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
         loss = jax.lax.psum(loss, everything)
         d_w = [_reduce(g, a, batch_axes) for g, a in zip(d_w, axes)]
         d_lw = jax.tree.map(lambda g: jax.lax.psum(g, everything), d_lw)
-        return loss, d_w, d_lw, jax.lax.psum(d_xm, AXIS)
+        return loss, d_w, d_lw, sum_over_stage(d_xm)
 
     lw_specs = jax.tree.map(lambda _: P(), loss_weights)
-    # Every axis manual but ``model`` (those not named have size 1 here), in a kdist region
-    # so that the layers inside know their arrays are blocks; ``model`` stays with XLA's
-    # partitioner inside every stage (tensor parallelism), as in GPipe's stages.
+    # In a kdist region, so that the layers inside know their arrays are blocks.
     loss, d_w, d_lw, d_xm = region.shard_map(
-        device, mesh=mesh, axes=set(mesh.axis_names) - {"model"},
+        device, mesh=mesh, axes=set(mesh.axis_names) - auto,
         in_specs=(w_specs, lw_specs, x_spec, jax.tree.map(lambda _: x_spec, data),
                   jax.tree.map(lambda _: P(), shared)),
         out_specs=(P(), w_specs, lw_specs, x_spec))(list(weights), loss_weights, xm, data,
