@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import inspect
 from collections.abc import Mapping
@@ -293,6 +294,35 @@ class Task:
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return self.label_alarm(y, loss)
+
+    # === A loss inside a pipeline schedule (the "scheduled_pipeline" step feature) ===
+
+    _pipeline_targets = None  # (y, sample_weight) while a scheduled loss is traced
+
+    @contextlib.contextmanager
+    def pipeline_loss_for(self, y, sample_weight):
+        """While entered, the training forward pass (:meth:`in_schedule` is true) returns the
+        loss of ``y``, computed inside the pipeline schedule by the task's
+        ``pipeline_loss(inputs, y, sample_weight)``, and :meth:`finish_loss` passes it
+        on from ``compute_loss`` (:mod:`kdist.parallel.step`)."""
+        self._pipeline_targets = (y, sample_weight)
+        try:
+            yield
+        finally:
+            self._pipeline_targets = None
+
+    def in_schedule(self, training) -> bool:
+        """Whether this training forward pass computes its loss inside the schedule."""
+        return bool(training) and self._pipeline_targets is not None
+
+    def finish_loss(self, y, loss):
+        """A loss the task computed itself (inside a schedule, or fused) plus the layers'
+        added losses, as Keras' ``compute_loss`` adds them, and :meth:`label_alarm`."""
+        from kdist import _keras_compat
+
+        for extra in self.losses:
+            loss = loss + _keras_compat.aggregate_additional_loss(self, extra)
         return self.label_alarm(y, loss)
 
     def input_alarm(self, inputs, outputs):

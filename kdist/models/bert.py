@@ -26,6 +26,7 @@ from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEm
 from kdist.models.layers import NORM_AXES, PostNormBlock
 from kdist.models.presets import BERT_PRESETS
 from kdist.models.scan import LayerStack, stacking_default
+from kdist.parallel import pipeline
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import check_divisible
 from kdist.parallel.rules import add_weight, build_with_axes
@@ -170,10 +171,7 @@ class BertBackbone(Backbone, keras.Model):
             name: keras.Input(shape=(None,), dtype="int32", name=name)
             for name in ("token_ids", "segment_ids", "padding_mask")
         }
-        x = self.token_embedding(inputs["token_ids"])  # (B, T, D)
-        x = x + self.position_embedding(x)  # + (1, T, D)
-        x = x + self.segment_embedding(inputs["segment_ids"])  # + (B, T, D)
-        x = self.embeddings_dropout(self.embeddings_norm(x))
+        x = self.embed(inputs["token_ids"], inputs["segment_ids"])  # (B, T, D)
         mask = PaddingMask(name="padding_attention_mask")(inputs["padding_mask"])  # (B,1,1,T)
         for block in ([self.blocks] if scan_layers else self.blocks):
             x = block(x, attention_mask=mask)
@@ -200,6 +198,15 @@ class BertBackbone(Backbone, keras.Model):
         self.attention_chunk_size = attention_chunk_size
         self.mlp_activation = mlp_activation
         self.scan_layers = scan_layers
+
+    def embed(self, token_ids, segment_ids, training=None):
+        """Token + position + segment embeddings, normalised, with dropout: ``(B, T)`` ids
+        to ``(B, T, D)`` (``training``: dropout on, where a caller outside the functional
+        graph says so)."""
+        x = self.token_embedding(token_ids)  # (B, T, D)
+        x = x + self.position_embedding(x)  # + (1, T, D)
+        x = x + self.segment_embedding(segment_ids)  # + (B, T, D)
+        return self.embeddings_dropout(self.embeddings_norm(x), training=training)
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -242,7 +249,10 @@ class BertMaskedLM(Task, keras.Model):
     token embedding transposed (tied) plus a per-token output bias. Train with labels
     ``mask_ids`` ``(B, P)`` and sample weights ``mask_weights`` ``(B, P)`` (0 at padded
     slots), as :func:`kdist.data.mlm_dataset` yields them; ``compile()`` defaults to the
-    cross-entropy averaged over masked tokens and reports ``masked_accuracy``.
+    cross-entropy averaged over masked tokens and reports ``masked_accuracy`` — except
+    under ``pipeline_schedule='1f1b'``/``'interleaved_1f1b'``, which compute that loss
+    inside the schedule (:func:`kdist.models.bert_scheduled.masked_lm_loss`) and report
+    the loss alone (the logits never leave the schedule).
     ``check_token_ids``: check token ids and labels in the compiled step (``GPTCausalLM``).
 
     Example:
@@ -258,8 +268,9 @@ class BertMaskedLM(Task, keras.Model):
     backbone_class = BertBackbone
     # No fused loss (the head is not tied-only); sequences split over seq (not reordered:
     # attention is bidirectional, and mask_positions index the sequence); a pipelined
-    # encoder.
-    step_features = frozenset({"gradient_reduction", "context_parallel", "pipeline"})
+    # encoder, the loss inside a 1F1B schedule.
+    step_features = frozenset({"gradient_reduction", "context_parallel", "pipeline",
+                               "scheduled_pipeline"})
     token_id_labels = True  # mask_ids are token ids
 
     def __init__(self, backbone: BertBackbone, check_token_ids: bool = False, **kwargs):
@@ -289,6 +300,16 @@ class BertMaskedLM(Task, keras.Model):
         super().__init__(inputs=inputs, outputs=logits, **kwargs)
 
     def compile(self, optimizer="adamw", loss=None, weighted_metrics=None, **kwargs):
+        schedule = pipeline.scheduled_name()
+        if schedule != "gpipe":
+            if loss is not None or weighted_metrics or kwargs.get("metrics"):
+                raise ValueError(
+                    f"pipeline_schedule={schedule!r} computes the default loss (cross-entropy "
+                    f"averaged over the mask weights) inside the pipeline, microbatch by "
+                    f"microbatch; this compile() asks for another loss or for metrics. Leave "
+                    f"loss and metrics out, or use pipeline_schedule='gpipe'.")
+            super().compile(optimizer=optimizer, loss=_sample_weighted_loss(), **kwargs)
+            return
         super().compile(
             optimizer=optimizer,
             loss=loss or _sample_weighted_loss(),
@@ -296,6 +317,23 @@ class BertMaskedLM(Task, keras.Model):
                 keras.metrics.SparseCategoricalAccuracy(name="masked_accuracy")],
             **kwargs,
         )
+
+    def call(self, inputs, training=None, mask=None):
+        if self.in_schedule(training):
+            return self.input_alarm(inputs, self.pipeline_loss(inputs, *self._pipeline_targets))
+        return super().call(inputs, training=training, mask=mask)  # (B, P, V) float32 logits
+
+    def pipeline_loss(self, inputs, y, sample_weight=None):
+        """The default loss of ``inputs`` against ``y``, computed inside the pipeline
+        schedule: :func:`kdist.models.bert_scheduled.masked_lm_loss`."""
+        from kdist.models.bert_scheduled import masked_lm_loss
+
+        return masked_lm_loss(self, inputs, y, sample_weight)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        if self.in_schedule(training):  # y_pred: the loss already
+            return self.finish_loss(y, y_pred)
+        return super().compute_loss(x, y, y_pred, sample_weight, training=training)
 
     @classmethod
     def cost_model_for(cls, backbone_config, masked_positions: int | None = None,

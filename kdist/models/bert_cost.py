@@ -36,6 +36,11 @@ class BertCostModel(CostModel):
         self.num_classes = num_classes
 
     @property
+    def loss_in_schedule(self) -> bool:
+        """BertMaskedLM computes its loss inside a 1F1B schedule; the classifier does not."""
+        return self.num_classes is None
+
+    @property
     def parameters(self) -> int:
         """Trainable parameters (exact), the tied token table once."""
         c = self.config

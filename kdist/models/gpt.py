@@ -8,13 +8,10 @@ model is :class:`~kdist.models.gpt_cost.GPTCostModel`; generation is :mod:`kdist
 
 from __future__ import annotations
 
-import contextlib
-
 import keras
 import numpy as np
 from keras import layers, ops
 
-from kdist import _keras_compat
 from kdist.models import losses
 from kdist.models.base import Backbone, Task
 from kdist.models.embeddings import PositionEmbedding, TokenEmbedding
@@ -332,7 +329,6 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
         self.loss_chunk_size = loss_chunk_size
         self.check_token_ids = check_token_ids
         self._fused_loss = False  # set by compile(): the default loss, no metrics
-        self._pipeline_targets = None  # (y, sample_weight) while a scheduled loss is traced
 
         # === Functional Model ===
         token_ids = backbone.input
@@ -377,17 +373,6 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
         return losses.auto_chunk_size(batch, length, embedding.vocabulary_size,
                                       embedding.input_dim, self.backbone.hidden_dim)
 
-    @contextlib.contextmanager
-    def pipeline_loss_for(self, y, sample_weight):
-        """While entered, the training forward pass returns the loss of ``y``, computed inside
-        the pipeline schedule (:meth:`pipeline_loss`), and ``compute_loss`` passes it on
-        (the ``scheduled_pipeline`` step feature: :mod:`kdist.parallel.step`)."""
-        self._pipeline_targets = (y, sample_weight)
-        try:
-            yield
-        finally:
-            self._pipeline_targets = None
-
     def pipeline_loss(self, inputs, y, sample_weight=None):
         """The default loss of ``inputs`` against ``y``, computed inside the pipeline
         schedule: :func:`kdist.models.gpt_scheduled.causal_lm_loss`."""
@@ -397,7 +382,7 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
 
     def call(self, inputs, training=None, mask=None):
         token_ids = inputs["token_ids"] if isinstance(inputs, dict) else inputs
-        if training and self._pipeline_targets is not None:
+        if self.in_schedule(training):
             return self.input_alarm(inputs, self.pipeline_loss(inputs, *self._pipeline_targets))
         if training and self.fused_loss_chunk_size(*token_ids.shape):
             hidden = self.backbone(inputs, training=training)  # (B, T, D): no logits
@@ -405,11 +390,8 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
         return super().call(inputs, training=training, mask=mask)  # (B, T, V) float32 logits
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        if training and self._pipeline_targets is not None:  # y_pred: the loss already
-            loss = y_pred
-            for extra in self.losses:
-                loss = loss + _keras_compat.aggregate_additional_loss(self, extra)
-            return self.label_alarm(y, loss)
+        if self.in_schedule(training):  # y_pred: the loss already
+            return self.finish_loss(y, y_pred)
         chunk_size = training and y is not None and self.fused_loss_chunk_size(*y.shape)
         if chunk_size and sample_weight is not None:
             # The fused loss takes no weights: the logits from the hidden states, as the
@@ -422,9 +404,7 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
         loss = losses.chunked_cross_entropy(
             y_pred, embedding.output_table(), y, chunk_size,  # y_pred: hidden states
             vocabulary_size=embedding.vocabulary_size)
-        for extra in self.losses:
-            loss = loss + _keras_compat.aggregate_additional_loss(self, extra)
-        return self.label_alarm(y, loss)
+        return self.finish_loss(y, loss)
 
     @classmethod
     def cost_model_for(cls, backbone_config, **task_args) -> GPTCostModel:

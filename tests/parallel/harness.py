@@ -114,8 +114,8 @@ def _lm_step(model, batch) -> float:
 
 
 def _mlm_step(model, batch) -> float:
-    x, y, w = batch
-    return float(model.train_on_batch(x, y, sample_weight=w)[0])
+    x, y, w = batch  # (the loss alone, or with masked_accuracy: as a dict either way)
+    return float(model.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"])
 
 
 def _documents(batches):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kdist
-from kdist.models import BertBackbone, BertMaskedLM, GPTBackbone, GPTCausalLM
+from kdist.models import BertBackbone, BertClassifier, BertMaskedLM, GPTBackbone, GPTCausalLM
 from tests.bert_helpers import TINY_BERT
 from tests.helpers import TINY_GPT, parity_optimizer
 
@@ -44,10 +44,30 @@ def _gpt(mesh="stage=4,data=2", config=DEEP, **options):
 def test_a_model_that_cannot_put_its_loss_in_the_schedule_is_refused_at_compile():
     keras.distribution.set_distribution(
         kdist.distribution("stage=2,data=4", pipeline_schedule="1f1b"))
-    bert = BertMaskedLM(BertBackbone(**dict(TINY_BERT, scan_layers=True)))
+    classifier = BertClassifier(BertBackbone(**dict(TINY_BERT, scan_layers=True)),
+                                num_classes=2)
     with pytest.raises(ValueError, match="does not declare the 'scheduled_pipeline' step "
                                          "feature\\). Use pipeline_schedule='gpipe'"):
-        bert.compile(optimizer="adam")
+        classifier.compile(optimizer="adam")
+
+
+def test_bert_under_1f1b_refuses_metrics_and_evaluates_with_gpipes_forward_pass():
+    """The masked LM's loss (weighted by the mask weights) inside the schedule; parity with
+    one device is a row of the combination table. A loss or metrics of the user's are
+    refused at compile; evaluation runs the stack unpipelined, on the same weights."""
+    from tests.bert_helpers import mlm_batches
+
+    keras.distribution.set_distribution(
+        kdist.distribution("stage=2,data=4", pipeline_schedule="1f1b"))
+    keras.utils.set_random_seed(0)
+    bert = BertMaskedLM(BertBackbone(**dict(TINY_BERT, scan_layers=True)))
+    with pytest.raises(ValueError, match="asks for another loss or for metrics"):
+        bert.compile(optimizer="adam", weighted_metrics=["accuracy"])
+    bert.compile(optimizer=parity_optimizer())
+    x, y, w = mlm_batches(1)[0]
+    evaluated = bert.evaluate(x, y, sample_weight=w, verbose=0)
+    trained = float(bert.train_on_batch(x, y, sample_weight=w))
+    np.testing.assert_allclose(trained, evaluated, rtol=2e-6)
 
 
 def test_metrics_or_another_loss_are_refused_at_compile():
@@ -157,7 +177,13 @@ def test_auto_keeps_gpipe_when_it_fits_and_turns_to_1f1b_when_it_does_not():
     """pipeline_schedule='auto' (the recipes' and kdist plan's default): GPipe when its
     estimate fits (it recomputes nothing and sends half the activations), else 1F1B (or
     interleaved, with repeats), and only where the distribution and the task allow it."""
-    from kdist.planning import choose_mesh, choose_schedule, estimate, mesh_spec
+    from kdist.planning import (
+        choose_mesh,
+        choose_schedule,
+        estimate,
+        mesh_spec,
+        preset_backbone_config,
+    )
 
     shape = dict(global_batch_size=64, sequence_length=256, pipeline_microbatches=16)
     mesh = {"stage": 4, "data": 2}
@@ -173,9 +199,12 @@ def test_auto_keeps_gpipe_when_it_fits_and_turns_to_1f1b_when_it_does_not():
                            pipeline_microbatches=16, pipeline_repeats=2)[0] == "interleaved_1f1b"
     # Where 1F1B is refused (a seq axis) or the task cannot run it (BERT): GPipe.
     assert choose_schedule("gpt-nano", {"stage": 4, "seq": 2}, tight, **shape)[0] == "gpipe"
-    assert choose_schedule("bert-tiny", mesh, 1, 64, 128, pipeline_microbatches=16) == (
+    classifier = BertClassifier.cost_model_for(preset_backbone_config("bert-tiny"),
+                                               num_classes=2)
+    assert choose_schedule(classifier, mesh, 1, 64, 128, pipeline_microbatches=16) == (
         "gpipe", "the 1F1B schedules need the loss inside the schedule, which "
                  "BertCostModel's task does not compute there yet")
+    assert choose_schedule("bert-tiny", mesh, 1, 64, 128, pipeline_microbatches=16)[0] == "1f1b"
     # --mesh auto ranks each pipeline by the schedule auto gives it: with 150 MiB usable
     # no mesh fits under GPipe (the best unpipelined one needs 338 MiB, GPipe's pipelines
     # 347 MiB and more) and the 1F1B pipelines do (67-100 MiB on stage x data/fsdp).
