@@ -296,29 +296,21 @@ class Task:
         loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
         return self.label_alarm(y, loss)
 
-    # === A loss inside a pipeline schedule (the "scheduled_pipeline" step feature) ===
-
     _pipeline_targets = None  # (y, sample_weight) while a scheduled loss is traced
-
     @contextlib.contextmanager
     def pipeline_loss_for(self, y, sample_weight):
-        """While entered, the training forward pass (:meth:`in_schedule` is true) returns the
-        loss of ``y``, computed inside the pipeline schedule by the task's
-        ``pipeline_loss(inputs, y, sample_weight)``, and :meth:`finish_loss` passes it
-        on from ``compute_loss`` (:mod:`kdist.parallel.step`)."""
+        """While entered, the training forward returns ``pipeline_loss(inputs, y, w)``."""
         self._pipeline_targets = (y, sample_weight)
         try:
             yield
-        finally:
+        finally:  # a trace that raised leaves no targets behind
             self._pipeline_targets = None
 
     def in_schedule(self, training) -> bool:
-        """Whether this training forward pass computes its loss inside the schedule."""
         return bool(training) and self._pipeline_targets is not None
 
     def finish_loss(self, y, loss):
-        """A loss the task computed itself (inside a schedule, or fused) plus the layers'
-        added losses, as Keras' ``compute_loss`` adds them, and :meth:`label_alarm`."""
+        """A loss the task computed itself plus the layers' losses and the label alarm."""
         from kdist import _keras_compat
 
         for extra in self.losses:
@@ -326,16 +318,14 @@ class Task:
         return self.label_alarm(y, loss)
 
     def input_alarm(self, inputs, outputs):
-        """``outputs`` plus :meth:`token_id_alarm` of the inputs' token ids when the task
-        was built with ``check_token_ids=True``; else ``outputs`` unchanged."""
+        """``outputs`` plus the inputs' :meth:`token_id_alarm` if ``check_token_ids``."""
         if not getattr(self, "check_token_ids", False):
             return outputs
         ids = inputs[self.token_id_inputs[0]] if isinstance(inputs, Mapping) else inputs
         return outputs + ops.cast(self.token_id_alarm(ids), outputs.dtype)
 
     def label_alarm(self, y, loss):
-        """``loss`` plus :meth:`token_id_alarm` of the labels when they are token ids and
-        the task was built with ``check_token_ids=True``; else ``loss`` unchanged."""
+        """``loss`` plus the token-id labels' :meth:`token_id_alarm` if ``check_token_ids``."""
         if not (getattr(self, "check_token_ids", False) and self.token_id_labels
                 and y is not None):
             return loss

@@ -381,6 +381,12 @@ def assert_trains_like_one_device(family: str, mesh: str, *, tolerance: str = "f
         assert count >= 1, f"{name} did not run under {mesh} {options}"
     if options.get("sync_every"):
         assert type(run.model.optimizer).__name__ == "DiLoCo"
+    if dtype_policy == "mixed_bfloat16":  # the sharded model computes in bfloat16 and
+        # keeps float32 weights (tests/models/test_gpt.py checks one device's)
+        assert run.model.dtype_policy.compute_dtype == "bfloat16", run.model.dtype_policy
+        low = [w.path for w in run.model.weights
+               if "float" in str(w.dtype) and str(w.dtype) != "float32"]
+        assert not low, f"weights not kept in float32 under mixed_bfloat16 on {mesh}: {low}"
     assert sorted(run.initial) == sorted(reference.initial)
     for path, value in reference.initial.items():
         np.testing.assert_array_equal(_same_shape(run.initial[path], value, path), value,
