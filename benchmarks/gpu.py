@@ -25,7 +25,7 @@ three extra compilations this costs). On one device it says so and measures noth
     python benchmarks/gpu.py --communicate-less   # 2+ GPUs: 8-bit gradients, DiLoCo vs data=N
     python benchmarks/gpu.py --communicate-less --dry-run   # CPU, 8 host devices, tiny shape
     python benchmarks/gpu.py --hf-load            # loading a Hugging Face checkpoint onto GPUs
-    python benchmarks/gpu.py --pipeline           # 2+ GPUs: GPipe vs 1F1B vs interleaved
+    python benchmarks/gpu.py --pipeline           # 2+ GPUs: GPipe vs 1F1B vs interleaved vs ZB
     python benchmarks/gpu.py --pipeline --dry-run # CPU, 8 host devices (stage=2,data=4)
 
 ``--pipeline`` (issue 26; 2 or more devices): gpt2-medium on ``stage=N`` with each
@@ -87,11 +87,11 @@ COMMUNICATE_LESS_RUNS = [
     ("bfloat16", "data={n}", {"gradient_reduction": "bfloat16"}),
 ]
 # Pipeline schedules (--pipeline; 2+ devices): (schedule, repeats, microbatches per stage).
-# Figure still to take: step time and peak memory of 1F1B and interleaved against GPipe on
-# stage=N GPUs (a one-GPU machine cannot pipeline).
+# Figure still to take: step time and peak memory of 1F1B, interleaved and zero-bubble
+# against GPipe on stage=N GPUs (a one-GPU machine cannot pipeline).
 PIPELINE_RUNS = [
-    ("gpipe", 1, 2), ("1f1b", 1, 2), ("interleaved_1f1b", 2, 2),
-    ("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 4),
+    ("gpipe", 1, 2), ("1f1b", 1, 2), ("interleaved_1f1b", 2, 2), ("zero_bubble", 1, 2),
+    ("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 4), ("zero_bubble", 1, 4),
 ]
 DRY_SHAPE = dict(vocabulary_size=512, num_layers=2, num_heads=4, hidden_dim=64,
                  intermediate_dim=256, max_sequence_length=64)

@@ -49,9 +49,11 @@ COMPILE_CASES = [  # (label, mesh, scan_layers, pipeline_microbatches)
 ]
 SCHEDULE_CASES = [  # (preset, mesh, batch, length, schedule, microbatches, repeats)
     ("gpt2-xl", "fsdp=8", 32, 1024, None, None, 1),
-    *(("gpt2-xl", "stage=8", 32, 1024, s, m, 1) for m in (16, 32) for s in ("gpipe", "1f1b")),
+    *(("gpt2-xl", "stage=8", 32, 1024, s, m, 1) for m in (16, 32)
+      for s in ("gpipe", "1f1b", "zero_bubble")),
     *(("gpt-nano", "stage=2,data=4", 64, 256, s, 16, r)
-      for s, r in (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved_1f1b", 2))),
+      for s, r in (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved_1f1b", 2),
+                   ("zero_bubble", 1))),
 ]
 BUBBLE_MODEL = dict(vocabulary_size=256, num_layers=8, num_heads=4, hidden_dim=256,
                     intermediate_dim=1024, max_sequence_length=128)

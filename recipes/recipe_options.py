@@ -101,11 +101,12 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-repeats", type=positive_int("--pipeline-repeats", 2), default=1,
                    help="with a stage axis: circular repeats (non-adjacent stages per device)")
     g.add_argument("--pipeline-schedule", default="auto",
-                   choices=["auto", "gpipe", "1f1b", "interleaved_1f1b"],
-                   help="with a stage axis: gpipe (every forward first), 1f1b or "
-                        "interleaved_1f1b (with --pipeline-repeats >= 2): about S microbatches "
-                        "in flight instead of M (mesh: stage, data, fsdp); auto: gpipe if it "
-                        "fits the device, else 1f1b")
+                   choices=["auto", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
+                   help="with a stage axis: gpipe (every forward first), 1f1b, "
+                        "interleaved_1f1b (with --pipeline-repeats >= 2) or zero_bubble "
+                        "(ZB-H1: weight gradients fill 1F1B's bubble): about S microbatches "
+                        "in flight instead of M (mesh: stage, data, fsdp, model); auto: gpipe "
+                        "if it fits the device, else 1f1b")
 
 
 def add_text_flags(g) -> None:

@@ -93,7 +93,7 @@ class Launched(ProcessOutput):
 
     def pids(self) -> dict[int, int]:
         return {int(x.split()[2]): int(x.split()[4]) for x in self.lines
-                if x.startswith("[launch] rank ")}
+                if x.startswith("[launch] rank ") and x.split()[3] == "pid"}
 
 
 def both_ready(lines):
@@ -114,6 +114,32 @@ def test_launcher_ends_the_others_when_one_is_killed(tmp_path, child_env):
     assert elapsed < 5 + 5  # the grace period, plus polling and exit
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)  # rank 0 is gone too
+
+
+def test_launcher_stops_the_others_when_one_fails(tmp_path, child_env):
+    """Rank 1 exits 3 at once; rank 0 ignores SIGTERM and would sleep for a minute. The
+    launcher says it stops the others, sends SIGTERM, SIGKILLs rank 0 after the grace period
+    and exits with rank 1's status. (No JAX in the children: nothing else can end rank 0.)"""
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, signal, sys, time\n"
+        "if os.environ['KERAS_DISTRIBUTION_PROCESS_ID'] == '1':\n"
+        "    time.sleep(1)\n"
+        "    sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, lambda *_: print('ignoring SIGTERM', flush=True))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    run = Launched("--processes", "2", "--devices-per-process", "1", "--grace", "2", str(child))
+    run.wait_for(lambda lines: any("exited with status" in x for x in lines), timeout=60)
+    failed_at = time.monotonic()
+    status, output = run.finish(timeout=30)
+    assert status == 3, output
+    assert "[launch] rank 1 exited with status 3; stopping the others" in output
+    assert "[0] ignoring SIGTERM" in output  # it was asked first ...
+    assert time.monotonic() - failed_at < 2 + 3  # ... and killed after the grace period
+    with pytest.raises(ProcessLookupError):
+        os.kill(run.pids()[0], 0)
 
 
 def test_launcher_blames_the_killed_rank_when_several_fail_in_one_poll():

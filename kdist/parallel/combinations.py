@@ -29,7 +29,7 @@ FEATURES = {
     "reduction": "kdist's gradient reduction (gradient_reduction='float32'/'bfloat16')",
     "8-bit": "8-bit gradient codes (gradient_reduction='float8'/'int8')",
     "schedule": "a pipeline schedule run by kdist.parallel.interpreter "
-                "(pipeline_schedule='1f1b'/'interleaved_1f1b')",
+                "(pipeline_schedule='1f1b'/'interleaved_1f1b'/'zero_bubble')",
 }
 # The README's matrix: these rows against every axis.
 MATRIX_ROWS = ("stage", "seq", "replica", "reduction", "8-bit", "schedule")
@@ -103,7 +103,7 @@ def rule(a: str, b: str, rules: tuple[Rule, ...] | None = None) -> Rule:
 def _describe(feature: str) -> str:
     return {"reduction": "gradient_reduction='float32'/'bfloat16'",
             "8-bit": "gradient_reduction='float8'/'int8'",
-            "schedule": "pipeline_schedule='1f1b'/'interleaved_1f1b'",
+            "schedule": "pipeline_schedule='1f1b'/'interleaved_1f1b'/'zero_bubble'",
             "replica": "DiLoCo replica groups (sync_every)"}.get(feature, f"the '{feature}' axis")
 
 

@@ -17,6 +17,12 @@ table's ticks in which every stage runs its tick's task:
   not its residuals kept — applied to the cotangent the next stage sent back (on the last
   virtual stage: the vjp of layers + loss, at cotangent 1). The weights' gradient
   accumulates on the device; the input's cotangent goes back to the previous stage.
+- ``I`` and ``W`` (zero-bubble): ``B`` in two — the vjp in the input alone (the cotangent
+  sent back, on the critical path), then, at a later tick, the vjp in the weights alone;
+  the input and the cotangent stay in their buffers until ``W``. Each recomputes the
+  forward, so a microbatch costs one forward more than under 1F1B; what the schedule
+  gains is ticks: ``3 M + S - 1`` ticks of at most a forward and half a backward each,
+  where 1F1B takes ``2 (M + S - 1)`` ticks of up to a forward and a whole backward.
 
 At the end of every tick each stage sends its ``F`` output forward and its input cotangent
 backward (one collective-permute each, zeros when it had none) and writes what arrived into
@@ -48,7 +54,10 @@ from kdist.parallel import region
 from kdist.parallel.region import to_varying
 
 AXIS = "stage"
-IDLE, FORWARD, BACKWARD, LAST_BACKWARD = range(4)
+(IDLE, FORWARD, BACKWARD, LAST_BACKWARD, INPUT_GRAD, LAST_INPUT_GRAD, WEIGHT_GRAD,
+ LAST_WEIGHT_GRAD) = range(8)
+ACTIONS = {"F": (FORWARD, IDLE), "B": (BACKWARD, LAST_BACKWARD),  # (a stage, the last)
+           "I": (INPUT_GRAD, LAST_INPUT_GRAD), "W": (WEIGHT_GRAD, LAST_WEIGHT_GRAD)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,18 +97,19 @@ class Program:
                 when[(task.action, task.microbatch, k)] = tick
                 arrays["microbatch"][tick, s] = task.microbatch
                 arrays["chunk"][tick, s] = task.chunk
-                if task.action == "F":  # the last virtual stage's forward waits for its B
-                    arrays["action"][tick, s] = IDLE if k == V - 1 else FORWARD
-                elif task.action == "B":
-                    arrays["action"][tick, s] = LAST_BACKWARD if k == V - 1 else BACKWARD
-                else:
-                    raise ValueError(f"the interpreter runs F and B tasks; got {task}")
+                if task.action not in ACTIONS:
+                    raise ValueError(f"the interpreter runs F, B, I and W tasks; got {task}")
+                # (the last virtual stage's forward waits for its B or I: IDLE)
+                arrays["action"][tick, s] = ACTIONS[task.action][k == V - 1]
         # An input arrives at the end of the previous virtual stage's F and is read by this
-        # one's F and B; a cotangent arrives at the end of the next one's B, read by this B.
-        inputs = [(k % S, when[("F", m, k - 1)], when[("B", m, k)],
-                   [when[("F", m, k)], when[("B", m, k)]])
+        # one's F and B (I and W); a cotangent arrives at the end of the next one's B (I),
+        # read by this one's B (I and W).
+        backward = ("B",) if ("B", 0, 0) in when else ("I", "W")
+        inputs = [(k % S, when[("F", m, k - 1)], when[(backward[-1], m, k)],
+                   [when[("F", m, k)]] + [when[(a, m, k)] for a in backward])
                   for m in range(t.microbatches) for k in range(1, V)]
-        cotangents = [(k % S, when[("B", m, k + 1)], when[("B", m, k)], [when[("B", m, k)]])
+        cotangents = [(k % S, when[(backward[0], m, k + 1)], when[(backward[-1], m, k)],
+                       [when[(a, m, k)] for a in backward])
                       for m in range(t.microbatches) for k in range(V - 1)]
         sizes = {}
         for name, write, read, intervals in (("input", "write", "read", inputs),
@@ -190,25 +200,46 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
             dw, dx = vjp(g)
             return vary((zeros_x, dx, dw, zero(loss_weights), jnp.zeros(())))
 
-        def last_backward(w, x, g):
-            def full(w, lw, x):
-                return loss_fn(lw, stage_fn(w, x, data_m, c), data_m).astype(jnp.float32)
+        def full(w, lw, x):  # the last virtual stage: its layers and the loss
+            return loss_fn(lw, stage_fn(w, x, data_m, c), data_m).astype(jnp.float32)
 
+        one = vary(jnp.ones((), jnp.float32))
+
+        def last_backward(w, x, g):
             value, vjp = jax.vjp(full, w, vary(loss_weights), x)
-            dw, dlw, dx = vjp(vary(jnp.ones((), jnp.float32)))
+            dw, dlw, dx = vjp(one)
             return vary((zeros_x, dx, dw, dlw, value))
+
+        def input_grad(w, x, g):
+            _, vjp = jax.vjp(lambda x: stage_fn(w, x, data_m, c), x)
+            return vary((zeros_x, vjp(g)[0], zero(w), zero(loss_weights), jnp.zeros(())))
+
+        def last_input_grad(w, x, g):  # the loss is counted here, not again at W
+            value, vjp = jax.vjp(lambda x: full(w, vary(loss_weights), x), x)
+            return vary((zeros_x, vjp(one)[0], zero(w), zero(loss_weights), value))
+
+        def weight_grad(w, x, g):
+            _, vjp = jax.vjp(lambda w: stage_fn(w, x, data_m, c), w)
+            return vary((zeros_x, zeros_x, vjp(g)[0], zero(loss_weights), jnp.zeros(())))
+
+        def last_weight_grad(w, x, g):
+            _, vjp = jax.vjp(lambda w, lw: full(w, lw, x), w, vary(loss_weights))
+            dw, dlw = vjp(one)
+            return vary((zeros_x, zeros_x, dw, dlw, jnp.zeros(())))
 
         # Everything typed varying over every manual axis before any vjp: a replicated
         # weight's cotangent would otherwise be summed inside the branch, a collective
         # that only the devices taking that branch would reach (they would wait forever).
         # The sums run once, after the schedule.
         y, dx, dw, dlw, value = jax.lax.switch(
-            at["action"], (idle, forward, backward, last_backward), vary(w), x, g)
+            at["action"], (idle, forward, backward, last_backward, input_grad,
+                           last_input_grad, weight_grad, last_weight_grad), vary(w), x, g)
         d_w = [jax.lax.dynamic_update_index_in_dim(
             acc, jax.lax.dynamic_index_in_dim(acc, c, keepdims=False) + grad, c, 0)
             for acc, grad in zip(d_w, dw)]
         d_lw = jax.tree.map(jnp.add, d_lw, dlw)
-        first = (s == 0) & (c == 0) & (at["action"] >= BACKWARD)  # virtual stage 0's B
+        sends_back = (at["action"] >= BACKWARD) & (at["action"] <= LAST_INPUT_GRAD)  # B, I
+        first = (s == 0) & (c == 0) & sends_back  # virtual stage 0's B or I
         d_xm = jax.lax.dynamic_update_index_in_dim(
             d_xm, jnp.where(first, dx, jax.lax.dynamic_index_in_dim(d_xm, m, keepdims=False)),
             m, 0)

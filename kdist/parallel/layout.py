@@ -205,7 +205,10 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     ``"gpipe"`` (default) every forward first; ``"1f1b"`` and ``"interleaved_1f1b"``
     (with ``pipeline_repeats >= 2`` chunks per stage) a backward as soon as it can run, so a
     stage holds about ``S`` microbatches' inputs instead of ``M`` microbatches' activations
-    (:mod:`kdist.parallel.interpreter`; a causal LM's default loss, ``stage`` with ``data``).
+    (:mod:`kdist.parallel.interpreter`; a causal LM's or BERT's masked-LM default loss,
+    ``stage`` with ``data``, ``fsdp`` and ``model``); ``"zero_bubble"`` (ZB-H1) splits
+    1F1B's backward into the input gradient and the weight gradient, whose ticks fill the
+    bubble: ``(S-1)/(3M+S-1)`` at 1F1B's memory, for one more forward per microbatch.
 
     A ``seq`` axis splits every sequence's tokens (context parallelism,
     :mod:`kdist.parallel.context`): ``context_parallel="all_gather"`` (default) gathers

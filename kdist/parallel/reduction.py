@@ -175,17 +175,23 @@ class _Plan:
     auto_spec: P | None  # the weight's spec over them (None: there are none)
 
 
+def residual_axes(dist) -> tuple[str, ...]:
+    """The axes along which devices hold different error-feedback residuals: those their
+    partial gradients differ along — the batch axes, and ``seq`` (each device's tokens)."""
+    return gradient_axes(dist) + (("seq",) if dist.mesh_shape.get("seq", 1) > 1 else ())
+
+
 def residual_layout(dist, variable):
     """The layout of a weight's error-feedback residual: one whole (unsharded over fsdp)
-    copy of the weight per device of the batch axes, ``(devices, *weight.shape)``."""
+    copy of the weight per device of :func:`residual_axes`, ``(devices, *weight.shape)``."""
     axes = [a if a != "fsdp" else None for a in dist.get_variable_layout(variable).axes]
-    return BatchLayout((gradient_axes(dist), *axes), dist.device_mesh)
+    return BatchLayout((residual_axes(dist), *axes), dist.device_mesh)
 
 
 def add_residuals(dist, weights, optimizer) -> None:
     """Adds an error-feedback residual per trainable weight to ``optimizer`` (built),
     named ``<weight path>_gradient_residual``, zero, laid out by :func:`residual_layout`."""
-    devices = math.prod(dist.mesh_shape[a] for a in gradient_axes(dist))
+    devices = math.prod(dist.mesh_shape[a] for a in residual_axes(dist))
     have = {v.name for v in optimizer.variables}
     for w in weights:
         name = w.path.replace("/", "_") + RESIDUAL_SUFFIX
@@ -248,7 +254,8 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
             device_loss, argnums=(0, 1), has_aux=True)(trainable, residuals)
         return loss, aux, grads, new_residuals
 
-    residual_specs = None if residuals is None else [P(axes or None)] * len(residuals)
+    # a residual per device of the axes its partial gradient differs along (residual_axes)
+    residual_specs = None if residuals is None else [P(summed or None)] * len(residuals)
     # Per-row arrays: rows over the batch axes, a split sequence's tokens over seq.
     data_specs = [jax.tree.map(lambda a: context_step.row_spec(a, axes), t)
                   for t in (x, y, sample_weight)]

@@ -20,7 +20,13 @@ activation memory:
   by ``v``, ``(S - 1) / (v M + S - 1)``; stage 0 holds ``2 (S - 1) + (v - 1) S + 1``
   chunk activations (each ``1 / v`` of a stage's layers) whatever ``M``.
 
-Zero-bubble (ZB-H1: ``B`` split into ``I`` and ``W``) is the next row of :data:`SCHEDULES`.
+- ``zero_bubble`` (ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's
+  order with each ``B`` split into ``I`` and ``W``; a stage runs its next ``F`` or ``I``
+  when it is ready, and a pending ``W`` when it is not (or when one more ``F`` would hold
+  more than 1F1B's peak of ``S`` microbatches): the weight gradients fill the ticks 1F1B
+  leaves idle, at 1F1B's peak memory. Counting each task as one tick, a stage's ``3 M``
+  tasks take ``3 M + S - 1`` ticks where 1F1B's split ones would take ``3 (M + S - 1)``:
+  the bubble ``(S - 1) / (3 M + S - 1)``, a third of 1F1B's.
 
 This module is pure Python (no JAX): the planner, ``kdist plan``'s timeline and the tests
 read the same tables.
@@ -38,7 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SPLIT = ("zero_bubble",)  # the backward as I then W
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -92,6 +99,18 @@ class Table:
         """The most microbatch chunks any stage holds at once: the activation memory."""
         return max(max(self.in_flight(s)) for s in range(self.stages))
 
+    def max_deferred(self) -> int:
+        """The most microbatches any stage holds between their ``I`` and ``W`` (their
+        output's cotangent kept for the weight gradient; 0 unless the backward is split)."""
+        most = 0
+        for s in range(self.stages):
+            held = 0
+            for row in self.cells:
+                task = row[s]
+                held += {"I": 1, "W": -1}.get(task.action, 0) if task else 0
+                most = max(most, held)
+        return most
+
     def timeline(self) -> str:
         """Stages × ticks, one cell per task (``.`` for idle): the picture the papers draw."""
         labels = [[task.label(self.chunks) if task else "." for task in row]
@@ -117,8 +136,8 @@ def check(name: str, stages: int, microbatches: int, chunks: int = 1) -> None:
     for what, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{what} must be a positive int; got {value!r}.")
-    if name == "1f1b" and chunks != 1:
-        raise ValueError(f"pipeline_schedule='1f1b' runs one model chunk per stage; got "
+    if name in ("1f1b", "zero_bubble") and chunks != 1:
+        raise ValueError(f"pipeline_schedule={name!r} runs one model chunk per stage; got "
                          f"{chunks} (pipeline_repeats). Use pipeline_repeats=1, or "
                          f"'interleaved_1f1b' for {chunks} chunks per stage.")
     if name == "interleaved_1f1b" and chunks < 2:
@@ -146,6 +165,8 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
     check(name, stages, microbatches, chunks)
     S, M, v = stages, microbatches, chunks
     V = S * v  # virtual stages; k lives on device k % S
+    split = name in SPLIT
+    back = "I" if split else "B"  # the task that sends the cotangent back
     orders = [list(order(name, S, M, v, s)) for s in range(S)]
     done: dict[tuple[str, int, int], int] = {}  # (action, microbatch, virtual stage) -> tick
 
@@ -156,21 +177,43 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
         k = task.chunk * S + s
         if task.action == "F":
             return k == 0 or finished(("F", task.microbatch, k - 1), tick)
-        # B: the last virtual stage's forward includes the loss, so it needs no cotangent.
+        # B/I: the last virtual stage's forward includes the loss, so it needs no cotangent.
         return finished(("F", task.microbatch, k), tick) and (
-            k == V - 1 or finished(("B", task.microbatch, k + 1), tick))
+            k == V - 1 or finished((back, task.microbatch, k + 1), tick))
+
+    # Zero-bubble: W tasks wait here from their I on; a stage holds (F done, W not) at
+    # most S microbatches, 1F1B's peak (its stage 0). (Capped at 1F1B's S - s per stage,
+    # the last stages could not defer their W and the cool-down's I would wait for them:
+    # 3 M + 2 (S - 1) ticks, not 3 M + S - 1.)
+    pending: list[list[Task]] = [[] for _ in range(S)]
+    held = [0] * S
+
+    def next_task(s: int, tick: int) -> Task | None:
+        task = orders[s][position[s]] if position[s] < len(orders[s]) else None
+        if task is not None and not ready(task, s, tick):
+            task = None
+        if split and task is not None and task.action == "F" and held[s] >= S:
+            task = None
+        if task is None and split and pending[s] and finished(
+                ("I", pending[s][0].microbatch, s), tick):
+            return pending[s].pop(0)
+        if task is not None:
+            position[s] += 1
+        return task
 
     cells, position = [], [0] * S
-    while len(done) < 2 * M * V:
+    while len(done) < (3 if split else 2) * M * V:
         tick = len(cells)
-        row = tuple(orders[s][position[s]] if position[s] < len(orders[s])
-                    and ready(orders[s][position[s]], s, tick) else None for s in range(S))
+        row = tuple(next_task(s, tick) for s in range(S))
         if all(task is None for task in row):  # a bug in an order, never the user's input
             raise RuntimeError(f"schedule {name!r} stalled at tick {tick} (S={S}, M={M}, v={v})")
         for s, task in enumerate(row):
-            if task is not None:
-                done[(task.action, task.microbatch, task.chunk * S + s)] = tick
-                position[s] += 1
+            if task is None:
+                continue
+            done[(task.action, task.microbatch, task.chunk * S + s)] = tick
+            held[s] += {"F": 1, "W": -1}.get(task.action, 0)
+            if task.action == "I":
+                pending[s].append(Task("W", task.microbatch, task.chunk))
         cells.append(row)
     return Table(name, S, M, v, tuple(cells))
 
@@ -183,6 +226,7 @@ def order(name: str, stages: int, microbatches: int, chunks: int, stage: int):
       backward (the last chunk first).
     - ``1f1b``: ``S - s - 1`` warm-up forwards, then one forward and one backward in turn,
       then the backwards left.
+    - ``zero_bubble``: 1F1B's order with ``I`` for ``B`` (:func:`build` adds the ``W``).
     - ``interleaved_1f1b`` (Megatron-LM's order): the microbatches in groups of ``S``, each
       group's forwards through chunk 0, 1, ... and its backwards through chunk v-1, ..., 0;
       ``2 (S - s - 1) + (v - 1) S`` warm-up forwards, then one forward and one backward
@@ -202,9 +246,10 @@ def order(name: str, stages: int, microbatches: int, chunks: int, stage: int):
         c, j = divmod(rest, S)
         return Task(action, group * S + j, c if action == "F" else v - 1 - c)
 
-    total = M * v
-    warm = min(S - s - 1 if name == "1f1b" else 2 * (S - s - 1) + (v - 1) * S, total)
+    total, back = M * v, "I" if name in SPLIT else "B"
+    warm = min(2 * (S - s - 1) + (v - 1) * S if name == "interleaved_1f1b" else S - s - 1,
+               total)
     tasks = [nth("F", i) for i in range(warm)]
     for i in range(total - warm):
-        tasks += [nth("F", warm + i), nth("B", i)]
-    return tasks + [nth("B", i) for i in range(total - warm, total)]
+        tasks += [nth("F", warm + i), nth(back, i)]
+    return tasks + [nth(back, i) for i in range(total - warm, total)]

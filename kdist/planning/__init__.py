@@ -142,8 +142,8 @@ def plan(
             ``stage`` axis (:mod:`kdist.parallel.pipeline`); the plan then also reports the
             bubble, each stage's share and the bytes between stages
             (:mod:`kdist.planning.stages`). ``pipeline_schedule``: the distribution's
-            (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``): the program compiled runs it,
-            and the report draws its timeline; ``"auto"``: the one
+            (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``): the
+            program runs it, and the report draws its timeline; ``"auto"``: the one
             :func:`~kdist.planning.search.choose_schedule` picks for the mesh (GPipe if it
             fits, else 1F1B), and the report says why.
         context_parallel, load_balance: the distribution's, for a mesh with a ``seq`` axis

@@ -114,7 +114,8 @@ def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_len
         activations = (parts["block_activations"] / s * stretch
                        + parts["other_activations"] / v) * tokens / m
     else:  # one microbatch's chunk (recomputed) or head at a time, the inputs in flight
-        kept = schedules.build(schedule, s, micro, repeats).max_in_flight()
+        table = schedules.build(schedule, s, micro, repeats)  # inputs, and zero-bubble's
+        kept = table.max_in_flight() + table.max_deferred()  # cotangents kept for W
         activations = ((parts["block_activations"] / (s * repeats) + parts["other_activations"])
                        * tokens / micro / m
                        # the embedding's output and its gradient, for the whole batch
@@ -220,7 +221,9 @@ def summary(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_le
     devices = d * f * m
     useful = blocks / s * tokens_step / devices
     v = vocab_stages(mesh)
-    bubble = bubble_fraction(s, micro, repeats)
+    table = schedules.build(schedule, s, micro, repeats)
+    # zero-bubble's W ticks fill most of 1F1B's: its own table's idle share
+    bubble = table.bubble if schedule in schedules.SPLIT else bubble_fraction(s, micro, repeats)
     hidden = int(getattr(cost, "config", {}).get("hidden_dim", 0))
     activation = global_batch_size / grad_accum / (d * f) / micro * sequence_length * hidden
     stages = []
@@ -233,7 +236,6 @@ def summary(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_le
                        # pipeline; the others: the last stage, inside the schedule.
                        "head_flops": head * tokens_step / devices / v if schedule == "gpipe"
                        else head * tokens_step / devices * (i == s - 1)})
-    table = schedules.build(schedule, s, micro, repeats)
     return {
         "schedule": schedule, "ticks": table.ticks,
         "in_flight": [max(table.in_flight(i)) for i in range(s)],
@@ -257,6 +259,9 @@ def report_lines(info: dict[str, Any], format_bytes) -> list[str]:
                   "on the last stage inside it")
     steps = (f"{info['iterations']} iterations; bubble {info['bubble']:.1%} = "
              f"(S-1)/(R*M+S-1) of each stage's iterations compute on zeros" if name == "gpipe"
+             else f"{info['ticks']} ticks of one forward, input gradient or weight gradient; "
+                  f"bubble {info['bubble']:.1%} = (S-1)/(3M+S-1) of each stage's ticks idle"
+             if name in schedules.SPLIT
              else f"{info['ticks']} ticks of one forward or one backward; bubble "
                   f"{info['bubble']:.1%} = (S-1)/(R*M+S-1) of each stage's ticks idle")
     lines = [f"pipeline: {name}, {info['stages']} stages x {info['repeats']} repeats, "
@@ -276,7 +281,8 @@ def report_lines(info: dict[str, Any], format_bytes) -> list[str]:
                      f"+ bubble {row['bubble_flops']:.3g}; embedding+head "
                      f"{row['head_flops']:.3g}")
     if info.get("timeline"):
-        lines.append("  timeline (F forward, B backward; a letter: the model chunk):")
+        lines.append("  timeline (F forward, B backward, I input gradient, W weight gradient; "
+                     "a letter: the model chunk):")
         lines += ["    " + line for line in info["timeline"].splitlines()]
     elif "ticks" in info:
         lines.append(f"  timeline: {info['ticks']} ticks, longer than the {TIMELINE_TICKS} "

@@ -77,8 +77,8 @@ EXACT_DILOCO = dict(sync_every=1, outer_learning_rate=1.0, outer_momentum=0.0, o
 # DiLoCo (AdamW inside, H = 2) over 2 rounds, against data-parallel groups.
 DILOCO_LIKE = dict(sync_every=2, steps=4, like={"mesh": "replica=2,data=4", "sync_every": 2})
 
-SCHEDULE_ONLY = (r"pipeline_schedule='1f1b'/'interleaved_1f1b' runs on a mesh of 'stage', "
-                 r"'data', 'fsdp' and 'model' so far, not with ")
+SCHEDULE_ONLY = (r"pipeline_schedule='1f1b'/'interleaved_1f1b'/'zero_bubble' runs on a mesh "
+                 r"of 'stage', 'data', 'fsdp' and 'model' so far, not with ")
 
 TABLE: list[Row] = [
     # --- data, fsdp, model: XLA's partitioner reduces the gradients -----------------------
@@ -149,6 +149,14 @@ TABLE: list[Row] = [
     # stage in a partly manual region: kdist/parallel/interpreter.py)
     trains("stage=2,fsdp=2,model=2", "gpt", config="deep", rows=16, pipeline_microbatches=4,
            pipeline_schedule="1f1b", tolerance="bfloat16"),
+    # zero-bubble (ZB-H1): the backward split into I and W, W filling the bubble
+    trains("stage=4,data=2", "gpt llama", config="deep", rows=16, pipeline_microbatches=8,
+           pipeline_schedule="zero_bubble"),
+    trains("stage=2,fsdp=2,model=2", "gpt llama", config="deep", rows=16,
+           pipeline_microbatches=4, pipeline_schedule="zero_bubble"),
+    trains("stage=2,data=4", "bert", config="scanned", pipeline_schedule="zero_bubble"),
+    trains("stage=4,data=2", "gpt", config="deep", rows=16, pipeline_schedule="zero_bubble",
+           tolerance="bfloat16"),
     refused("stage=2,seq=4", "schedule x seq", SCHEDULE_ONLY + "the 'seq' axis",
             pipeline_schedule="interleaved_1f1b", pipeline_repeats=2),
     refused("replica=2,stage=2,data=2", "schedule x replica",
@@ -188,6 +196,8 @@ TABLE: list[Row] = [
     trains("seq=2,fsdp=2,model=2", "gpt", context_parallel="ring", gradient_reduction="float32"),
     trains("seq=2,fsdp=4", "gpt", context_parallel="ring", gradient_reduction="int8",
            tolerance="8bit"),
+    trains("seq=2,fsdp=4", "gpt", context_parallel="all_gather", gradient_reduction="float8",
+           error_feedback=True, tolerance="8bit"),
     # --- stage x seq: each stage's tokens split over seq ------------------------------------
     trains("stage=2,seq=2,fsdp=2", "gpt llama-documents", config="deep", rows=16,
            context_parallel="ring"),
@@ -209,7 +219,9 @@ TABLE: list[Row] = [
     # (8 steps, 4 rounds: the float32 run's loss must move by 10x the 8-bit tolerance.)
     trains("replica=2,data=4", "gpt", gradient_reduction="int8", tolerance="8bit", sync_every=2,
            steps=8, like={"mesh": "replica=2,data=4", "sync_every": 2}),
-    # One group with a plain average is plain training: tests/parallel/test_replicas.py.
+    # One group with a plain average is plain training (fsdp=8: tests/parallel/test_replicas.py)
+    trains("replica=1,seq=2,fsdp=4", "llama", context_parallel="ring", sync_every=2, steps=4,
+           outer_learning_rate=1.0, outer_momentum=0.0),
     # DiLoCo whose groups are pipelines or split sequences computes what DiLoCo with
     # data-parallel groups computes (the same rows per group), over 2 rounds.
     trains("replica=2,stage=2,data=2", "gpt", config="deep", rows=16, **DILOCO_LIKE),

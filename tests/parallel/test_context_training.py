@@ -2,7 +2,10 @@
 one device; the ring's compiled step sends exactly the key/value blocks it should; bad
 inputs fail before anything compiles. (That training equals 1-device training — every mesh
 ``seq`` combines with, both attention variants, GPT-2 and Llama-style, documents, BERT
-padding, a scanned stack, bf16 — is the ``seq`` rows of tests/parallel/combinations.py.)"""
+padding, a scanned stack, bf16 — is the ``seq`` rows of tests/parallel/combinations.py; a
+scanned stack against the unstacked model is here.)"""
+
+from unittest import mock
 
 import keras
 import numpy as np
@@ -11,10 +14,13 @@ import pytest
 import kdist
 from kdist import hlo
 from kdist.models import GPTBackbone, GPTCausalLM
+from kdist.models.stacking import match_layer_layout, unstack_layer_weights
 from kdist.parallel.context import SequenceLayout
+from kdist.parallel.context import layer as context_layer
 from kdist.parallel.context.cost import ring_bytes
 from kdist.planning.compile import compile_train_step
-from tests.helpers import TINY_GPT, TINY_LLAMA, token_batches
+from tests.helpers import TINY_GPT, TINY_LLAMA, token_batches, weights
+from tests.parallel.harness import FAMILIES, OPTIMIZERS, TOLERANCES, reference_run
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
@@ -117,3 +123,34 @@ def test_unsupported_combinations_are_refused():
     keras.distribution.set_distribution(kdist.distribution("seq=2,model=4"))
     with pytest.raises(ValueError, match=r"num_key_value_heads=2 .* 'model' size among \[1, 2\]"):
         GPTBackbone(**{**TINY_LLAMA, "num_key_value_heads": 2})
+
+
+def test_a_scanned_stack_under_seq_trains_like_the_unstacked_blocks_on_one_device():
+    """The scanned stack (one block in a ``lax.scan``) under ``seq=4,data=2`` against the
+    *unstacked* 1-device model (the harness' memoised reference), started from its initial
+    weights stacked by the converter: the split attention runs in the scan body, and the
+    losses and the unstacked final weights are the reference's (float32 tolerance). (The
+    ``config=scanned`` seq row compares scanned with scanned.)"""
+    family = FAMILIES["llama-documents"]
+    tol = TOLERANCES["float32"]
+    reference = reference_run("llama-documents", None, config=None, task=None, steps=3,
+                              rows=8, optimizer="adamw", dtype_policy="float32", seed=0)
+    keras.utils.clear_session()
+    keras.config.set_dtype_policy("float32")
+    keras.distribution.set_distribution(kdist.distribution("seq=4,data=2",
+                                                           context_parallel="ring"))
+    model = GPTCausalLM(GPTBackbone(**family.config, scan_layers=True))
+    values = match_layer_layout(reference.initial, {w.path: w.shape for w in model.weights})
+    for w in model.weights:
+        w.assign(values[w.path])
+    model.compile(optimizer=OPTIMIZERS["adamw"]())
+    with mock.patch.object(context_layer, "local_attention",
+                           wraps=context_layer.local_attention) as spy:
+        losses = [family.step(model, batch) for batch in reference.batches]
+    assert spy.call_count >= 1  # traced in the scan body
+    np.testing.assert_allclose(losses, reference.losses, rtol=tol.loss_rtol, atol=0)
+    unstacked = unstack_layer_weights(weights(model))
+    assert sorted(unstacked) == sorted(reference.final)
+    for path, value in reference.final.items():
+        np.testing.assert_allclose(unstacked[path], value, rtol=0, atol=tol.weight_atol,
+                                   err_msg=path)

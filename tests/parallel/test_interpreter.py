@@ -95,7 +95,8 @@ def scheduled(p, name, stages, m, chunks):
 
 
 CASES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("gpipe", 4, 8, 2),
-         ("interleaved_1f1b", 4, 8, 2), ("1f1b", 2, 4, 1), ("interleaved_1f1b", 2, 4, 3)]
+         ("interleaved_1f1b", 4, 8, 2), ("1f1b", 2, 4, 1), ("interleaved_1f1b", 2, 4, 3),
+         ("zero_bubble", 4, 8, 1), ("zero_bubble", 2, 4, 1)]
 
 
 @pytest.mark.parametrize("name, stages, m, chunks", CASES)
@@ -110,25 +111,29 @@ def test_every_schedule_trains_like_one_device(name, stages, m, chunks):
 
 
 def test_a_task_it_cannot_run_is_refused_before_compiling():
-    """The interpreter runs F and B only; an unknown task is refused by name."""
+    """The interpreter runs F, B, I and W; an unknown task is refused by name."""
     table = schedules.build("1f1b", 2, 2)
     cells = list(table.cells)
-    cells[0] = (schedules.Task("W", 0), cells[0][1])
+    cells[0] = (schedules.Task("R", 0), cells[0][1])
     broken = schedules.Table("1f1b", 2, 2, 1, tuple(cells))
-    with pytest.raises(ValueError, match="runs F and B tasks; got Task\\(action='W'"):
+    with pytest.raises(ValueError, match="runs F, B, I and W tasks; got Task\\(action='R'"):
         interpreter.Program(broken)
 
 
 @pytest.mark.parametrize("name, stages, m, chunks, slots", [
     ("gpipe", 4, 8, 1, 8), ("1f1b", 4, 8, 1, 4), ("1f1b", 4, 32, 1, 4),
-    ("interleaved_1f1b", 4, 8, 2, 10), ("interleaved_1f1b", 4, 32, 2, 10)])
+    ("interleaved_1f1b", 4, 8, 2, 10), ("interleaved_1f1b", 4, 32, 2, 10),
+    ("zero_bubble", 4, 8, 1, 4), ("zero_bubble", 4, 32, 1, 4)])
 def test_buffers_hold_what_the_schedule_keeps_in_flight(name, stages, m, chunks, slots):
     """A stage's input buffer: its in-flight microbatches plus the one that arrived while it
-    was busy; 1F1B's and interleaved's do not grow with M."""
+    was busy; 1F1B's, interleaved's and zero-bubble's do not grow with M. Zero-bubble keeps
+    a cotangent from its I to its W as well."""
     program = interpreter.Program(schedules.build(name, stages, m, chunks))
     assert program.input_slots == slots
     table = program.table
     assert program.input_slots <= table.max_in_flight() + 1
+    if name == "zero_bubble":  # the cotangents between I and W, and one arriving
+        assert program.cotangent_slots <= table.max_deferred() + 1
 
 
 def autodiff_gpipe(stages, m, weights, head, xm, data):

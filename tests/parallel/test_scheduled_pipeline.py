@@ -1,8 +1,8 @@
-"""pipeline_schedule='1f1b' / 'interleaved_1f1b' in the training step (the loss inside the
-schedule: kdist.parallel.pipeline.scheduled). Parity with one device and GPipe is in the
-combination table (tests/parallel/combinations.py); here: what is refused and where,
-evaluation, generation and a resumed checkpoint of a model trained so, the plan's memory
-and timeline, and pipeline_schedule="auto"."""
+"""pipeline_schedule='1f1b' / 'interleaved_1f1b' / 'zero_bubble' in the training step (the
+loss inside the schedule: kdist.parallel.pipeline.scheduled). Parity with one device and
+GPipe is in the combination table (tests/parallel/combinations.py); here: what is refused
+and where, evaluation, generation and a resumed checkpoint of a model trained so, the
+plan's memory and timeline, and pipeline_schedule="auto"."""
 
 import keras
 import numpy as np
@@ -19,8 +19,10 @@ DEEP = dict(TINY_GPT, num_layers=8)
 @pytest.mark.parametrize("mesh, options, message", [
     ("data=8", dict(pipeline_schedule="1f1b"),
      "pipeline_schedule='1f1b' orders a pipeline's microbatches; mesh 'data=8' has no 'stage'"),
-    ("stage=4,data=2", dict(pipeline_schedule="zero_bubble"),
-     "pipeline_schedule must be one of gpipe, 1f1b, interleaved_1f1b; got 'zero_bubble'"),
+    ("stage=4,data=2", dict(pipeline_schedule="zb-h1"),
+     "pipeline_schedule must be one of gpipe, 1f1b, interleaved_1f1b, zero_bubble; got 'zb-h1'"),
+    ("stage=4,data=2", dict(pipeline_schedule="zero_bubble", pipeline_repeats=2),
+     "pipeline_schedule='zero_bubble' runs one model chunk per stage; got 2"),
     # (with fsdp, model, seq, replica groups or gradient_reduction: combination table rows)
     ("stage=4,data=2", dict(pipeline_schedule="1f1b", pipeline_repeats=2),
      "runs one model chunk per stage; got 2 \\(pipeline_repeats\\)"),
@@ -114,7 +116,8 @@ def test_the_plan_compiles_the_schedule_and_its_activations_do_not_grow_with_m()
     estimate (what --mesh auto ranks by) follows the schedule, and the bytes sent between
     stages are the table's: one activation each way per tick."""
     activations, reports = {}, {}
-    for schedule, repeats in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+    for schedule, repeats in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
+                              ("zero_bubble", 1)):
         for m in (8, 16):
             result = _plan(schedule, m, repeats)
             reports[schedule, m] = result.report()
@@ -129,13 +132,16 @@ def test_the_plan_compiles_the_schedule_and_its_activations_do_not_grow_with_m()
             assert result.theoretical_collectives["collective-permute"] == sent
             assert result.collectives["collective-permute"]["bytes"] == pytest.approx(sent)
     print({k: f"{v / 2**20:.1f} MiB" for k, v in activations.items()})
-    for schedule in ("1f1b", "interleaved_1f1b"):
+    for schedule in ("1f1b", "interleaved_1f1b", "zero_bubble"):
         assert activations[schedule, 16] <= 0.5 * activations["gpipe", 16]
         assert activations[schedule, 16] <= 1.15 * activations[schedule, 8]
     report = reports["1f1b", 8]
     assert "pipeline: 1f1b, 2 stages" in report
     assert "microbatch chunks in flight per stage (their inputs kept): [2, 1]" in report
     assert "stage 0 | F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7" in report
+    report = reports["zero_bubble", 8]
+    assert "25 ticks of one forward, input gradient or weight gradient; bubble 4.0%" in report
+    assert "stage 1 | .  F0 I0 F1 I1 W0 F2 I2 W1 F3 I3 W2" in report
 
 
 def test_under_fsdp_each_stage_gathers_its_weights_once_per_step():

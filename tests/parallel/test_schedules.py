@@ -1,6 +1,7 @@
 """Pipeline schedules as tick tables (kdist/parallel/schedules.py): every task once, in an
-order the data flow allows; GPipe's and 1F1B's bubble against the formula; 1F1B's
-activations bounded by the stages, not the microbatches. Pure Python: no compilation."""
+order the data flow allows; GPipe's, 1F1B's and zero-bubble's bubble against the formula;
+1F1B's activations bounded by the stages, not the microbatches, and zero-bubble's by
+1F1B's peak. Pure Python: no compilation."""
 
 import pytest
 
@@ -13,7 +14,7 @@ SHAPES = [(2, 2, 1), (2, 5, 1), (4, 8, 1), (4, 16, 1), (8, 32, 1), (2, 4, 2), (4
 
 def runs(name, stages, microbatches, chunks):
     """Whether the schedule takes these settings (the refusals are tested below)."""
-    if name == "1f1b":
+    if name in ("1f1b", "zero_bubble"):
         return chunks == 1
     if name == "interleaved_1f1b":
         return chunks > 1 and microbatches % stages == 0
@@ -42,27 +43,48 @@ def test_every_task_runs_once_after_what_it_needs(name, stages, microbatches, ch
     table = schedules.build(name, stages, microbatches, chunks)
     when = ticks_of(table)
     last = stages * chunks - 1
+    back = "I" if name == "zero_bubble" else "B"  # the task that sends the cotangent back
     for m in range(microbatches):
         for k in range(last + 1):
-            assert ("F", m, k) in when and ("B", m, k) in when
+            assert ("F", m, k) in when and (back, m, k) in when
             if k > 0:  # the activation crosses one permute: a later tick
                 assert when[("F", m, k)] > when[("F", m, k - 1)]
-            assert when[("B", m, k)] > when[("F", m, k)]
+            assert when[(back, m, k)] > when[("F", m, k)]
             if k < last:  # the cotangent comes back from the next virtual stage
-                assert when[("B", m, k)] > when[("B", m, k + 1)]
-    assert len(when) == 2 * microbatches * (last + 1)
+                assert when[(back, m, k)] > when[(back, m, k + 1)]
+            if back == "I":  # the weight gradient after the input gradient
+                assert when[("W", m, k)] > when[("I", m, k)]
+    assert len(when) == (3 if back == "I" else 2) * microbatches * (last + 1)
 
 
 @pytest.mark.parametrize("name, stages, microbatches, chunks", [
     (name, s, m, v) for name in schedules.SCHEDULES
     for s, m in [(2, 2), (4, 8), (4, 16), (8, 16), (8, 32)] for v in (1, 2, 4)
-    if runs(name, s, m, v) and (v == 1 or name != "gpipe")])
+    if runs(name, s, m, v) and (v == 1 or name != "gpipe") and name != "zero_bubble"])
 def test_bubble_equals_the_formula(name, stages, microbatches, chunks):
     """(S - 1) / (v M + S - 1): every stage idles 2 (S - 1) ticks of 2 (v M + S - 1)."""
     table = schedules.build(name, stages, microbatches, chunks)
     assert table.ticks == 2 * (chunks * microbatches + stages - 1)
     assert table.bubble == pytest.approx(bubble_fraction(stages, microbatches, chunks),
                                          rel=1e-12)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (4, 8), (4, 16), (8, 16),
+                                                  (8, 32)])
+def test_zero_bubble_fills_the_bubble_with_weight_gradients_at_1f1b_memory(stages,
+                                                                          microbatches):
+    """ZB-H1: a stage's 3 M tasks (F, I, W) in 3 M + S - 1 ticks — only the S - 1 ticks
+    before stage 0's first I idle — where 1F1B's split tasks would take 3 (M + S - 1): the
+    bubble (S - 1) / (3 M + S - 1), a third of 1F1B's; no stage holds more microbatches
+    than 1F1B's stage 0 (S)."""
+    S, M = stages, microbatches
+    table = schedules.build("zero_bubble", S, M)
+    assert table.ticks == 3 * M + S - 1
+    assert table.bubble == pytest.approx((S - 1) / (3 * M + S - 1), rel=1e-12)
+    assert table.bubble < bubble_fraction(S, M) / 2
+    assert table.max_in_flight() == schedules.build("1f1b", S, M).max_in_flight() == S
+    assert table.max_deferred() >= 1  # some W did wait for an idle tick
+    assert all(held[-1] == 0 for held in map(table.in_flight, range(S)))
 
 
 def test_circular_gpipe_bubble_shrinks_with_the_repeats():
@@ -95,6 +117,9 @@ def test_interleaved_holds_what_megatron_warms_up_whatever_the_microbatches(stag
 
 
 def test_timeline_draws_the_table():
+    assert schedules.build("zero_bubble", 2, 3).timeline() == (
+        "stage 0 | F0 F1 .  I0 W0 F2 I1 W1 I2 W2\n"
+        "stage 1 | .  F0 I0 F1 I1 W0 F2 I2 W1 W2")
     assert schedules.build("gpipe", 2, 2).timeline() == (
         "stage 0 | F0 F1 .  .  B0 B1\n"
         "stage 1 | .  F0 F1 B0 B1 .")
@@ -104,9 +129,10 @@ def test_timeline_draws_the_table():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("zero_bubble", 4, 8), "pipeline_schedule must be one of gpipe, 1f1b, interleaved_1f1b; "
-                            "got 'zero_bubble'"),
+    (("zb", 4, 8), "pipeline_schedule must be one of gpipe, 1f1b, interleaved_1f1b, "
+                   "zero_bubble; got 'zb'"),
     (("1f1b", 4, 8, 2), "runs one model chunk per stage; got 2 \\(pipeline_repeats\\)"),
+    (("zero_bubble", 4, 8, 2), "'zero_bubble' runs one model chunk per stage; got 2"),
     (("interleaved_1f1b", 4, 8), "several model chunks per stage; got pipeline_repeats=1"),
     (("interleaved_1f1b", 4, 6, 2), "pipeline_microbatches=6 is not a multiple of 4"),
     (("1f1b", 4, 2), "pipeline_microbatches=2 is fewer than the 4 stages"),
