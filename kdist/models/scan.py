@@ -213,7 +213,12 @@ class LayerStack(layers.Layer):
         """What both forward paths need: the weights, the step's dropout seed, the layers'
         keyword arguments, the layer function and the pipeline schedule (or None)."""
         weights = [ops.convert_to_tensor(v) for v in self._parts.stacked]  # lead + shape
-        seed = self.seed_generator.next() if self.seed_generator is not None else None
+        seed = None
+        if self.seed_generator is not None:  # the stream advances only where dropout runs,
+            # as Keras' own Dropout's does (an evaluation between steps must not change the
+            # masks the steps draw); inference reads the state, for blocks that need a key
+            seed = self.seed_generator.next() if training else \
+                ops.convert_to_tensor(self.seed_generator.state)
         kwargs = {k: v for k, v in (("attention_mask", attention_mask),
                                     ("positions", positions),
                                     ("segment_ids", segment_ids)) if v is not None}

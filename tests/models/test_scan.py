@@ -107,6 +107,13 @@ def test_dropout_draws_per_layer_and_per_step():
     assert np.abs(np.asarray(stack(x, training=True)) - np.asarray(stack(x, training=True))
                   ).max() > 0  # the stack's seed generator advances
     np.testing.assert_array_equal(stack(x), stack(x))  # no dropout at inference
+    # ... and inference leaves the seed stream alone, as Keras' Dropout does: the next
+    # training call draws what it would have drawn without the evaluation between.
+    state = np.asarray(stack.seed_generator.state.value)
+    stack(x, training=False)
+    np.testing.assert_array_equal(stack.seed_generator.state.value, state)
+    stack(x, training=True)
+    assert not np.array_equal(stack.seed_generator.state.value, state)
 
 
 def test_saving_config_and_loading(tmp_path):
