@@ -259,7 +259,10 @@ def fit_callbacks(args: argparse.Namespace, state: RunState, model, train_data,
         state.checkpoint_dir, save_every_steps=args.checkpoint_every * args.grad_accum or None,
         data=train_data, resume="required" if args.resume else "auto", init_from=init_from,
         throughput=throughput)
-    start_step = checkpoint.restore(model) // args.grad_accum
+    start_step = checkpoint.restore(model)
+    if job is not None:  # a group rejoining a job that went on: from the job's step
+        start_step = kdist.groups.skip_to_job(checkpoint, model, args.steps * args.grad_accum)
+    start_step //= args.grad_accum
     log = ([keras.callbacks.CSVLogger(str(state.output_dir / "log.csv"), append=start_step > 0)]
            if jax.process_index() == 0 else [])  # one writer when there are several
     return [throughput, *log, checkpoint], start_step

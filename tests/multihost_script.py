@@ -315,6 +315,8 @@ def groups(args) -> dict:
         checkpoint = Checkpoint(Path(args.ckpt) / f"group-{group}",
                                 save_every_steps=args.save_every, data=data.train)
         restored = checkpoint.restore(model)
+        if job:  # a group rejoining a job that went on: from the job's step
+            restored = kdist.groups.skip_to_job(checkpoint, model, args.steps)
         callbacks.append(checkpoint)
     history = model.fit(data.train, epochs=args.steps, steps_per_epoch=1, shuffle=False,
                         verbose=0, callbacks=callbacks, initial_epoch=0)

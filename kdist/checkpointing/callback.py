@@ -206,6 +206,39 @@ class Checkpoint(keras.callbacks.Callback):
                   f"{self.data_step}, loss {meta.get('loss')})")
         return self.step
 
+    def skip_to(self, step: int, model: keras.Model | None = None) -> int:
+        """Moves the run :meth:`restore` placed (at its checkpoint's step, or 0) on to
+        ``step`` without training the steps between: the optimizer's step counter and the
+        data position advance by the same count, the weights and optimizer slots stay.
+        What a replica group that rejoins a job which went on without it does
+        (:func:`kdist.groups.skip_to_job`): the data it skips is what the failure cost.
+        Returns the step to continue from. Call it after ``restore`` and before ``fit``.
+
+        Example:
+            >>> checkpoint.restore(model)  # doctest: +SKIP
+            >>> checkpoint.skip_to(400, model)  # doctest: +SKIP
+            400
+        """
+        model = model if model is not None else self._fit_model
+        if self.restored_step is None:
+            raise ValueError("Checkpoint.skip_to moves a restored run on: call restore() "
+                             "first.")
+        if step <= self.step:
+            return self.step
+        skipped = step - self.step
+        if self.data not in (None, "restart"):
+            base = self.data.start_step if self.data_step is None else self.data_step
+            self.data_step = base + skipped
+            self.data.start_step = self.data_step
+        counter = _keras_compat.optimizer_iterations(model.optimizer)
+        counter.assign(counter + skipped)
+        self.step = self.restored_step = step
+        self._restored_metrics = {}  # a partial epoch's running means belong to the old step
+        if self.verbose:
+            print(f"Checkpoint: skipped to step {step} ({skipped} steps not trained; data "
+                  f"position {self.data_step})")
+        return step
+
     def _position_data(self):
         if self.data is None and self.restored_step:
             raise ValueError(

@@ -13,6 +13,8 @@ directory: a local disk, NFS, a mounted bucket), never through a server of kdist
   quorum record, the outer state, each group's heartbeat, every commit atomic.
 * :mod:`kdist.groups.sync` — the outer step between inner steps, on the host: publish, wait
   for the quorum, average in a fixed order, step; join and catch up.
+* :mod:`kdist.groups.rejoin` — where a restarted group resumes: the job's step, not its
+  own checkpoint's.
 * :mod:`kdist.groups.supervisor` — the launcher's group mode: starts G groups, restarts a
   failed one or starts a spare in its place, ends the job when fewer than a minimum remain.
 
@@ -23,5 +25,6 @@ sync_every=50)`` trains the two groups in one program on 8 devices, or — launc
 """
 
 from kdist.groups.job import JobGroups, from_environment
+from kdist.groups.rejoin import skip_to_job
 
-__all__ = ["JobGroups", "from_environment"]
+__all__ = ["JobGroups", "from_environment", "skip_to_job"]

@@ -18,12 +18,12 @@ round this group applied):
    rounds closed after it from their published gradients.
 
 A (re)started group takes the outer weights and momentum from the store and keeps its
-own inner optimizer state and step — those of its own last checkpoint when the recipe
-restored one, fresh otherwise. Why: the outer weights are newer than anything in the
-group's own checkpoint and identical in every group, while the inner AdamW moments
-describe the group's own data stream (a peer's would do too, but cost a transfer of two
-more copies of the weights); the steps it repeats since its checkpoint are what the
-failure cost.
+own inner optimizer state — that of its own last checkpoint when the recipe restored one,
+fresh otherwise. Why: the outer weights are newer than anything in the group's own
+checkpoint and identical in every group, while the inner AdamW moments describe the
+group's own data stream (a peer's would do too, but cost a transfer of two more copies of
+the weights). Its step is the job's (:func:`kdist.groups.rejoin.skip_to_job`, before
+``fit``): the data it skips is what the failure cost.
 
 Asynchronous mode (``KDIST_REPLICA_MODE=async``) never waits: a round closes with the
 gradients present when the group syncs (its own included), so a slow or dead group holds
@@ -184,7 +184,7 @@ class OuterSync:
             self.store.record_join(self.applied)
         self.rounds.append(dict(join=self.applied, group=self.job.index))
         say(f"group {self.job.index} joined at round {self.applied} (outer state from the "
-            f"store; inner optimizer state and step its own)")
+            f"store; inner optimizer state its own)")
         return state
 
     def _refuse_duplicate(self):

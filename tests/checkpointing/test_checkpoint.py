@@ -77,6 +77,32 @@ def test_resume_mid_epoch_is_bit_exact(tmp_path):
     assert committed_steps(tmp_path / "split") == [6, 9, 12]  # keep=3
 
 
+def test_skip_to_moves_the_step_data_and_optimizer_on_without_training(tmp_path):
+    """What a replica group rejoining a job that went on does (kdist.groups.skip_to_job):
+    restored at step 3, skipped to 9, fit trains steps 10-12 from data position 9."""
+    run(tmp_path, epochs=1, steps_per_epoch=3)
+    keras.utils.clear_session()
+    model = tiny_gpt(None, dropout=0.1)
+    model.compile(optimizer=parity_optimizer())
+    data = LMBatches(TOKENS, sequence_length=16, global_batch_size=8, seed=3)
+    ckpt = Checkpoint(tmp_path, data=data, verbose=False, handle_signals=False,
+                      save_every_steps=3)
+    with pytest.raises(ValueError, match="call restore"):
+        ckpt.skip_to(9, model)
+    assert ckpt.restore(model) == 3
+    before = weights(model)
+    assert ckpt.skip_to(2, model) == 3  # never backwards
+    assert ckpt.skip_to(9, model) == 9
+    assert data.start_step == 9 and int(model.optimizer._iterations.value) == 9
+    assert all(np.array_equal(before[k], v) for k, v in weights(model).items())
+    record = Record()
+    model.fit(data, epochs=3, steps_per_epoch=4, shuffle=False, verbose=0,
+              callbacks=[record, ckpt])
+    assert record.epochs == [2] and len(record.losses) == 3  # steps 10-12, mid-epoch 2
+    assert committed_steps(tmp_path)[-1] == 12
+    assert read_metadata(tmp_path / "12")["data_step"] == 12
+
+
 class Capture(keras.callbacks.Callback):
     """Host copies of the weights after given steps (to check what an async save wrote)."""
 

@@ -1,6 +1,7 @@
 """The group job's environment, the store's commits and the supervisor's checks: no JAX
 program, no child process but the launcher's refusal."""
 
+import json
 import subprocess
 import sys
 import time
@@ -169,3 +170,42 @@ def test_the_report_names_each_failure_its_round_and_when_the_group_rejoined(tmp
         "replica rounds: 2 (this group in 1, behind 1 times); per round 0.20 s on the host "
         "median, 0.10 s waiting for the quorum median / 0.20 s max",
         "joined the job at round 2"]
+
+
+class _Restored:
+    """A Checkpoint that restored ``step``: records where skip_to_job moves it."""
+
+    def __init__(self, step):
+        self.step, self.skipped_to = step, None
+
+    def skip_to(self, step, model):
+        self.skipped_to = self.step = step
+        return step
+
+
+def test_a_rejoining_group_skips_to_the_jobs_step_keeping_one_round(tmp_path, monkeypatch):
+    """A group whose own checkpoint is behind the job's newest outer state goes on from that
+    state's step (the furthest member's), a multiple of the round's fit batches, and keeps
+    at least one round of its steps; one already there, or outside a group job, stays."""
+    from types import SimpleNamespace
+
+    from kdist.groups import skip_to_job
+
+    model = SimpleNamespace(optimizer=SimpleNamespace(sync_every=5, accumulation=2))
+    monkeypatch.setenv("KDIST_REPLICA_GROUP", "1")
+    monkeypatch.setenv("KDIST_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("KDIST_REPLICA_STORE", str(tmp_path))
+    (tmp_path / "outer").mkdir()
+    assert skip_to_job(_Restored(0), model, total_steps=200) == 0  # a new job
+    for r, steps in [(3, [30, 30]), (7, [60, 70])]:  # round 7: members at 60 and 70
+        (tmp_path / "outer" / f"{r}.json").write_text(json.dumps({"steps": steps}))
+    for restored, total, expected in [(20, 200, 70), (0, 200, 70), (70, 200, 70),
+                                      (90, 200, 90), (20, 75, 60), (20, 10, 20)]:
+        checkpoint = _Restored(restored)
+        assert skip_to_job(checkpoint, model, total_steps=total) == expected, \
+            (restored, total)
+        assert checkpoint.skipped_to == (expected if expected > restored else None)
+    monkeypatch.delenv("KDIST_REPLICA_GROUP")
+    monkeypatch.delenv("KDIST_REPLICA_GROUPS")
+    monkeypatch.delenv("KDIST_REPLICA_STORE")
+    assert skip_to_job(_Restored(20), model, total_steps=200) == 20

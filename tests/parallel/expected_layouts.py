@@ -78,10 +78,14 @@ def assert_layouts(model, table=EXPECTED_AXES) -> None:
 
     sizes = keras.distribution.distribution().mesh_shape
     slots = {v.path: v for v in model.optimizer.variables} if model.optimizer else {}
+    adam = any(path.startswith("adam_w/") for path in slots)  # a built AdamW: every
+    # trainable weight has both moments (a missing one is an error, not a skip)
     for w in model.weights:
         assert declared_axes(w) == expected_axes(w.path, table), w.path
         assert padded_spec(w) == expected_spec(w.path, w.shape, sizes, table), w.path
         for slot in ("momentum", "velocity"):
             name = f"adam_w/{w.path.replace('/', '_')}_{slot}"
+            if adam and w.trainable:
+                assert name in slots, f"{name} not among AdamW's variables"
             if name in slots:
                 assert padded_spec(slots[name]) == padded_spec(w), name

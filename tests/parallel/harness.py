@@ -237,6 +237,20 @@ def _hub(kind):
                   layouts=layouts, learns=0.01)
 
 
+def _toy_layouts(model):
+    """The toy's declarations through kdist's rules, and on fsdp=4,model=2 (its row) the
+    specs written out, as tests/test_toy_family.py had them: a change in the rules that
+    the derived check would follow shows here."""
+    assert_layouts(model, TOY_AXES)
+    sizes = {a: n for a, n in keras.distribution.distribution().mesh_shape.items() if n > 1}
+    if sizes == {"fsdp": 4, "model": 2}:
+        specs = {w.path.split("mlp_backbone/")[-1]: tuple(w.value.sharding.spec)
+                 for w in model.weights}
+        assert specs == {"embeddings": ("model", "fsdp"), "up/kernel": ("fsdp", "model"),
+                         "up/bias": ("model",), "down/kernel": ("model", "fsdp"),
+                         "down/bias": ("fsdp",)}, specs
+
+
 FAMILIES: dict[str, Family] = {
     "gpt": Family(_gpt, _tokens, config=TINY_GPT),
     "gpt-documents": Family(_gpt, _documents_batches, config={**TINY_GPT, "document_mask": True}),
@@ -247,7 +261,7 @@ FAMILIES: dict[str, Family] = {
     "bert": Family(_bert, _masked, _mlm_step, _mlm_evaluate, config=TINY_BERT),
     # tests/toy_family.py: a family kdist knows only by its declarations.
     "toy": Family(_toy, _tokens, config=dict(vocabulary_size=VOCAB, hidden_dim=HIDDEN, mlp_dim=MLP),
-                  layouts=lambda model: assert_layouts(model, TOY_AXES),
+                  layouts=_toy_layouts,
                   # A tied table of stddev 0.02 and no attention: its gradients sit below
                   # Adam's epsilon=1e-3, so 3 steps lower the first batch's loss by 1.9e-3
                   # (measured), 170x the float32 loss tolerance at loss 5.5.
