@@ -13,7 +13,8 @@ DiLoCo on ``replica=2,data=4`` (``--sync-every 3``), a checkpoint per group ever
    moment its heartbeat says ``waiting`` (inside a round's publish or the quorum wait),
    even ones at a random moment of a round — each once it has rejoined and run 2 steps.
    Printed: exit status, group 0's steps per second (median and slowest 10-step window, and
-   over each kill's next 10 s), each rejoin's delay, the final validation losses against the
+   over each kill's next 10 s), each rejoin's delay, the steps group 1 skipped on
+   rejoining (it goes on from the job's step), the final validation losses against the
    run without faults, and the loss curve (the groups' mean per 20 steps) of both modes.
 2. **Time lost per failure**, the same job: wall time with one kill minus without, for
    separate groups, and for today's single JAX job (``--processes 2``: one cluster, DiLoCo
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -115,7 +117,10 @@ def groups_job(out, args, tag, kills, mode="quorum", seed=0):
         except ProcessLookupError:
             break
         killed.append(time.monotonic())
-        if not run.wait_for(lambda n=n: sum("group 1 joined" in x for x in run.lines) > n):
+        mark = len(run.lines)  # group 1's join at the job's start may come before or after
+        # group 0's: count only the join that follows this kill
+        if not run.wait_for(lambda mark=mark: any("group 1 joined" in x
+                                                  for x in run.lines[mark:])):
             break
         joined.append(time.monotonic())
     status, wall = run.finish()
@@ -127,7 +132,9 @@ def groups_job(out, args, tag, kills, mode="quorum", seed=0):
                   rejoin_s=[j - k for j, k in zip(joined, killed)],
                   survivor_steps=len(survivor), survivor_steps_per_s_median=float(
                       np.median(rates)), survivor_steps_per_s_slowest=float(rates.min()),
-                  survivor_steps_per_s_after_kills=after, output="".join(run.lines))
+                  survivor_steps_per_s_after_kills=after, output="".join(run.lines),
+                  skipped_steps=sum(int(b) - int(a) + 1 for x in run.lines
+                                    for a, b in re.findall(r"steps (\d+)-(\d+) skipped", x)))
     for g in (0, 1):
         record = json.loads((out / f"groups-g{g}-rank0.json").read_text())
         result[f"validation_g{g}"] = record["validation"]
@@ -165,6 +172,24 @@ def curve(result, every=20):
             for s in steps if int(s) % every == 0}
 
 
+def time_lost(out, args) -> dict:
+    """Wall time with one kill minus without: separate groups, and today's single job
+    relaunched from its checkpoint (``--time-lost-steps`` steps each)."""
+    short = argparse.Namespace(**dict(vars(args), steps=args.time_lost_steps))
+    base = groups_job(out / "groups-no-kill", short, "none", 0)["wall_s"]
+    one = groups_job(out / "groups-one-kill", short, "one", 1)
+    today = relaunch_job(out / "relaunch-clean", short, "relaunch", kill=False)
+    today_kill = relaunch_job(out / "relaunch-kill", short, "relaunch", kill=True)
+    print(f"time lost per failure: separate groups {one['wall_s'] - base:.1f} s (job "
+          f"{one['wall_s']:.0f} s against {base:.0f} s); one job relaunched from its "
+          f"checkpoint {today_kill['wall_s'] - today['wall_s']:.1f} s (job "
+          f"{today_kill['wall_s']:.0f} s against {today['wall_s']:.0f} s)")
+    return dict(groups_s=one["wall_s"] - base, groups_wall_s=one["wall_s"],
+                groups_clean_wall_s=base, relaunch_s=today_kill["wall_s"] - today["wall_s"],
+                relaunch_wall_s=today_kill["wall_s"], relaunch_clean_wall_s=today["wall_s"],
+                relaunch_status=[today["status"], today_kill["status"]])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=10)
@@ -176,6 +201,8 @@ def main(argv=None):
                         "at the end (at 1e-3 it rises after ~30 steps: overfitting)")
     p.add_argument("--time-lost-steps", type=int, default=60,
                    help="steps of the four runs that time one failure")
+    p.add_argument("--no-time-lost", action="store_true",
+                   help="the trials only, without the four runs that time one failure")
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
     p.add_argument("--json", default=None, help="write the figures here too")
     args = p.parse_args(argv)
@@ -193,26 +220,14 @@ def main(argv=None):
               f"({trial['kills_inside_a_round']} inside a round's publish or wait), rejoin "
               f"{np.median(trial['rejoin_s']) if trial['rejoin_s'] else 0:.1f} s median "
               f"(max {max(trial['rejoin_s'], default=0):.1f}); group 0 "
-              f"{trial['survivor_steps']} steps, {trial['survivor_steps_per_s_median']:.2f} "
+              f"{trial['survivor_steps']} steps, group 1 skipped {trial['skipped_steps']} on "
+              f"rejoining, {trial['survivor_steps_per_s_median']:.2f} "
               f"steps/s median, slowest window {trial['survivor_steps_per_s_slowest']:.2f}; "
               f"after each kill {trial['survivor_steps_per_s_after_kills']}; validation "
               f"{trial['validation_g0']:.4f} / {trial['validation_g1']:.4f} against "
               f"{clean['validation_g0']:.4f} without faults", flush=True)
-    short = argparse.Namespace(**dict(vars(args), steps=args.time_lost_steps))
-    base = groups_job(out / "groups-no-kill", short, "none", 0)["wall_s"]
-    one = groups_job(out / "groups-one-kill", short, "one", 1)
-    today = relaunch_job(out / "relaunch-clean", short, "relaunch", kill=False)
-    today_kill = relaunch_job(out / "relaunch-kill", short, "relaunch", kill=True)
-    figures["time_lost"] = dict(groups_s=one["wall_s"] - base, groups_wall_s=one["wall_s"],
-                                groups_clean_wall_s=base,
-                                relaunch_s=today_kill["wall_s"] - today["wall_s"],
-                                relaunch_wall_s=today_kill["wall_s"],
-                                relaunch_clean_wall_s=today["wall_s"],
-                                relaunch_status=[today["status"], today_kill["status"]])
-    print(f"time lost per failure: separate groups {one['wall_s'] - base:.1f} s (job "
-          f"{one['wall_s']:.0f} s against {base:.0f} s); one job relaunched from its "
-          f"checkpoint {today_kill['wall_s'] - today['wall_s']:.1f} s (job "
-          f"{today_kill['wall_s']:.0f} s against {today['wall_s']:.0f} s)")
+    if not args.no_time_lost:
+        figures["time_lost"] = time_lost(out, args)
     for mode in ("quorum", "async"):
         print(f"{mode} loss curve (groups' mean, every 20 steps): without faults "
               f"{figures[mode]['curve_clean']}; with {args.kills} kills "
