@@ -74,23 +74,12 @@ class Checkpoint(keras.callbacks.Callback):
     ``ckpt.restore(model)`` first; ``fit`` then does not restore again.
     """
 
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        save_every_steps: int | None = None,
-        save_every_seconds: float | None = None,
-        keep: int = 3,
-        keep_every: int | None = None,
-        data: Any = None,
-        resume: str = "auto",
-        init_from: str | os.PathLike | None = None,
-        async_save: bool = True,
-        handle_signals: bool = True,
-        exit_on_signal: bool = True,
-        throughput: Any = None,
-        on_checkpoint: Callable[[int, Path], None] | None = None,
-        verbose: bool = True,
-    ):
+    def __init__(self, directory: str | os.PathLike, save_every_steps: int | None = None,
+                 save_every_seconds: float | None = None, keep: int = 3,
+                 keep_every: int | None = None, data: Any = None, resume: str = "auto",
+                 init_from: str | os.PathLike | None = None, async_save: bool = True,
+                 handle_signals: bool = True, exit_on_signal: bool = True, throughput: Any = None,
+                 on_checkpoint: Callable[[int, Path], None] | None = None, verbose: bool = True):
         super().__init__()
         for name, value in (("save_every_steps", save_every_steps), ("keep_every", keep_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -207,37 +196,21 @@ class Checkpoint(keras.callbacks.Callback):
         return self.step
 
     def skip_to(self, step: int, model: keras.Model | None = None) -> int:
-        """Moves the run :meth:`restore` placed (at its checkpoint's step, or 0) on to
-        ``step`` without training the steps between: the optimizer's step counter and the
-        data position advance by the same count, the weights and optimizer slots stay.
-        What a replica group that rejoins a job which went on without it does
-        (:func:`kdist.groups.skip_to_job`): the data it skips is what the failure cost.
-        Returns the step to continue from. Call it after ``restore`` and before ``fit``.
-
-        Example:
-            >>> checkpoint.restore(model)  # doctest: +SKIP
-            >>> checkpoint.skip_to(400, model)  # doctest: +SKIP
-            400
-        """
-        model = model if model is not None else self._fit_model
+        """After :meth:`restore`, moves the run on to ``step`` untrained: the optimizer's step
+        counter and the data position advance alike, weights and slots stay (a replica group
+        rejoining a job that went on: :func:`kdist.groups.skip_to_job`). Returns the step."""
         if self.restored_step is None:
-            raise ValueError("Checkpoint.skip_to moves a restored run on: call restore() "
-                             "first.")
-        if step <= self.step:
-            return self.step
+            raise ValueError("Checkpoint.skip_to moves a restored run on: call restore() first.")
         skipped = step - self.step
-        if self.data not in (None, "restart"):
-            base = self.data.start_step if self.data_step is None else self.data_step
-            self.data_step = base + skipped
-            self.data.start_step = self.data_step
-        counter = _keras_compat.optimizer_iterations(model.optimizer)
-        counter.assign(counter + skipped)
-        self.step = self.restored_step = step
-        self._restored_metrics = {}  # a partial epoch's running means belong to the old step
-        if self.verbose:
-            print(f"Checkpoint: skipped to step {step} ({skipped} steps not trained; data "
-                  f"position {self.data_step})")
-        return step
+        if skipped > 0:
+            model = model if model is not None else self._fit_model
+            if self.data not in (None, "restart"):
+                self.data_step = self.data.start_step = skipped + (
+                    self.data.start_step if self.data_step is None else self.data_step)
+            _keras_compat.optimizer_iterations(model.optimizer).assign_add(skipped)
+            self.step = self.restored_step = step
+            self._restored_metrics = {}  # a partial epoch's means belong to the old step
+        return self.step
 
     def _position_data(self):
         if self.data is None and self.restored_step:

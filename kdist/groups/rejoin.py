@@ -35,7 +35,7 @@ def skip_to_job(checkpoint, model, total_steps: int) -> int:
     Example:
         >>> start = kdist.groups.skip_to_job(checkpoint, model, total_steps=2000)  # doctest: +SKIP
     """
-    from kdist.groups.sync import _agree, say  # (JAX: not at the launcher's import)
+    from kdist.groups.sync import agree, say  # (JAX: not at the launcher's import)
 
     job = from_environment()
     restored = checkpoint.step
@@ -43,7 +43,7 @@ def skip_to_job(checkpoint, model, total_steps: int) -> int:
         return restored
     optimizer = model.optimizer
     period = optimizer.sync_every * optimizer.accumulation  # fit batches per round
-    reached = _agree(job_step(job))  # one answer for the group's processes
+    reached = agree(job_step(job))  # one answer for the group's processes
     target = min(reached, max(total_steps - period, 0))
     target -= target % period
     if target <= restored:

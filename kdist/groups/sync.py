@@ -107,7 +107,7 @@ class _Heartbeat:
                 pass
 
 
-def _agree(value: int) -> int:
+def agree(value: int) -> int:
     """Process 0's ``value`` in every process of this group."""
     if jax.process_count() == 1:
         return value
@@ -171,7 +171,7 @@ class OuterSync:
                     f"Start every group with the same script, flags and data, or give "
                     f"this job another store.")
         self.fingerprint = fingerprint
-        wrote = _agree(int(self.process == 0 and manifest["group"] == self.job.index
+        wrote = agree(int(self.process == 0 and manifest["group"] == self.job.index
                            and not self.store.outer_rounds()))
         if wrote:  # a new job: its weights at round 0 are this group's initial ones
             theta, momenta, _ = self._parts(state)
@@ -179,7 +179,7 @@ class OuterSync:
             self.applied = 0
             return state
         closed = self.store.closed_rounds()
-        state = self._catch_up(state, _agree(closed[-1] if closed else 0))
+        state = self._catch_up(state, agree(closed[-1] if closed else 0))
         if self.process == 0:
             self.store.record_join(self.applied)
         self.rounds.append(dict(join=self.applied, group=self.job.index))
@@ -212,7 +212,7 @@ class OuterSync:
         r = self.applied + 1
         began = time.monotonic()
         closed = self.store.closed_rounds()
-        latest = _agree(closed[-1] if closed else 0)  # one answer for the group's processes
+        latest = agree(closed[-1] if closed else 0)  # one answer for the group's processes
         if latest >= r:  # the job moved on without this group
             state = self._catch_up(state, latest)
             self._record(r, [], began, behind=True)
@@ -244,7 +244,7 @@ class OuterSync:
         base = self.applied
         while True:
             closed = self.store.closed_rounds()
-            r = _agree(max([self.applied, *closed[-1:]]) + 1)
+            r = agree(max([self.applied, *closed[-1:]]) + 1)
             self.store.publish(r, delta, dict(step=step, base=base, time=time.time(),
                                               fingerprint=fingerprints.digest(self.fingerprint)),
                                self.process)
@@ -334,7 +334,7 @@ class OuterSync:
         theta, momenta, _ = self._parts(state)
         target = _targets(theta)
         outer = [k for k in self.store.outer_rounds() if k <= latest]
-        base = _agree(outer[-1] if outer else -1)
+        base = agree(outer[-1] if outer else -1)
         base = None if base < 0 else base
         if base is None or (self.applied is not None and self.applied > base):
             if self.applied is None:  # no outer state to start from: wait for the first
@@ -362,7 +362,7 @@ class OuterSync:
         deadline = time.monotonic() + self.job.deadline + 60
         while time.monotonic() < deadline:
             outer = [k for k in self.store.outer_rounds() if k <= latest]
-            found = _agree(outer[-1] if outer else -1)
+            found = agree(outer[-1] if outer else -1)
             if found >= 0:
                 return found
             time.sleep(POLL)
