@@ -10,7 +10,8 @@ DiLoCo on ``replica=2,data=4`` (``--sync-every 3``), a checkpoint per group ever
 
 1. **Trials** (quorum, then async): ``python -m kdist.launch --replica-groups 2
    --spare-groups 1``; group 1's process is SIGKILLed ``--kills`` times — odd kills the
-   moment its heartbeat says ``waiting`` (inside a round's publish or the quorum wait),
+   moment its heartbeat says ``waiting`` (inside a quorum round's publish or wait) or
+   ``publishing`` (inside an asynchronous round's publish),
    even ones at a random moment of a round — each once it has rejoined and run 2 steps.
    Printed: exit status, group 0's steps per second (median and slowest 10-step window, and
    over each kill's next 10 s), each rejoin's delay, the steps group 1 skipped on
@@ -101,15 +102,16 @@ def groups_job(out, args, tag, kills, mode="quorum", seed=0):
                "--round-deadline", "10", "--replica-mode", mode,
                *script_args(out, args, tag)], environment())
     rng, killed, joined = random.Random(seed), [], []
-    inside = 0  # kills that landed while group 1's heartbeat said "waiting"
+    inside = 0  # kills sent while group 1's heartbeat said "waiting" or "publishing"
     for n in range(kills):
         seen = len(run.steps("g1"))
         if not run.wait_for(lambda seen=seen: len(run.steps("g1")) >= seen + 2):
             break  # the job ended first
         if n % 2:  # inside a round: publishing or waiting for the quorum (async: publishing)
             inside += run.wait_for(
-                lambda: '"waiting"' in _read(store / "live" / "group-1.json"), timeout=30,
-                poll=0.005)
+                lambda: re.search(r'"(waiting|publishing)"',
+                                  _read(store / "live" / "group-1.json")) is not None,
+                timeout=30, poll=0.005)
         else:
             time.sleep(rng.uniform(0, args.sync_every * args.step_sleep))
         try:
@@ -124,6 +126,7 @@ def groups_job(out, args, tag, kills, mode="quorum", seed=0):
             break
         joined.append(time.monotonic())
     status, wall = run.finish()
+    (out / f"{tag}.log").write_text("".join(run.lines))
     survivor = run.steps("g0")
     times = np.array([t for _, t in survivor])
     rates = 10 / np.diff(times[::10]) if len(times) > 20 else np.array([np.nan])
@@ -133,8 +136,10 @@ def groups_job(out, args, tag, kills, mode="quorum", seed=0):
                   survivor_steps=len(survivor), survivor_steps_per_s_median=float(
                       np.median(rates)), survivor_steps_per_s_slowest=float(rates.min()),
                   survivor_steps_per_s_after_kills=after, output="".join(run.lines),
-                  skipped_steps=sum(int(b) - int(a) + 1 for x in run.lines
-                                    for a, b in re.findall(r"steps (\d+)-(\d+) skipped", x)))
+                  # distinct steps: a restart from an older checkpoint skips again some
+                  # of the steps an earlier restart skipped
+                  skipped_steps=len({step for x in run.lines for a, b in re.findall(
+                      r"steps (\d+)-(\d+) skipped", x) for step in range(int(a), int(b) + 1)}))
     for g in (0, 1):
         record = json.loads((out / f"groups-g{g}-rank0.json").read_text())
         result[f"validation_g{g}"] = record["validation"]
@@ -203,13 +208,15 @@ def main(argv=None):
                    help="steps of the four runs that time one failure")
     p.add_argument("--no-time-lost", action="store_true",
                    help="the trials only, without the four runs that time one failure")
+    p.add_argument("--modes", default="quorum,async",
+                   help="the trials' replica modes, comma-separated")
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
     p.add_argument("--json", default=None, help="write the figures here too")
     args = p.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="kdist-faults-"))
     out.mkdir(parents=True, exist_ok=True)
     figures = {}
-    for mode in ("quorum", "async"):
+    for mode in args.modes.split(","):
         clean = groups_job(out / f"{mode}-clean", args, "clean", 0, mode)
         trial = groups_job(out / f"{mode}-faults", args, "faults", args.kills, mode)
         figures[mode] = {k: v for k, v in trial.items() if k != "output"}
@@ -228,7 +235,7 @@ def main(argv=None):
               f"{clean['validation_g0']:.4f} without faults", flush=True)
     if not args.no_time_lost:
         figures["time_lost"] = time_lost(out, args)
-    for mode in ("quorum", "async"):
+    for mode in args.modes.split(","):
         print(f"{mode} loss curve (groups' mean, every 20 steps): without faults "
               f"{figures[mode]['curve_clean']}; with {args.kills} kills "
               f"{figures[mode]['curve_faults']}")

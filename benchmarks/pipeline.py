@@ -49,12 +49,13 @@ COMPILE_CASES = [  # (label, mesh, scan_layers, pipeline_microbatches)
 ]
 SCHEDULE_CASES = [  # (preset, mesh, batch, length, schedule, microbatches, repeats)
     ("gpt2-xl", "fsdp=8", 32, 1024, None, None, 1),
-    *(("gpt2-xl", "stage=8", 32, 1024, s, m, 1) for m in (16, 32)
-      for s in ("gpipe", "1f1b", "zero_bubble")),
-    *(("gpt-nano", "stage=2,data=4", 64, 256, s, 16, r)
-      for s, r in (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved_1f1b", 2),
-                   ("zero_bubble", 1))),
+    *(("gpt2-xl", "stage=8", 32, 1024, s, m, r) for m in (16, 32)
+      for s, r in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))),
+    # gpt-nano with 8 layers (its preset has 4): 2 chunks of 4 stages need 8
+    *(("gpt-nano", "stage=4,data=2", 64, 256, s, m, r) for m in (16, 32)
+      for s, r in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))),
 ]
+LAYERS = {"gpt-nano": 8}  # layer-count overrides of the schedule cases' presets
 BUBBLE_MODEL = dict(vocabulary_size=256, num_layers=8, num_heads=4, hidden_dim=256,
                     intermediate_dim=1024, max_sequence_length=128)
 
@@ -82,10 +83,12 @@ def _schedule_child(args) -> dict:
 
     options = dict(pipeline_schedule=args.schedule, pipeline_microbatches=args.microbatches,
                    pipeline_repeats=args.repeats) if args.schedule else {}
+    overrides = {"num_layers": LAYERS[args.preset]} if args.preset in LAYERS else {}
     p = kdist.planning.plan(args.preset, mesh=args.mesh, global_batch_size=args.batch,
                             sequence_length=args.length, device_memory="141GiB",
-                            suggest=False, **options)
-    analytic = kdist.planning.estimate(args.preset, p.mesh, args.batch, args.length, **options)
+                            suggest=False, model_overrides=overrides, **options)
+    analytic = kdist.planning.estimate(kdist.planning.cost_model_of(args.preset, **overrides),
+                                       p.mesh, args.batch, args.length, **options)
     return {"memory_gib": p.memory["total"] / 2**30,
             "activations_gib": p.memory["activations_and_temporaries"] / 2**30,
             "estimate_gib": analytic["total"] / 2**30, "compile_s": p.compile_seconds,

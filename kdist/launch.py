@@ -11,7 +11,9 @@ are prefixed by rank (``[0] ...``). SIGINT and SIGTERM are forwarded to every pr
 process exits with an error (or is killed), the others get SIGTERM, then SIGKILL after
 ``--grace`` seconds, and the launcher exits non-zero: a crashed rank never leaves the rest
 waiting forever in a collective. The exit status is that of the first process that failed
-(128 + signal number for a signal), else 0.
+(128 + signal number for a signal), else 0. If the launcher itself is killed (SIGKILL: nothing
+of it runs), the kernel SIGTERMs its processes (Linux; :func:`kdist.local_processes.start`):
+none trains on unsupervised.
 
 This is for developing and testing multi-process code on one machine; on a cluster, start
 one process per host with the cluster's own launcher (see docs/multihost.md).
@@ -26,7 +28,7 @@ import sys
 import threading
 import time
 
-from kdist.local_processes import copy_output, free_port, process_env  # noqa: F401  (process_env: as before)
+from kdist.local_processes import copy_output, free_port, process_env, start  # noqa: F401  (process_env: as before)
 
 
 def _status(code: int) -> int:
@@ -63,11 +65,7 @@ def launch(
     children: list[subprocess.Popen] = []
     pumps = []
     for rank in range(processes):
-        child = subprocess.Popen(
-            command, env=process_env(rank, processes, devices_per_process, port),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a terminal's Ctrl-C reaches us; we forward it once
-        )
+        child = start(command, process_env(rank, processes, devices_per_process, port))
         children.append(child)
         with lock:
             print(f"[launch] rank {rank} pid {child.pid}", flush=True)

@@ -1,6 +1,6 @@
-"""The environment of a JAX process started on this machine: a free coordinator port,
-its host devices, Keras' cluster variables and gloo — for :mod:`kdist.launch` and the
-replica-group supervisor (:mod:`kdist.groups.supervisor`).
+"""A JAX process started on this machine: its environment (a free coordinator port, its
+host devices, Keras' cluster variables and gloo), its start and its output — for
+:mod:`kdist.launch` and the replica-group supervisor (:mod:`kdist.groups.supervisor`).
 
 Example:
     >>> env = process_env(1, 2, 4, 12345, base={})
@@ -10,8 +10,11 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 
@@ -38,6 +41,35 @@ def process_env(rank: int, processes: int, devices: int, port: int, base=None) -
         PYTHONUNBUFFERED="1",
     )
     return env
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    except OSError:
+        return None
+
+
+def start(command: list[str], env: dict) -> subprocess.Popen:
+    """Starts ``command`` as a process of ours: its own session (a terminal's Ctrl-C reaches
+    us, and we forward it once), its output piped to us — and, on Linux, SIGTERMed by the
+    kernel if we die, so a launcher killed with SIGKILL (nothing of ours runs then) leaves no
+    rank or group training behind. SIGTERM, not SIGKILL: kdist's checkpoint callback saves
+    the step and exits on it. Call it from the thread that lives as long as the launcher
+    (the kernel's signal follows the thread that started the child)."""
+    libc, parent = _libc(), os.getpid()
+
+    def orphan_guard():  # in the child, between fork and exec: no imports, no locks
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # we died before the guard was set
+            os._exit(128 + signal.SIGTERM)
+
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=orphan_guard if libc is not None else None)
 
 
 def copy_output(prefix: str, stream, lock: threading.Lock) -> None:

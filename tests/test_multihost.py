@@ -142,6 +142,49 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path, child_env):
         os.kill(run.pids()[0], 0)
 
 
+@pytest.mark.parametrize("mode", ["ranks", "groups"])
+def test_a_killed_launcher_leaves_nothing_running(tmp_path, child_env, mode):
+    """SIGKILL to the launcher (nothing of it runs then): the kernel SIGTERMs every process
+    it started — ranks, or every process of every replica group — which, asked to stop,
+    would save and exit (here: leave a file)."""
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, signal, sys, time\n"
+        "def stop(*_):\n"
+        f"    open(os.path.join({str(tmp_path)!r}, f'{{os.getpid()}}.term'), 'w').close()\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('ready', os.getpid(), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    flags = (["--processes", "2"] if mode == "ranks" else
+             ["--replica-groups", "2", "--processes-per-group", "2",
+              "--replica-store", str(tmp_path / "store")])
+    count = 2 if mode == "ranks" else 4
+    run = Launched(*flags, "--devices-per-process", "1", str(child))
+    run.wait_for(lambda lines: sum("ready" in x for x in lines) == count, timeout=60)
+    pids = [int(x.split()[-1]) for x in run.lines if " ready " in x]
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.finish(timeout=30)
+    until = time.monotonic() + 10
+    while any(_running(pid) for pid in pids) and time.monotonic() < until:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if _running(pid)]
+    assert sorted(int(p.stem) for p in tmp_path.glob("*.term")) == sorted(pids)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by init) is gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_launcher_blames_the_killed_rank_when_several_fail_in_one_poll():
     # A survivor often errors in the same 50 ms poll as the rank that was killed (its peer
     # vanished); reporting the lowest failed rank would blame the survivor and exit 1.

@@ -108,7 +108,8 @@ class Store:
             raise StoreError(str(e).replace("checkpoint directory", "replica store")) from None
 
     def beat(self, **info) -> None:
-        """This group's heartbeat (``state``: starting, training, waiting, exited, dead)."""
+        """This group's heartbeat (``state``: starting, training, waiting (a quorum round's
+        publish and wait), publishing (an asynchronous round's), exited, dead)."""
         info = dict(info, time=time.time(), pid=info.get("pid", os.getpid()),
                     host=info.get("host", socket.gethostname()))
         _write_json(self.root / "live" / f"group-{self.group}.json", info)
@@ -125,7 +126,7 @@ class Store:
         """Groups that are training now: a fresh heartbeat whose state says so."""
         now = time.time() if now is None else now
         return {g for g, b in self.heartbeats().items()
-                if b.get("state") in ("training", "waiting")
+                if b.get("state") in ("training", "waiting", "publishing")
                 and now - b.get("time", 0) < STALE_AFTER}
 
     def record_join(self, r: int) -> None:

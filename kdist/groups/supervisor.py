@@ -15,7 +15,9 @@ when fewer than ``--min-groups`` groups are left (running or finished); the oute
 the last round is durable in the store then. Each failure, restart, spare and end is one
 line, ``[groups] ...``, with the group and the round, and one event in
 ``STORE/events.jsonl`` (``kdist report`` reads it). Output lines are prefixed ``[g<index>]``
-(``[g<index>.<rank>]`` with several processes per group).
+(``[g<index>.<rank>]`` with several processes per group). A supervisor killed outright
+takes its groups with it: the kernel SIGTERMs every process it started (Linux), and each
+saves its step and exits as on any SIGTERM.
 
 On a cluster, start each group as its own job with the same variables and let the scheduler
 restart a failed one (Kubernetes JobSet, SLURM ``--requeue``): a group joins and rejoins
@@ -28,7 +30,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from pathlib import Path
 from kdist.groups import job as groups_job
 from kdist.groups.store import Store, StoreError
 from kdist.groups.sync import REFUSED
-from kdist.local_processes import copy_output, free_port, process_env
+from kdist.local_processes import copy_output, free_port, process_env, start
 
 POLL = 0.05
 
@@ -90,10 +91,7 @@ class Supervisor:
         port = free_port()
         group.children, group.state, group.started = [], "running", time.monotonic()
         for rank in range(self.processes):
-            child = subprocess.Popen(
-                self.command, env=self.environment(group.index, rank, port),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+            child = start(self.command, self.environment(group.index, rank, port))
             group.children.append(child)
             prefix = f"g{group.index}" if self.processes == 1 else f"g{group.index}.{rank}"
             with self.lock:

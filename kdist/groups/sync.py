@@ -77,6 +77,7 @@ class _Heartbeat:
     def __init__(self, store: Store):
         self.store, self.info = store, {"state": "starting", "round": None, "step": None}
         self.token = os.urandom(8).hex()
+        self._lock = threading.Lock()  # one writer at a time: a beat never undoes a newer one
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kdist-heartbeat")
 
@@ -88,8 +89,9 @@ class _Heartbeat:
         atexit.register(self.stop)
 
     def beat(self, **info):
-        self.info.update(info)
-        self.store.beat(token=self.token, **self.info)
+        with self._lock:
+            self.info.update(info)
+            self.store.beat(token=self.token, **self.info)
 
     def _run(self):
         while not self._stop.wait(HEARTBEAT_EVERY):
@@ -189,7 +191,7 @@ class OuterSync:
 
     def _refuse_duplicate(self):
         beat = self.store.heartbeats().get(self.job.index)
-        if (beat and beat.get("state") in ("starting", "training", "waiting")
+        if (beat and beat.get("state") in ("starting", "training", "waiting", "publishing")
                 and time.time() - beat.get("time", 0) < STALE_AFTER
                 and beat.get("pid") != os.getpid()
                 and (beat.get("host") != socket.gethostname() or _alive(beat.get("pid")))):
@@ -202,7 +204,14 @@ class OuterSync:
     # --- a round ---
 
     def beat(self, **info):
-        if self.heartbeat is not None:
+        """A new state is written at once (an operator, the supervisor and the fault trials
+        see a round's publish as it happens); the rest (the step: every step) goes with the
+        thread's next beat, without a write per step."""
+        if self.heartbeat is None:
+            return
+        if info.get("state", self.heartbeat.info["state"]) != self.heartbeat.info["state"]:
+            self.heartbeat.beat(**info)
+        else:
             self.heartbeat.info.update(info)
 
     def round(self, state, step: int):
@@ -242,6 +251,7 @@ class OuterSync:
         theta, _, params = self._parts(state)
         delta = _tree(_deltas(theta, params))
         base = self.applied
+        self.beat(state="publishing", round=base + 1, step=step)
         while True:
             closed = self.store.closed_rounds()
             r = agree(max([self.applied, *closed[-1:]]) + 1)

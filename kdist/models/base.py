@@ -47,9 +47,9 @@ class CostModel(abc.ABC):
         True
     """
 
-    # The task computes its loss inside a 1F1B schedule (its "scheduled_pipeline" step
-    # feature), so the planner may choose one (kdist.planning.search.choose_schedule).
-    loss_in_schedule = False
+    # The task computes its loss inside a 1F1B schedule ("scheduled_pipeline"), so the
+    # planner may choose one; under 'seq' only with one target per token (choose_schedule).
+    loss_in_schedule = per_token_targets = False
 
     @property
     @abc.abstractmethod

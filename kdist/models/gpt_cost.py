@@ -24,6 +24,7 @@ class GPTCostModel(CostModel):
     """
 
     loss_in_schedule = True  # GPTCausalLM's "scheduled_pipeline" step feature
+    per_token_targets = True  # the next token at every position
 
     def __init__(self, backbone_config):
         """``backbone_config``: every ``GPTBackbone`` argument (``GPTBackbone.full_config``)."""

@@ -73,14 +73,14 @@ RULES: tuple[Rule, ...] = (
     _built("8-bit", "stage"),
     _built("8-bit", "seq", "causal LMs, no dropout"),
     _built("8-bit", "replica", "nested"),
-    # The interpreter's shard_map is manual over stage, data and fsdp, model automatic.
+    # The interpreter's shard_map is manual over stage, data, fsdp and seq, model automatic;
+    # nested in a replica group's region (DiLoCo) or kdist's per-device loss (reduction),
+    # it takes the axes still automatic.
     _built("schedule", "stage"), _built("schedule", "data"), _built("schedule", "fsdp"),
     _built("schedule", "model", "XLA inside the stage"),
-    *(refused("schedule", other, "runs on a mesh of 'stage', 'data', 'fsdp' and 'model' so "
-                                 "far, not with {b}. Use pipeline_schedule='gpipe' (which "
-                                 "composes with every axis), or put those devices on "
-                                 "'data' or 'fsdp'.")
-      for other in ("seq", "replica", "reduction", "8-bit")),
+    _built("schedule", "replica", "a schedule per group"),
+    _built("schedule", "reduction", "nested"), _built("schedule", "8-bit", "nested"),
+    _built("schedule", "seq", "all-gather attention, causal LMs"),
 )
 _BY_PAIR = {frozenset((r.a, r.b)): r for r in RULES}
 assert len(_BY_PAIR) == len(RULES), "a pair of features is in the table twice"

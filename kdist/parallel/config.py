@@ -139,6 +139,17 @@ class Parallelism:
             gradients=_gradients(gradient_reduction, error_feedback),
         )
         combinations.check(config.features, spec)
+        if "schedule" in config.features and config.context is not None \
+                and config.context.variant == "ring":
+            # A schedule's ticks run each stage's task in a branch of its own; ring
+            # attention's collective-permutes over seq would be reached only by the devices
+            # of one stage, and XLA:CPU's permutes rendezvous with every device (an abort).
+            raise ValueError(
+                f"Mesh spec {spec!r}: pipeline_schedule={pipeline_schedule!r} runs each "
+                f"stage's work in its own branch of the schedule, where ring attention's "
+                f"exchanges between 'seq' neighbours cannot run. Use "
+                f"context_parallel='all_gather' with this schedule, or "
+                f"pipeline_schedule='gpipe' with ring attention.")
         return config
 
 

@@ -302,7 +302,8 @@ def _reduce(g, axes, batch_axes):
 
 
 def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
-                   shared=None, *, mesh, batch_axes=(), weight_axes=None):
+                   shared=None, *, mesh, batch_axes=(), weight_axes=None, token_axes=(),
+                   specs=None):
     """The loss of ``table``'s schedule and its gradients, over ``mesh``.
 
     ``weights``: stacked arrays ``(v, L / v, ...)`` whose second dimension is split over
@@ -314,7 +315,11 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     is the sum over devices). ``weight_axes``: per weight, its mesh axes per dimension
     (default: ``(None, "stage")``); a dimension over ``fsdp`` (a batch axis too: ZeRO-3)
     is all-gathered once before the schedule and its gradient reduce-scattered once after
-    it, as GPipe's stages do (:func:`kdist.parallel.pipeline.pipelined`). Returns
+    it, as GPipe's stages do (:func:`kdist.parallel.pipeline.pipelined`).
+    ``token_axes``: axes that split every sequence's tokens (``seq``): the loss and every
+    gradient are partial over them too, and summed over them like over the batch axes.
+    ``specs``: ``(xm_spec, data_specs)`` where arrays are split over more than their rows
+    (tokens over ``seq``); default: rows over ``batch_axes``. Returns
     ``(loss, (d_weights, d_loss_weights, d_xm))``.
     """
     from jax.sharding import PartitionSpec as P
@@ -323,8 +328,9 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     rows = tuple(batch_axes) or None
     axes = [tuple(a) for a in weight_axes] if weight_axes else [(None, AXIS)] * len(weights)
     w_specs = [P(*a) for a in axes]
-    x_spec = P(None, rows)
-    everything = (AXIS,) + tuple(batch_axes)
+    x_spec, data_specs = specs or (P(None, rows), jax.tree.map(lambda _: P(None, rows), data))
+    partial = tuple(batch_axes) + tuple(token_axes)  # what a device's gradient is partial over
+    everything = (AXIS,) + partial
     # Every axis manual but a ``model`` of size > 1 (axes not named have size 1 here): that
     # one stays with XLA's partitioner inside every stage (tensor parallelism), as in
     # GPipe's stages. Only then, since a partly manual region changes what XLA emits: its
@@ -341,11 +347,11 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
         return jax.lax.psum(g, AXIS)
 
     def device(weights, loss_weights, xm, data, shared):
-        weights = [_gather(w, a, batch_axes) for w, a in zip(weights, axes)]
+        weights = [_gather(w, a, partial) for w, a in zip(weights, axes)]
         loss, d_w, d_lw, d_xm = interpret(program, stage_fn, loss_fn, weights,
                                           loss_weights, xm, data, shared)
         loss = jax.lax.psum(loss, everything)
-        d_w = [_reduce(g, a, batch_axes) for g, a in zip(d_w, axes)]
+        d_w = [_reduce(g, a, partial) for g, a in zip(d_w, axes)]
         d_lw = jax.tree.map(lambda g: jax.lax.psum(g, everything), d_lw)
         return loss, d_w, d_lw, sum_over_stage(d_xm)
 
@@ -353,7 +359,7 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     # In a kdist region, so that the layers inside know their arrays are blocks.
     loss, d_w, d_lw, d_xm = region.shard_map(
         device, mesh=mesh, axes=set(mesh.axis_names) - auto,
-        in_specs=(w_specs, lw_specs, x_spec, jax.tree.map(lambda _: x_spec, data),
+        in_specs=(w_specs, lw_specs, x_spec, data_specs,
                   jax.tree.map(lambda _: P(), shared)),
         out_specs=(P(), w_specs, lw_specs, x_spec))(list(weights), loss_weights, xm, data,
                                                      shared)
@@ -361,7 +367,8 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
 
 
 def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
-                   shared=None, *, mesh, batch_axes=(), weight_axes=None):
+                   shared=None, *, mesh, batch_axes=(), weight_axes=None, token_axes=(),
+                   specs=None):
     """:func:`value_and_grad`'s loss as a function JAX differentiates like any other: its
     forward pass runs the whole schedule (forwards and backwards) and keeps the gradients,
     its backward pass scales them by the loss's cotangent — so what computes ``xm`` (an
@@ -375,27 +382,32 @@ def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     def run(weights, loss_weights, xm, data, shared):
         return value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data,
                               shared, mesh=mesh, batch_axes=batch_axes,
-                              weight_axes=weight_axes)
+                              weight_axes=weight_axes, token_axes=token_axes, specs=specs)
+
+    inputs = {}  # the types of data and shared (static), for their zero cotangents
 
     @jax.custom_vjp
     def loss(weights, loss_weights, xm, data, shared):
         return run(weights, loss_weights, xm, data, shared)[0]
 
     def forward(weights, loss_weights, xm, data, shared):
+        leaves, inputs["tree"] = jax.tree.flatten((data, shared))
+        inputs["types"] = [(a.shape, a.dtype, region.varying_axes(a)) for a in leaves]
         return run(weights, loss_weights, xm, data, shared)
 
     def backward(grads, cotangent):
         scaled = jax.tree.map(lambda g: (g * cotangent).astype(g.dtype), grads)
-        return scaled + (jax.tree.map(_no_cotangent, data),
-                         jax.tree.map(_no_cotangent, shared))
+        return scaled + jax.tree.unflatten(inputs["tree"],
+                                           [_no_cotangent(*t) for t in inputs["types"]])
 
     loss.defvjp(forward, backward)
     return loss(list(weights), loss_weights, xm, data, shared)
 
 
-def _no_cotangent(a):
+def _no_cotangent(shape, dtype, varying):
     """The zero cotangent of an input that is not differentiated (float0 for integers);
-    from its shape and type only (the backward pass keeps no copy of it)."""
-    if jnp.issubdtype(a.dtype, jnp.inexact):
-        return jnp.zeros(a.shape, a.dtype)
-    return np.zeros(a.shape, jax.dtypes.float0)
+    from its shape, type and the manual axes it varies over (inside an enclosing region:
+    kdist's per-device loss) only — the backward pass keeps no copy of it."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return to_varying(jnp.zeros(shape, dtype), varying)
+    return np.zeros(shape, jax.dtypes.float0)

@@ -351,11 +351,39 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     if layouts is None:
         layouts = [(None,) * (lead - 1) + (AXIS,) for _ in weights]
     # Only stage and fsdp split a weight in the schedule's region (anything else, e.g. a
-    # dimension over several axes, enters whole: correct, if gathered by XLA).
-    axes = [(None,) * (2 - lead) + tuple(a if a in (AXIS, "fsdp") else None for a in layout)
+    # dimension over several axes, enters whole: correct, if gathered by XLA) — where they
+    # are still automatic: inside kdist's gradient reduction the weights arrive gathered
+    # over fsdp, and their gradients leave unreduced, for the reduction's own collective.
+    split = region.current().automatic((AXIS, "fsdp"))
+    axes = [(None,) * (2 - lead) + tuple(a if a in split else None for a in layout)
             for layout in layouts]
     per_stage = schedule.layers_per_stage
-    rows = tuple(a for a in REPLICA_AXES if sizes.get(a, 1) > 1)
+    rows = tuple(a for a in REPLICA_AXES if sizes.get(a, 1) > 1)  # a device's rows: its seed
+    # The schedule's region splits the rows over the batch axes still automatic here; those
+    # an enclosing region made manual (DiLoCo's replica groups) are not its to split or sum.
+    batch_axes = tuple(a for a in rows if a in region.current().automatic(rows))
+    # Under a seq axis (not made manual around us) every stage holds its share of each
+    # sequence's tokens, and so does the loss on the last: targets must be per token.
+    tokens = tuple(a for a in region.current().automatic({"seq"}) if sizes.get(a, 1) > 1)
+    length = x.shape[1]
+    if tokens:
+        not_per_token = [a.shape for a in jax.tree.leaves(targets)
+                         if a.ndim < 2 or a.shape[1] != length]
+        if not_per_token:
+            raise ValueError(
+                f"pipeline_schedule={dist.config.pipeline.schedule!r} under the 'seq' axis "
+                f"of mesh '{dist.spec}' computes the loss on each device's share of the "
+                f"tokens, so every target must hold one value per token (axis 1 of length "
+                f"{length}); this task's targets have shapes {not_per_token} (e.g. masked "
+                f"positions). Use pipeline_schedule='gpipe' on this mesh, or no 'seq' axis.")
+    manual = set(batch_axes) | set(tokens)
+
+    def spec(logical):  # a microbatched array (M, ...) with these logical axes
+        return P(None, *rules.activation_spec(logical, sizes, manual))
+
+    specs = (spec(INPUT_AXES["x"]),
+             {"per_row": {k: spec(INPUT_AXES.get(k, ("batch",))) for k in per_row},
+              "targets": jax.tree.map(lambda a: spec(("batch", "length")[:a.ndim]), targets)})
 
     def stage_fn(w, h, d, c):  # this device's layers of chunk c: (b, T, D) -> (b, T, D)
         first = (c * stages + jax.lax.axis_index(AXIS)) * per_stage
@@ -375,6 +403,6 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
 
     return interpreter.scheduled_loss(
         table, stage_fn, microbatch_loss, chunks, loss_weights,
-        _to_microbatches(x, schedule), data, shared, mesh=schedule.mesh, batch_axes=rows,
-        weight_axes=axes)
+        _to_microbatches(x, schedule), data, shared, mesh=schedule.mesh, batch_axes=batch_axes,
+        weight_axes=axes, token_axes=tokens, specs=specs)
 

@@ -248,7 +248,7 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
                 optimizer_variables=optimizer_variables)
             if summed:  # this device's loss on its rows (and tokens) -> on all of them
                 loss, unscaled = _combine((loss, unscaled), combine, sample_weight, summed)
-            return loss, (unscaled, y_pred, new_non_trainable, new_metrics)
+            return loss, (unscaled, region.stackable(y_pred), new_non_trainable, new_metrics)
 
         (loss, aux), (grads, new_residuals) = jax.value_and_grad(
             device_loss, argnums=(0, 1), has_aux=True)(trainable, residuals)

@@ -280,6 +280,7 @@ def train_step(model, state, data, sync: bool, guard: bool = True):
             params = [jax.lax.pcast(t, AXIS, to="varying") if groups > 1 else t
                       for t in theta]
         unscaled = mean(unscaled)  # Keras' logged loss: the mean over groups
+        y_pred = region.stackable(y_pred)
         return (list(theta), [p[None] for p in params], [v[None] for v in inner_state],
                 list(momenta), non_trainable, metrics, unscaled, y_pred)
 

@@ -209,6 +209,14 @@ def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_
         # (which maps it to model.optimizer's variables; DiLoCo scales nothing).
         optimizer_variables = []
     features = requested_features()
+    if training and "scheduled_pipeline" in features:
+        keras_compute = compute
+
+        def compute(trainable, non_trainable, metrics, x, y, sample_weight, **kwargs):
+            # The targets where the loss runs: inside kdist's reduction, a device's rows.
+            with model.pipeline_loss_for(y, sample_weight):
+                return keras_compute(trainable, non_trainable, metrics, x, y, sample_weight,
+                                     **kwargs)
 
     def loss_and_updates(x, y, sample_weight):
         if training and "gradient_reduction" in features \
@@ -220,9 +228,6 @@ def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_
                        sample_weight, training=training,
                        optimizer_variables=optimizer_variables)
 
-    if training and "scheduled_pipeline" in features:
-        with model.pipeline_loss_for(y, sample_weight):
-            return loss_and_updates(x, y, sample_weight)
     if "context_parallel" in features and supports(model, "context_parallel"):
         return context_step.loss_and_updates(
             model, loss_and_updates, x, y, sample_weight,

@@ -220,6 +220,10 @@ def choose_schedule(model: Any, mesh: Mapping[str, int], device_memory: float,
     if not getattr(cost, "loss_in_schedule", False):
         return "gpipe", (f"the 1F1B schedules need the loss inside the schedule, which "
                          f"{type(cost).__name__}'s task does not compute there yet")
+    if mesh["seq"] > 1 and not getattr(cost, "per_token_targets", False):
+        return "gpipe", (f"under 'seq' the 1F1B schedules compute the loss on each device's "
+                         f"tokens, which needs one target per token; "
+                         f"{type(cost).__name__}'s task has others (masked positions)")
     budget = device_memory * USABLE_FRACTION
     settings = dict(pipeline_microbatches=pipeline_microbatches,
                     pipeline_repeats=pipeline_repeats)

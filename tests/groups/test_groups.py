@@ -3,7 +3,8 @@ same function as DiLoCo in one program, and a job that goes on when a group dies
 is replaced by a spare, or does not belong.
 
 Every run is ``tests/multihost_script.py groups``: the tiny GPT of the multi-process tests,
-one-step epochs, each group 1 process x 4 host devices with ``data=4`` inside.
+one-step epochs, each group 1 process x 4 host devices with ``data=4`` inside (the
+asynchronous job: 2 processes x 2 devices per group).
 """
 
 import json
@@ -63,9 +64,11 @@ class Job(ProcessOutput):
         return sum(text in x for x in self.lines)
 
 
-def job_args(tmp_path, steps, *extra, groups=2, **script):
+def job_args(tmp_path, steps, *extra, groups=2, processes=1, **script):
+    """A job of ``groups`` groups, each ``processes`` processes holding 4 devices in all."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in script.items()]
-    return ["--replica-groups", str(groups), "--devices-per-process", "4",
+    return ["--replica-groups", str(groups), "--processes-per-group", str(processes),
+            "--devices-per-process", str(4 // processes),
             "--replica-store", str(tmp_path / "store"), *extra, SCRIPT, "groups",
             "--mesh", MESH, "--steps", str(steps), "--out", str(tmp_path), "--tag", "job",
             *flags]
@@ -243,10 +246,20 @@ def test_a_group_with_another_config_is_refused_at_its_first_round(tmp_path, chi
 
 @pytest.mark.slow
 def test_asynchronous_groups_never_wait_and_still_learn(tmp_path, child_env):
-    job = Job(*job_args(tmp_path, 12, "--replica-mode", "async", sync_every=2))
+    """Each group 2 processes x 2 devices (its own JAX cluster of 4 devices): the group's
+    decisions (which round, who took part, how stale) are process 0's, and both processes
+    act on the same ones."""
+    job = Job(*job_args(tmp_path, 12, "--replica-mode", "async", processes=2, sync_every=2))
     status, output = job.finish(timeout=400)
     assert status == 0, output
+    assert all(f"[g{g}.{r}] step 12 loss" in output for g in (0, 1) for r in (0, 1))
     groups = [json.loads((tmp_path / f"groups-g{g}-rank0.json").read_text()) for g in (0, 1)]
+    for g, rank0 in enumerate(groups):
+        rank1 = json.loads((tmp_path / f"groups-g{g}-rank1.json").read_text())
+        assert rank1["losses"] == rank0["losses"] and rank1["validation"] == rank0["validation"]
+        decisions = [[(r.get("round"), r.get("join"), r.get("members"), r.get("behind"))
+                      for r in rank["rounds"]] for rank in (rank0, rank1)]
+        assert decisions[0] == decisions[1], g
     for g in groups:
         rounds = [r for r in g["rounds"] if "round" in r]  # not the join
         assert all(r["waited"] == 0.0 for r in rounds) and len(rounds) == 6

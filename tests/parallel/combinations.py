@@ -77,9 +77,6 @@ EXACT_DILOCO = dict(sync_every=1, outer_learning_rate=1.0, outer_momentum=0.0, o
 # DiLoCo (AdamW inside, H = 2) over 2 rounds, against data-parallel groups.
 DILOCO_LIKE = dict(sync_every=2, steps=4, like={"mesh": "replica=2,data=4", "sync_every": 2})
 
-SCHEDULE_ONLY = (r"pipeline_schedule='1f1b'/'interleaved_1f1b'/'zero_bubble' runs on a mesh "
-                 r"of 'stage', 'data', 'fsdp' and 'model' so far, not with ")
-
 TABLE: list[Row] = [
     # --- data, fsdp, model: XLA's partitioner reduces the gradients -----------------------
     trains("data=8", "gpt bert", layouts=True),
@@ -157,14 +154,39 @@ TABLE: list[Row] = [
     trains("stage=2,data=4", "bert", config="scanned", pipeline_schedule="zero_bubble"),
     trains("stage=4,data=2", "gpt", config="deep", rows=16, pipeline_schedule="zero_bubble",
            tolerance="bfloat16"),
-    refused("stage=2,seq=4", "schedule x seq", SCHEDULE_ONLY + "the 'seq' axis",
-            pipeline_schedule="interleaved_1f1b", pipeline_repeats=2),
-    refused("replica=2,stage=2,data=2", "schedule x replica",
-            SCHEDULE_ONLY + "DiLoCo replica groups", pipeline_schedule="1f1b", sync_every=2),
-    refused("stage=2,data=4", "schedule x reduction", SCHEDULE_ONLY + "gradient_reduction=",
-            pipeline_schedule="1f1b", gradient_reduction="float32"),
-    refused("stage=2,data=4", "schedule x 8-bit", SCHEDULE_ONLY + "gradient_reduction=",
-            pipeline_schedule="1f1b", gradient_reduction="int8"),
+    # schedules x seq: every stage, and the loss, on its share of the tokens
+    # (all-gather attention: ring's exchanges cannot run inside a stage's branch)
+    trains("stage=2,seq=2,data=2", "gpt", config="deep", rows=16,
+           context_parallel="all_gather", pipeline_schedule="1f1b"),
+    trains("stage=2,seq=2,fsdp=2", "gpt-documents llama-documents", config="deep", rows=16,
+           context_parallel="all_gather", pipeline_schedule="zero_bubble"),
+    trains("stage=2,seq=4", "gpt", config="deep", rows=16, context_parallel="all_gather",
+           pipeline_schedule="interleaved_1f1b", pipeline_repeats=2),
+    trains("stage=2,seq=2,model=2", "llama", config="deep", rows=16,
+           context_parallel="all_gather", pipeline_schedule="1f1b"),
+    trains("stage=2,seq=2,data=2", "gpt", config="deep", rows=16, context_parallel="all_gather",
+           pipeline_schedule="1f1b", gradient_reduction="float32"),
+    trains("replica=2,stage=2,seq=2", "gpt", config="deep", rows=16,
+           context_parallel="all_gather", pipeline_schedule="1f1b", **EXACT_DILOCO),
+    # a schedule per DiLoCo group: the interpreter's region nested in the group's
+    trains("replica=2,stage=2,data=2", "gpt", config="deep", rows=16, pipeline_schedule="1f1b",
+           **EXACT_DILOCO),
+    trains("replica=2,stage=2,data=2", "llama", config="deep", rows=16,
+           pipeline_schedule="zero_bubble", **DILOCO_LIKE),
+    trains("replica=2,stage=2,fsdp=2", "gpt", config="deep", rows=16,
+           pipeline_schedule="interleaved_1f1b", pipeline_repeats=2, **DILOCO_LIKE),
+    # kdist's reduction around a schedule: the interpreter's region nested in the
+    # per-device loss, each weight's gradient leaving through the reduction's collective
+    trains("stage=4,data=2", "gpt", config="deep", rows=16, pipeline_schedule="1f1b",
+           gradient_reduction="float32"),
+    trains("stage=2,fsdp=2,model=2", "llama", config="deep", rows=16,
+           pipeline_microbatches=4, pipeline_schedule="zero_bubble",
+           gradient_reduction="float32"),
+    trains("stage=2,data=4", "bert", config="scanned-4", pipeline_repeats=2,
+           pipeline_schedule="interleaved_1f1b", gradient_reduction="bfloat16",
+           tolerance="bfloat16_gradients"),
+    trains("stage=2,fsdp=4", "gpt", config="deep", rows=16, pipeline_schedule="1f1b",
+           gradient_reduction="int8", tolerance="8bit", steps=8),
     # kdist's reduction around the pipeline: the stages' region nested in the per-device loss
     trains("stage=2,fsdp=2,model=2", "gpt", config="deep", rows=16, gradient_reduction="float32"),
     trains("stage=4,data=2", "gpt llama", config="deep", rows=16, gradient_reduction="float32"),

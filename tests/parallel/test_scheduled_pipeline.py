@@ -24,6 +24,9 @@ DEEP = dict(TINY_GPT, num_layers=8)
     ("stage=4,data=2", dict(pipeline_schedule="zero_bubble", pipeline_repeats=2),
      "pipeline_schedule='zero_bubble' runs one model chunk per stage; got 2"),
     # (with fsdp, model, seq, replica groups or gradient_reduction: combination table rows)
+    ("stage=2,seq=2,data=2", dict(pipeline_schedule="1f1b", context_parallel="ring"),
+     "pipeline_schedule='1f1b' runs each stage's work in its own branch .* Use "
+     "context_parallel='all_gather' with this schedule"),
     ("stage=4,data=2", dict(pipeline_schedule="1f1b", pipeline_repeats=2),
      "runs one model chunk per stage; got 2 \\(pipeline_repeats\\)"),
     ("stage=4,data=2", dict(pipeline_schedule="interleaved_1f1b"),
@@ -70,6 +73,22 @@ def test_bert_under_1f1b_refuses_metrics_and_evaluates_with_gpipes_forward_pass(
     evaluated = bert.evaluate(x, y, sample_weight=w, verbose=0)
     trained = float(bert.train_on_batch(x, y, sample_weight=w))
     np.testing.assert_allclose(trained, evaluated, rtol=2e-6)
+
+
+def test_targets_not_per_token_are_refused_under_a_split_sequence():
+    """Under seq every device's loss sees its share of the tokens: BERT's masked positions
+    (not one target per token) cannot be split so; refused while tracing, naming the fix."""
+    from tests.bert_helpers import mlm_batches
+
+    keras.distribution.set_distribution(kdist.distribution(
+        "stage=2,seq=2,data=2", pipeline_schedule="1f1b", context_parallel="all_gather"))
+    keras.utils.set_random_seed(0)
+    bert = BertMaskedLM(BertBackbone(**dict(TINY_BERT, scan_layers=True)))
+    bert.compile(optimizer=parity_optimizer())
+    x, y, w = mlm_batches(1)[0]
+    with pytest.raises(ValueError, match="every target must hold one value per token .* Use "
+                                         "pipeline_schedule='gpipe' on this mesh"):
+        bert.train_on_batch(x, y, sample_weight=w)
 
 
 def test_metrics_or_another_loss_are_refused_at_compile():
@@ -203,8 +222,13 @@ def test_auto_keeps_gpipe_when_it_fits_and_turns_to_1f1b_when_it_does_not():
     assert schedule == "1f1b" and why.startswith("1f1b: gpipe does not fit and 1f1b does")
     assert choose_schedule("gpt-nano", {"stage": 2, "data": 4}, tight, 64, 256,
                            pipeline_microbatches=16, pipeline_repeats=2)[0] == "interleaved_1f1b"
-    # Where 1F1B is refused (a seq axis) or the task cannot run it (BERT): GPipe.
-    assert choose_schedule("gpt-nano", {"stage": 4, "seq": 2}, tight, **shape)[0] == "gpipe"
+    # Under seq: 1F1B with all-gather attention; GPipe where 1F1B is refused (ring
+    # attention) or the task's targets are not per token (BERT's masked positions).
+    assert choose_schedule("gpt-nano", {"stage": 4, "seq": 2}, tight, **shape)[0] == "1f1b"
+    assert choose_schedule("gpt-nano", {"stage": 4, "seq": 2}, tight, **shape,
+                           context_parallel="ring")[0] == "gpipe"
+    assert choose_schedule("bert-tiny", {"stage": 4, "seq": 2}, 1, 64, 128,
+                           pipeline_microbatches=16)[0] == "gpipe"
     classifier = BertClassifier.cost_model_for(preset_backbone_config("bert-tiny"),
                                                num_classes=2)
     assert choose_schedule(classifier, mesh, 1, 64, 128, pipeline_microbatches=16) == (
