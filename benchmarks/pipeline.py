@@ -19,11 +19,18 @@ charge its idle time — plus the schedule's overhead (copies, permutes).
 ``schedules``: per-device memory of the compiled train step (``kdist.planning.plan``) of
 gpt2-xl at batch 32 x 1024 on ``stage=8`` under each ``pipeline_schedule`` at M = 16 and 32,
 against GPipe at the same M and against ``fsdp=8``, beside the analytic estimate
-``--mesh auto`` ranks by; and gpt-nano (4 blocks) on ``stage=2,data=4`` with circular GPipe
-and interleaved 1F1B (2 chunks per stage).
+``--mesh auto`` ranks by; and gpt-nano (with 8 blocks) on ``stage=4,data=2``, the same
+schedules (interleaved with 2 chunks per stage).
+
+``ticks``: the bubble of the interpreter's schedules (1F1B, interleaved, zero-bubble) from
+their compiled programs: each task's matmul FLOPs (a branch of the tick's ``lax.switch``,
+:func:`kdist.hlo.branch_flops`), every tick as long as its costliest task
+(:func:`kdist.parallel.interpreter.lockstep_bubble`), against the table's idle cells and the
+formula.
 
     python benchmarks/pipeline.py compile     # minutes, ~7 GB peak: run on a quiet machine
     python benchmarks/pipeline.py schedules   # ~5 minutes
+    python benchmarks/pipeline.py ticks       # ~3 minutes
     python benchmarks/pipeline.py bubble
     python benchmarks/pipeline.py bubble --real-devices --devices 8 --batch 64 --length 1024
 """
@@ -184,6 +191,73 @@ def _bubble_child(args) -> dict:
     return {"loop_flops": loop_flops, "step_s": times}
 
 
+def _ticks_child(args) -> dict:
+    import jax
+    import keras
+    import numpy as np
+
+    import kdist
+    from kdist import _keras_compat, hlo
+    from kdist.parallel import interpreter, schedules
+
+    keras.utils.clear_session()
+    dist = kdist.distribution(args.mesh, pipeline_microbatches=args.microbatches,
+                              pipeline_repeats=args.repeats, pipeline_schedule=args.schedule)
+    keras.distribution.set_distribution(dist)
+    model = kdist.models.GPTCausalLM(kdist.models.GPTBackbone(**dict(BUBBLE_MODEL,
+                                                                     scan_layers=True)))
+    model.compile(optimizer=kdist.optim.adamw(1e-4, warmup_steps=1, decay_steps=100))
+    tokens = np.random.default_rng(0).integers(0, 256, (args.batch, args.length + 1),
+                                               dtype=np.int32)
+    float(model.train_on_batch(tokens[:, :-1], tokens[:, 1:]))  # builds the state
+    placed = [jax.device_put(a, dist.get_data_layout(a.shape).backend_layout)
+              for a in (tokens[:, :-1], tokens[:, 1:])]
+    text = jax.jit(model.train_step).lower(_keras_compat.jax_state(model),
+                                           tuple(placed)).compile().as_text()
+    cost = hlo.branch_flops(text)  # per action code: idle, F, B, last B, I, last I, W, last W
+    stages = dist.mesh_shape["stage"]
+    program = interpreter.Program(schedules.build(args.schedule, stages, args.microbatches,
+                                                  args.repeats))
+    return {"branch_flops": cost, "table_bubble": program.table.bubble,
+            "lockstep_bubble": interpreter.lockstep_bubble(program, cost),
+            "ticks": program.table.ticks}
+
+
+TICK_CASES = [(s, m, r) for m in (4, 8, 16) for s, r in
+              (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))]
+
+
+def ticks_benchmark(args) -> None:
+    """The interpreter's bubble from its compiled program: each task's FLOPs (a branch of
+    the tick's ``lax.switch``), every tick as long as its costliest task."""
+    from kdist.parallel.stages import bubble_fraction
+
+    rows = []
+    batch = max(args.batch, 2 * max(m for _, m, _ in TICK_CASES))  # 2 data shards x M
+    for schedule, micro, repeats in TICK_CASES:
+        child = ["ticks", "--mesh", "stage=4,data=2", "--schedule", schedule, "--microbatches",
+                 str(micro), "--repeats", str(repeats), "--batch", str(batch),
+                 "--length", str(args.length)]
+        row = run_child(SCRIPT, child, devices=8)
+        f = row["branch_flops"]
+        row.update(schedule=schedule, microbatches=micro, repeats=repeats,
+                   formula=bubble_fraction(4, micro, repeats),
+                   costs="F 1 : B {:.2f} : I {:.2f} : W {:.2f}".format(
+                       *(f[k] / f[1] for k in (2, 4, 6))) if f[1] else "-")
+        rows.append(row)
+        print(f"{schedule} M={micro}: table {row['table_bubble']:.3f}, lockstep "
+              f"{row['lockstep_bubble']:.3f}, {row['costs']}", flush=True)
+    print_table("Bubble of the interpreter's schedules on stage=4,data=2 (GPT 8 x 256, batch "
+                f"{batch} x {args.length}): the formula (S-1)/(vM+S-1), the table's idle "
+                "cells, and the compiled program's time share with every tick as long as its "
+                "costliest task", rows,
+                [("schedule", "schedule", ""), ("M", "microbatches", "d"),
+                 ("R", "repeats", "d"), ("formula", "formula", ".3f"),
+                 ("table", "table_bubble", ".3f"), ("lockstep", "lockstep_bubble", ".3f"),
+                 ("ticks", "ticks", "d"), ("compiled task FLOPs", "costs", "")])
+    write_result("pipeline_ticks", {"args": vars(args), "rows": rows})
+
+
 def bubble_benchmark(args) -> None:
     n = args.devices
     cases = [("unpipelined", f"data={n}", None, 1)] + [
@@ -227,7 +301,7 @@ def bubble_benchmark(args) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["compile", "bubble", "schedules"])
+    p.add_argument("what", choices=["compile", "bubble", "schedules", "ticks"])
     p.add_argument("--preset", default="gpt2-xl", help="(schedules)")
     p.add_argument("--schedule", default=None, help="pipeline_schedule (schedules)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -245,11 +319,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.child:
         child = {"compile": _compile_child, "bubble": _bubble_child,
-                 "schedules": _schedule_child}[args.what]
+                 "schedules": _schedule_child, "ticks": _ticks_child}[args.what]
         print(json.dumps(child(args), default=str))
         return
     {"compile": compile_benchmark, "bubble": bubble_benchmark,
-     "schedules": schedules_benchmark}[args.what](args)
+     "schedules": schedules_benchmark, "ticks": ticks_benchmark}[args.what](args)
 
 
 if __name__ == "__main__":

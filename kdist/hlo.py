@@ -269,11 +269,12 @@ def _bodies(text: str, headers) -> dict[str, str]:
     return {name: text[start:end] for (start, name, _), end in zip(headers, ends)}
 
 
-def executions(hlo_text: str) -> dict[str, int]:
+def executions(hlo_text: str, root: str | None = None) -> dict[str, int]:
     """How many times each computation of an HLO module runs per execution of its entry:
     a ``while`` body its trip count (``known_trip_count``, which XLA records for ``scan``
     loops; 1 if unknown) times its caller's; fusions, reductions and branches their
-    caller's count (a branch as if taken: an upper bound).
+    caller's count (a branch as if taken: an upper bound). ``root``: per execution of that
+    computation instead (those it does not reach: 0).
 
     Example:
         >>> text = ('ENTRY %main (p: f32[]) -> f32[] {\\n  %w = (s32[]) while(%t), condition=%c, '
@@ -294,13 +295,13 @@ def executions(hlo_text: str) -> dict[str, int]:
             for m in _BRANCHES.finditer(line):
                 for name in re.findall(r"%?([\w.\-]+)", m.group("names")):
                     callers.setdefault(name, []).append((caller, 1))
-    entry = next((name for _, name, is_entry in headers if is_entry), None)
+    entry = root or next((name for _, name, is_entry in headers if is_entry), None)
     memo: dict[str, int] = {}
 
     def count(name, seen=()):
         if name not in memo:
             if name == entry or name not in callers:
-                memo[name] = 1
+                memo[name] = int(name == entry or root is None)
             else:
                 memo[name] = sum(count(c, seen + (name,)) * w
                                  for c, w in callers[name] if c not in seen)
@@ -309,14 +310,15 @@ def executions(hlo_text: str) -> dict[str, int]:
     return {name: count(name) for name in bodies}
 
 
-def matmul_flops(hlo_text: str, in_loops_only: bool = False, per_iteration: bool = True
-                 ) -> float:
+def matmul_flops(hlo_text: str, in_loops_only: bool = False, per_iteration: bool = True,
+                 root: str | None = None) -> float:
     """The matmul FLOPs of an optimized HLO module (``dot`` instructions: ``2 x result
     elements x contracted size``), each counted as often as it runs (:func:`executions`).
     On a CPU-compiled program this is every matmul; a GPU program's cuBLAS calls are
     ``custom-call``\\ s, not counted here. ``in_loops_only``: only those in computations
     that run more than once (a scanned layer stack, a pipeline's schedule);
-    ``per_iteration=False``: each counted once, as XLA's ``cost_analysis()`` does.
+    ``per_iteration=False``: each counted once, as XLA's ``cost_analysis()`` does;
+    ``root``: per execution of that computation (e.g. one branch of a conditional).
 
     Example:
         >>> text = ("ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {\\n"
@@ -326,10 +328,10 @@ def matmul_flops(hlo_text: str, in_loops_only: bool = False, per_iteration: bool
         128.0
     """
     headers = _headers(hlo_text)
-    runs = executions(hlo_text)
+    runs = executions(hlo_text, root)
     total = 0.0
     for name, body in _bodies(hlo_text, headers).items():
-        if in_loops_only and runs.get(name, 1) <= 1:
+        if (in_loops_only and runs.get(name, 1) <= 1) or not runs.get(name, 1):
             continue
         shapes = {m.group("name"): m.group("shape") for m in _PARAM.finditer(
             body.splitlines()[0])}
@@ -349,3 +351,26 @@ def matmul_flops(hlo_text: str, in_loops_only: bool = False, per_iteration: bool
 def _dims(shape: str) -> list[int] | None:
     m = re.match(r"[a-z][a-z0-9]*\[([\d,]*)\]", shape)
     return [int(d) for d in m.group(1).split(",") if d] if m else None
+
+
+def branch_flops(hlo_text: str) -> list[float]:
+    """The matmul FLOPs of each branch of the module's conditional with the most branches
+    (a ``lax.switch``; e.g. the pipeline interpreter's tasks,
+    :mod:`kdist.parallel.interpreter`), in branch order, each per execution of that branch
+    (its loops' trip counts included). ``[]`` without a conditional.
+
+    Example:
+        >>> text = ("ENTRY %main (i: s32[], a: f32[4,8], b: f32[8,2]) -> f32[4,2] {\\n"
+        ...         "  ROOT %c = f32[4,2]{1,0} conditional(%i, %a, %a), "
+        ...         "branch_computations={%idle, %mm}\\n}\\n"
+        ...         "%idle (p: f32[4,8]) -> f32[4,2] {\\n}\\n"
+        ...         "%mm (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {\\n  ROOT %d = f32[4,2]{1,0} "
+        ...         "dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}\\n}\\n")
+        >>> branch_flops(text)
+        [0.0, 128.0]
+    """
+    found = [re.findall(r"%?([\w.\-]+)", m.group("names"))
+             for m in _BRANCHES.finditer(hlo_text)]
+    if not found:
+        return []
+    return [matmul_flops(hlo_text, root=name) for name in max(found, key=len)]

@@ -123,6 +123,26 @@ class Program:
         object.__setattr__(self, "cotangent_slots", sizes["cotangent"])
 
 
+def lockstep_bubble(program: Program, cost) -> float:
+    """The idle share of the devices' time when every tick lasts as long as its costliest
+    task — the interpreter's ticks end in a collective-permute all stages take part in, so a
+    stage that ran a forward waits for its neighbour's backward. ``cost``: per action code
+    (:data:`IDLE` ... :data:`LAST_WEIGHT_GRAD`), e.g. the compiled FLOPs of each branch
+    (:func:`kdist.hlo.branch_flops`). With every task costing the same it is the share of
+    idle cells (the table's bubble, plus the last virtual stage's forwards, which its
+    backward computes); with a backward costing more than a forward, more: 1F1B's steady
+    state pairs a forward on one stage with a backward on the next in every tick.
+
+    Example:
+        >>> from kdist.parallel import schedules
+        >>> p = Program(schedules.build("1f1b", stages=4, microbatches=8))
+        >>> lockstep_bubble(p, [0, 1, 1, 1, 1, 1, 1, 1]) == float((p.action == IDLE).mean())
+        True
+    """
+    per_cell = np.asarray(cost, dtype=np.float64)[program.action]  # (ticks, stages)
+    return float(1 - per_cell.sum() / (program.table.stages * per_cell.max(axis=1).sum()))
+
+
 def _assign_slots(intervals, write, read) -> int:
     """Gives every ``(stage, arrives, last_read, reads)`` value a buffer slot free from its
     arrival (written at the end of that tick) to its last read (a slot read at a tick can

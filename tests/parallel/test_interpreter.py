@@ -161,6 +161,12 @@ def autodiff_gpipe(stages, m, weights, head, xm, data):
 def temp_bytes(name, m, chunks=1, stages=4, rows=256, length=64, width=64, per_stage=4):
     """The compiled step's temporary bytes per device (global batch fixed: M splits it);
     ``name`` a schedule the interpreter runs, or ``"autodiff"`` for today's GPipe."""
+    return compiled_step(name, m, chunks, stages, rows, length, width,
+                         per_stage).memory_analysis().temp_size_in_bytes
+
+
+def compiled_step(name, m, chunks=1, stages=4, rows=256, length=64, width=64, per_stage=4):
+    """The compiled step (see :func:`temp_bytes`)."""
     mesh = mesh_of(stages)
     layers = stages * per_stage
     def sds(shape, spec):
@@ -184,8 +190,35 @@ def temp_bytes(name, m, chunks=1, stages=4, rows=256, length=64, width=64, per_s
         def run(w, head, xm, data):
             return interpreter.value_and_grad(table, stage_fn, loss_fn, w, head, xm, data,
                                               mesh=mesh, batch_axes=("data",))
-    compiled = jax.jit(run).lower(weights, head, xm, data).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return jax.jit(run).lower(weights, head, xm, data).compile()
+
+
+def test_each_task_costs_what_its_vjp_computes_and_ticks_wait_for_the_costliest():
+    """The compiled tick's branches (kdist.hlo.branch_flops), in matmul FLOPs of one
+    microbatch through a stage's K = 4 layers (F = K x 2 b T D^2): B recomputes the forward
+    and computes both gradients (3 F); I the forward and the input's gradient (2 F); W the
+    forward, the weights' gradients and, to reach every layer's weights, the input
+    gradients again — of every layer, the first's too: the layers are a scan, whose
+    backward body computes both for each (3 F). Splitting B costs zero-bubble 2 F more per
+    microbatch than 1F1B's B.
+    Every tick lasts as long as its costliest task, so 1F1B's steady state, a forward on one
+    stage beside a backward on the next, idles far more than its table's empty cells."""
+    from kdist import hlo
+
+    stages, m, rows, length, width, per_stage = 4, 8, 256, 64, 64, 4
+    text = compiled_step("zero_bubble", m, stages=stages).as_text()
+    flops = hlo.branch_flops(text)
+    F = per_stage * 2 * (rows // m // 2) * length * width * width  # b: a data shard's rows
+    head = 2 * (rows // m // 2) * length * width * 3
+    assert flops[interpreter.IDLE] == 0 and flops[interpreter.FORWARD] == F
+    assert flops[interpreter.INPUT_GRAD] == 2 * F
+    assert flops[interpreter.WEIGHT_GRAD] == flops[interpreter.BACKWARD] == 3 * F
+    assert flops[interpreter.LAST_INPUT_GRAD] == 2 * F + 2 * head  # + the head's matmuls
+    one_f = interpreter.Program(schedules.build("1f1b", stages, m))
+    idle = float((one_f.action == interpreter.IDLE).mean())  # the table's, + last stage's F
+    assert interpreter.lockstep_bubble(one_f, [0] + [1] * 7) == pytest.approx(idle, rel=1e-12)
+    costs = [0, F, 3 * F, 3 * F, 2 * F, 2 * F, 3 * F, 3 * F]
+    assert interpreter.lockstep_bubble(one_f, costs) > idle + 0.1
 
 
 def test_1f1b_memory_does_not_grow_with_the_microbatches():
