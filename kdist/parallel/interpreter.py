@@ -20,9 +20,11 @@ table's ticks in which every stage runs its tick's task:
 - ``I`` and ``W`` (zero-bubble): ``B`` in two — the vjp in the input alone (the cotangent
   sent back, on the critical path), then, at a later tick, the vjp in the weights alone;
   the input and the cotangent stay in their buffers until ``W``. Each recomputes the
-  forward, so a microbatch costs one forward more than under 1F1B; what the schedule
-  gains is ticks: ``3 M + S - 1`` ticks of at most a forward and half a backward each,
-  where 1F1B takes ``2 (M + S - 1)`` ticks of up to a forward and a whole backward.
+  forward, and ``W`` the layers' input gradients too (a scanned stack's backward computes
+  both for every layer): in matmul FLOPs ``I`` costs 2 forwards and ``W`` 3, against 3 for
+  1F1B's ``B`` (``tests/parallel/test_interpreter.py``). What the schedule gains is ticks:
+  ``3 M + S - 1`` where 1F1B takes ``2 (M + S - 1)`` — and every tick lasts as long as its
+  costliest task (:func:`lockstep_bubble`).
 
 At the end of every tick each stage sends its ``F`` output forward and its input cotangent
 backward (one collective-permute each, zeros when it had none) and writes what arrived into
