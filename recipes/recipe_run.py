@@ -82,7 +82,12 @@ def resolve_mesh(args: argparse.Namespace, cost_model, sequence_length: int,
 def mesh_sizes(mesh: str, own: bool = False) -> dict[str, int]:
     """The mesh's axis sizes over the whole job (``own``: this job's devices alone, which
     differ for one of separate replica group jobs: ``replica=1`` there)."""
-    whole, this = kdist.groups.job.job_mesh(mesh, jax.device_count())
+    try:
+        whole, this = kdist.groups.job.job_mesh(mesh, jax.device_count())
+    except ValueError as e:
+        hint = (" On a CPU, --host-devices N presents it as N devices."
+                if jax.default_backend() == "cpu" else "")
+        raise ValueError(f"--mesh {mesh}: {e}{hint}") from None
     return this if own else whole
 
 

@@ -42,7 +42,8 @@ def test_recipe_flags_are_checked_before_work(tmp_path):
     with pytest.raises(ValueError, match="--grad-accum \\(3\\) must be a positive divisor"):
         gpt_pretrain.main(["--grad-accum", "3", "--global-batch-size", "16",
                            "--output-dir", str(tmp_path)])
-    with pytest.raises(ValueError, match="describes 4 devices, but 8 are available"):
+    with pytest.raises(ValueError, match="--mesh fsdp=4: .*describes 4 devices, but 8 are "
+                                         "available.* On a CPU, --host-devices N"):
         gpt_pretrain.main(["--mesh", "fsdp=4", "--output-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--error-feedback needs --gradient-reduction float8"):
         gpt_pretrain.main(["--gradient-reduction", "bfloat16", "--error-feedback",
