@@ -216,11 +216,16 @@ def _ticks_child(args) -> dict:
                                            tuple(placed)).compile().as_text()
     cost = hlo.branch_flops(text)  # per action code: idle, F, B, last B, I, last I, W, last W
     stages = dist.mesh_shape["stage"]
-    program = interpreter.Program(schedules.build(args.schedule, stages, args.microbatches,
-                                                  args.repeats))
-    return {"branch_flops": cost, "table_bubble": program.table.bubble,
+    out = {"branch_flops": cost}
+    for mixed in (False, True):  # kdist's table, and Megatron-LM's of the same schedule
+        program = interpreter.Program(schedules.build(
+            args.schedule, stages, args.microbatches, args.repeats, mixed=mixed))
+        step = np.asarray(cost, np.float64)[program.action].max(axis=1).sum()
+        out["mixed_" * mixed + "table"] = {
+            "table_bubble": program.table.bubble, "ticks": program.table.ticks,
             "lockstep_bubble": interpreter.lockstep_bubble(program, cost),
-            "ticks": program.table.ticks}
+            "step_forwards": step / (args.repeats * cost[1])}  # in forwards of a stage
+    return out
 
 
 TICK_CASES = [(s, m, r) for m in (4, 8, 16) for s, r in
@@ -240,21 +245,33 @@ def ticks_benchmark(args) -> None:
                  "--length", str(args.length)]
         row = run_child(SCRIPT, child, devices=8)
         f = row["branch_flops"]
+        row.update(row.pop("table"))
+        row.update({f"mixed_{k}": v for k, v in row.pop("mixed_table").items()})
         row.update(schedule=schedule, microbatches=micro, repeats=repeats,
+                   # GPipe's scan, autodiff: (v M + S - 1) iterations of F, then of 2 F
+                   gpipe_forwards=3 * (repeats * micro + 4 - 1) / repeats,
                    formula=bubble_fraction(4, micro, repeats),
                    costs="F 1 : B {:.2f} : I {:.2f} : W {:.2f}".format(
                        *(f[k] / f[1] for k in (2, 4, 6))) if f[1] else "-")
         rows.append(row)
-        print(f"{schedule} M={micro}: table {row['table_bubble']:.3f}, lockstep "
-              f"{row['lockstep_bubble']:.3f}, {row['costs']}", flush=True)
-    print_table("Bubble of the interpreter's schedules on stage=4,data=2 (GPT 8 x 256, batch "
-                f"{batch} x {args.length}): the formula (S-1)/(vM+S-1), the table's idle "
-                "cells, and the compiled program's time share with every tick as long as its "
-                "costliest task", rows,
+        print(f"{schedule} M={micro}: lockstep {row['lockstep_bubble']:.3f} "
+              f"({row['step_forwards']:.1f} F), Megatron's table "
+              f"{row['mixed_lockstep_bubble']:.3f} ({row['mixed_step_forwards']:.1f} F), "
+              f"{row['costs']}", flush=True)
+    print_table("Bubble and step of the interpreter's schedules on stage=4,data=2 (GPT 8 x "
+                f"256, batch {batch} x {args.length}): the formula (S-1)/(vM+S-1); kdist's "
+                "tables (ticks of one kind) and Megatron-LM's (mixed ticks), each as the "
+                "share of the devices' time idle with every tick as long as its costliest "
+                "task (compiled FLOPs) and as the step in forwards F of a stage; GPipe's "
+                "autodiff scan 3 (vM+S-1) F / v for scale", rows,
                 [("schedule", "schedule", ""), ("M", "microbatches", "d"),
                  ("R", "repeats", "d"), ("formula", "formula", ".3f"),
-                 ("table", "table_bubble", ".3f"), ("lockstep", "lockstep_bubble", ".3f"),
-                 ("ticks", "ticks", "d"), ("compiled task FLOPs", "costs", "")])
+                 ("lockstep", "lockstep_bubble", ".3f"), ("step F", "step_forwards", ".1f"),
+                 ("ticks", "ticks", "d"), ("Megatron lockstep", "mixed_lockstep_bubble",
+                                           ".3f"),
+                 ("Megatron step F", "mixed_step_forwards", ".1f"),
+                 ("GPipe step F", "gpipe_forwards", ".1f"),
+                 ("compiled task FLOPs", "costs", "")])
     write_result("pipeline_ticks", {"args": vars(args), "rows": rows})
 
 

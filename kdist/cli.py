@@ -123,8 +123,9 @@ def add_plan_parser(subparsers) -> None:
                    help="with a stage axis: circular repeats (stages per device)")
     p.add_argument("--pipeline-schedule", default="auto", choices=["auto", *SCHEDULES],
                    help="with a stage axis: the order of the microbatches' forwards and "
-                        "backwards (1f1b, interleaved_1f1b, zero_bubble: about S microbatches "
-                        "in flight instead of M; the report draws the timeline); auto: gpipe "
+                        "backwards (1f1b, interleaved_1f1b, zero_bubble: at most 2S-2, "
+                        "2S-2+(R-1)S chunks, S microbatches in flight instead of M; the report "
+                        "draws the timeline and gives the step); auto: gpipe "
                         "if it fits, else 1f1b (the report says why)")
     p.add_argument("--device-memory", default=None,
                    help="per device, e.g. 80GiB (default: the device's own)")

@@ -104,8 +104,8 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
                    help="with a stage axis: gpipe (every forward first), 1f1b, "
                         "interleaved_1f1b (with --pipeline-repeats >= 2) or zero_bubble "
-                        "(ZB-H1: weight gradients fill 1F1B's bubble): about S microbatches "
-                        "in flight instead of M (mesh: stage, data, fsdp, model); auto: gpipe "
+                        "(ZB-H1: weight gradients fill idle ticks): at most 2S-2 (zero_bubble S) "
+                        "microbatches in flight instead of M; auto: gpipe "
                         "if it fits the device, else 1f1b")
 
 

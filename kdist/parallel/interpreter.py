@@ -11,8 +11,8 @@ table's ticks in which every stage runs its tick's task:
 
 - ``F``: the stage's layers on the microbatch's input (from the inputs on virtual stage 0,
   else from the buffer the previous stage's activation was written into); the input stays
-  in the buffer until the task's ``B``. On the last virtual stage ``F`` computes nothing:
-  its ``B`` recomputes it with the loss.
+  in the buffer until the task's ``B``. The last virtual stage has no ``F`` in the table:
+  its ``B`` computes the forward with the loss.
 - ``B``: ``jax.vjp`` of the stage's layers at the buffered input — the forward recomputed,
   not its residuals kept — applied to the cotangent the next stage sent back (on the last
   virtual stage: the vjp of layers + loss, at cotangent 1). The weights' gradient
@@ -22,15 +22,20 @@ table's ticks in which every stage runs its tick's task:
   the input and the cotangent stay in their buffers until ``W``. Each recomputes the
   forward, and ``W`` the layers' input gradients too (a scanned stack's backward computes
   both for every layer): in matmul FLOPs ``I`` costs 2 forwards and ``W`` 3, against 3 for
-  1F1B's ``B`` (``tests/parallel/test_interpreter.py``). What the schedule gains is ticks:
-  ``3 M + S - 1`` where 1F1B takes ``2 (M + S - 1)`` — and every tick lasts as long as its
-  costliest task (:func:`lockstep_bubble`).
+  1F1B's ``B`` (``tests/parallel/test_interpreter.py``): here zero-bubble computes 6
+  forwards per microbatch and stage against 1F1B's 4, and its ticks mix kinds.
+
+Every tick lasts as long as its costliest task (:func:`lockstep_bubble`), so 1F1B's and
+interleaved's tables run forwards-only and backwards-only ticks
+(:data:`kdist.parallel.schedules.LOCKSTEP`): their step lasts GPipe's
+``(v M + S - 1) (F + B)`` less one forward.
 
 At the end of every tick each stage sends its ``F`` output forward and its input cotangent
 backward (one collective-permute each, zeros when it had none) and writes what arrived into
 a buffer slot the table assigned (:class:`Program`): slots are reused as soon as their
 microbatch's ``B`` has read them, so a buffer holds what the schedule keeps in flight and
-what arrived while the stage was busy: at most ``S`` inputs under 1F1B, whatever ``M``.
+what arrived while the stage was busy: at most ``2 S - 3`` inputs under 1F1B, whatever
+``M``.
 
 Why recompute rather than keep residuals: a stage's vjp residuals include its weights (and
 their casts under mixed precision); kept per in-flight microbatch they would cost ``S``
@@ -41,7 +46,7 @@ Example:
     >>> from kdist.parallel import schedules
     >>> program = Program(schedules.build("1f1b", stages=4, microbatches=8))
     >>> program.input_slots, program.cotangent_slots  # buffer entries per stage
-    (4, 1)
+    (5, 1)
 """
 
 from __future__ import annotations
@@ -108,7 +113,7 @@ class Program:
         # read by this one's B (I and W).
         backward = ("B",) if ("B", 0, 0) in when else ("I", "W")
         inputs = [(k % S, when[("F", m, k - 1)], when[(backward[-1], m, k)],
-                   [when[("F", m, k)]] + [when[(a, m, k)] for a in backward])
+                   [when[(a, m, k)] for a in ("F",) * (k < V - 1) + backward])
                   for m in range(t.microbatches) for k in range(1, V)]
         cotangents = [(k % S, when[(backward[0], m, k + 1)], when[(backward[-1], m, k)],
                        [when[(a, m, k)] for a in backward])
@@ -125,20 +130,40 @@ class Program:
         object.__setattr__(self, "cotangent_slots", sizes["cotangent"])
 
 
-def lockstep_bubble(program: Program, cost) -> float:
+# Per action code, a task's matmul FLOPs in forwards of its chunk's layers, as compiled
+# (tests/parallel/test_interpreter.py holds them): a backward recomputes its forward; the
+# head's share on the last stage is left out.
+TASK_COSTS = (0, 1, 3, 3, 2, 2, 3, 3)
+
+
+def step_forwards(program: Program, cost=TASK_COSTS) -> float:
+    """The step's length in forwards of one stage's layers (all its chunks'), every tick
+    as long as its costliest task; ``cost`` per action code in forwards of one chunk.
+
+    Example:
+        >>> from kdist.parallel import schedules
+        >>> step_forwards(Program(schedules.build("1f1b", stages=4, microbatches=8)))
+        43.0
+    """
+    per_cell = np.asarray(cost, dtype=np.float64)[program.action]  # (ticks, stages)
+    return float(per_cell.max(axis=1).sum() / program.table.chunks)
+
+
+def lockstep_bubble(program: Program, cost=TASK_COSTS) -> float:
     """The idle share of the devices' time when every tick lasts as long as its costliest
     task — the interpreter's ticks end in a collective-permute all stages take part in, so a
     stage that ran a forward waits for its neighbour's backward. ``cost``: per action code
     (:data:`IDLE` ... :data:`LAST_WEIGHT_GRAD`), e.g. the compiled FLOPs of each branch
     (:func:`kdist.hlo.branch_flops`). With every task costing the same it is the share of
-    idle cells (the table's bubble, plus the last virtual stage's forwards, which its
-    backward computes); with a backward costing more than a forward, more: 1F1B's steady
-    state pairs a forward on one stage with a backward on the next in every tick.
+    idle cells; with a backward costing more than a forward, more where a tick mixes
+    kinds (a forward idles beside a backward): zero-bubble's, not 1F1B's or
+    interleaved's, whose ticks run one kind (:data:`kdist.parallel.schedules.LOCKSTEP`).
 
     Example:
         >>> from kdist.parallel import schedules
         >>> p = Program(schedules.build("1f1b", stages=4, microbatches=8))
-        >>> lockstep_bubble(p, [0, 1, 1, 1, 1, 1, 1, 1]) == float((p.action == IDLE).mean())
+        >>> round(lockstep_bubble(p, [0, 1, 1, 1, 1, 1, 1, 1]), 12) == round(
+        ...     float((p.action == IDLE).mean()), 12)
         True
     """
     per_cell = np.asarray(cost, dtype=np.float64)[program.action]  # (ticks, stages)

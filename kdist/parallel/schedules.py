@@ -11,22 +11,36 @@ The table is built by simulating the pipeline tick by tick: each device has its 
 fixed order (:func:`order`) and runs the next one as soon as what it needs finished at an
 earlier tick (its input crosses one collective-permute per tick), else idles. The order is
 what bounds the microbatches in flight (forward done, backward not yet), and with them the
-activation memory:
+activation memory. Tables the interpreter runs (:mod:`kdist.parallel.interpreter`) give the
+last virtual stage no ``F``: its ``B`` (or ``I``) computes its forward with the loss.
+
+**Ticks of one kind.** The interpreter runs a table in lockstep — every tick ends in a
+collective-permute all stages join — so a tick lasts as long as its costliest task, and a
+backward costs about 3 forwards (it recomputes its forward). A table whose ticks mix
+forwards and backwards (Megatron-LM's 1F1B pairs a forward on stage ``s`` with a backward
+on ``s + 1`` in every steady tick) idles its forward stages two thirds of each tick: its
+bubble in time is far above the formula. So ``1f1b`` and ``interleaved_1f1b`` run
+forwards-only and backwards-only ticks, alternating when both have work (:data:`LOCKSTEP`):
+``v M + S - 2`` forward ticks and ``v M + S - 1`` backward ticks, whatever the costs —
+GPipe's ``(v M + S - 1) (F + B)`` less one forward: the bubble in time is the formula
+``(S - 1) / (v M + S - 1)``. The price: a microbatch crosses one stage per forward tick
+and per backward tick, so stage ``s`` must warm up with ``2 (S - s) - 3 + (v - 1) S``
+forwards to keep busy, and holds ``2 (S - s) - 2 + (v - 1) S`` chunk inputs (at most
+``v M``):
 
 - ``gpipe``: every forward first, then every backward: ``M`` microbatches in flight.
-- ``1f1b``: ``S - s - 1`` warm-up forwards, then one forward and one backward in turn:
-  stage ``s`` holds at most ``S - s``.
-- ``interleaved_1f1b`` (Megatron-LM's order, ``v`` chunks per stage): the bubble divided
-  by ``v``, ``(S - 1) / (v M + S - 1)``; stage 0 holds ``2 (S - 1) + (v - 1) S + 1``
-  chunk activations (each ``1 / v`` of a stage's layers) whatever ``M``.
-
+- ``1f1b``: stage ``s`` holds ``2 (S - s) - 2`` microbatch inputs (Megatron's ``S - s``
+  with mixed ticks: 1.4x the step time at ``S = 4, M = 16``), whatever ``M``.
+- ``interleaved_1f1b`` (``v`` chunks per stage, the microbatches in groups of ``S`` as in
+  Megatron-LM): the bubble divided by ``v``; stage 0 holds ``2 S - 2 + (v - 1) S`` chunk
+  inputs (each ``1 / v`` of a stage's layers) whatever ``M``.
 - ``zero_bubble`` (ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's
-  order with each ``B`` split into ``I`` and ``W``; a stage runs its next ``F`` or ``I``
-  when it is ready, and a pending ``W`` when it is not (or when one more ``F`` would hold
-  more than 1F1B's peak of ``S`` microbatches): the weight gradients fill the ticks 1F1B
-  leaves idle, at 1F1B's peak memory. Counting each task as one tick, a stage's ``3 M``
-  tasks take ``3 M + S - 1`` ticks where 1F1B's split ones would take ``3 (M + S - 1)``:
-  the bubble ``(S - 1) / (3 M + S - 1)``, a third of 1F1B's.
+  order (``S - s - 1`` warm-up forwards) with each ``B`` split into ``I`` and ``W``; a
+  stage runs its next ``F`` or ``I`` when it is ready, and a pending ``W`` when it is not
+  (or when one more ``F`` would hold more than ``S`` microbatches): the weight gradients
+  fill idle cells, ``3 M + S - 2`` ticks. Its ticks mix kinds, and here ``I`` and ``W``
+  each recompute (``I`` ~ 2 forwards, ``W`` 3: :mod:`kdist.parallel.interpreter`): in
+  time it is the slowest schedule until ``W`` reuses ``I``'s activation gradients.
 
 This module is pure Python (no JAX): the planner, ``kdist plan``'s timeline and the tests
 read the same tables.
@@ -34,10 +48,10 @@ read the same tables.
 Example:
     >>> t = build("1f1b", stages=2, microbatches=3)
     >>> print(t.timeline())
-    stage 0 | F0 F1 .  B0 F2 B1 .  B2
-    stage 1 | .  F0 B0 F1 B1 F2 B2 .
-    >>> t.ticks, t.max_in_flight(), round(t.bubble, 3)
-    (8, 2, 0.25)
+    stage 0 | F0 .  F1 B0 F2 B1 B2
+    stage 1 | .  B0 .  B1 .  B2 .
+    >>> t.ticks, t.max_in_flight(), t.kinds()
+    (7, 2, 'FBFBFBB')
 """
 
 from __future__ import annotations
@@ -46,6 +60,7 @@ import dataclasses
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 SPLIT = ("zero_bubble",)  # the backward as I then W
+LOCKSTEP = ("1f1b", "interleaved_1f1b")  # every tick runs forwards only or backwards only
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -78,9 +93,15 @@ class Table:
 
     @property
     def bubble(self) -> float:
-        """Idle share of the stage-ticks (every task counted as one tick)."""
+        """Idle share of the stage-ticks (every task counted as one tick; for the time,
+        :func:`kdist.parallel.interpreter.lockstep_bubble`)."""
         idle = sum(task is None for row in self.cells for task in row)
         return idle / (self.ticks * self.stages)
+
+    def kinds(self) -> str:
+        """Per tick, the actions its tasks run (``F``, ``B``; ``*`` where they mix)."""
+        return "".join(next(iter(a)) if len(a) == 1 else "*" if a else "." for a in (
+            {task.action for task in row if task is not None} for row in self.cells))
 
     def in_flight(self, stage: int) -> list[int]:
         """Per tick, after it: the microbatch chunks whose forward ran on ``stage`` and
@@ -88,10 +109,11 @@ class Table:
         held, counts = 0, []
         for row in self.cells:
             task = row[stage]
-            if task is not None and task.action == "F":
-                held += 1
-            elif task is not None and task.action in ("B", "W"):
-                held -= 1
+            if task is not None:
+                # The interpreter's last virtual stage has no F (its B or I runs it).
+                computed = self.name != "gpipe" and task.chunk * self.stages + stage == \
+                    self.stages * self.chunks - 1
+                held += {"F": 1, "B": -1 + computed, "I": computed, "W": -1}.get(task.action)
             counts.append(held)
         return counts
 
@@ -154,9 +176,11 @@ def check(name: str, stages: int, microbatches: int, chunks: int = 1) -> None:
                          f"stages: some stage would never have work.")
 
 
-def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
+def build(name: str, stages: int, microbatches: int, chunks: int = 1, *,
+          mixed: bool = False) -> Table:
     """The table of schedule ``name`` for ``stages`` S, ``microbatches`` M and ``chunks``
-    v model chunks per stage.
+    v model chunks per stage. ``mixed``: for comparison, Megatron-LM's 1F1B and interleaved
+    tables (its warm-up, ticks that mix forwards and backwards) instead of :data:`LOCKSTEP`'s.
 
     Example:
         >>> build("gpipe", stages=2, microbatches=2).ticks
@@ -167,19 +191,24 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
     V = S * v  # virtual stages; k lives on device k % S
     split = name in SPLIT
     back = "I" if split else "B"  # the task that sends the cotangent back
-    orders = [list(order(name, S, M, v, s)) for s in range(S)]
+    # The interpreter's last virtual stage computes its forward inside its backward (with
+    # the loss): no F of its own, which would cost a tick of latency and a cell.
+    computed = name != "gpipe"
+    lockstep = name in LOCKSTEP and not mixed
+    orders = [[t for t in order(name, S, M, v, s, mixed)
+               if not (computed and t.action == "F" and t.chunk * S + s == V - 1)]
+              for s in range(S)]
     done: dict[tuple[str, int, int], int] = {}  # (action, microbatch, virtual stage) -> tick
 
     def finished(key: tuple[str, int, int], tick: int) -> bool:  # before this tick
         return done.get(key, tick) < tick
 
     def ready(task: Task, s: int, tick: int) -> bool:
-        k = task.chunk * S + s
-        if task.action == "F":
-            return k == 0 or finished(("F", task.microbatch, k - 1), tick)
+        k, m = task.chunk * S + s, task.microbatch
+        if task.action == "F" or (computed and k == V - 1):  # needs its input
+            return k == 0 or finished(("F", m, k - 1), tick)
         # B/I: the last virtual stage's forward includes the loss, so it needs no cotangent.
-        return finished(("F", task.microbatch, k), tick) and (
-            k == V - 1 or finished((back, task.microbatch, k + 1), tick))
+        return finished(("F", m, k), tick) and (k == V - 1 or finished((back, m, k + 1), tick))
 
     # Zero-bubble: W tasks wait here from their I on; a stage holds (F done, W not) at
     # most S microbatches, 1F1B's peak (its stage 0). (Capped at 1F1B's S - s per stage,
@@ -188,7 +217,7 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
     pending: list[list[Task]] = [[] for _ in range(S)]
     held = [0] * S
 
-    def next_task(s: int, tick: int) -> Task | None:
+    def candidate(s: int, tick: int) -> Task | None:  # what stage s would run at tick
         task = orders[s][position[s]] if position[s] < len(orders[s]) else None
         if task is not None and not ready(task, s, tick):
             task = None
@@ -196,41 +225,50 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
             task = None
         if task is None and split and pending[s] and finished(
                 ("I", pending[s][0].microbatch, s), tick):
-            return pending[s].pop(0)
-        if task is not None:
-            position[s] += 1
+            return pending[s][0]
         return task
 
-    cells, position = [], [0] * S
-    while len(done) < (3 if split else 2) * M * V:
+    cells, position, kind = [], [0] * S, "B"
+    while len(done) < (3 if split else 2) * M * V - computed * M:
         tick = len(cells)
-        row = tuple(next_task(s, tick) for s in range(S))
+        row = [candidate(s, tick) for s in range(S)]
+        if lockstep:  # this tick's kind: the other one's if any stage has work of it
+            kind = next((k for k in ("F" if kind == "B" else "B", kind)
+                         if any(t is not None and t.action == k for t in row)), kind)
+            row = [t if t is not None and t.action == kind else None for t in row]
         if all(task is None for task in row):  # a bug in an order, never the user's input
             raise RuntimeError(f"schedule {name!r} stalled at tick {tick} (S={S}, M={M}, v={v})")
         for s, task in enumerate(row):
             if task is None:
                 continue
+            if task.action == "W":
+                pending[s].pop(0)
+            else:
+                position[s] += 1
             done[(task.action, task.microbatch, task.chunk * S + s)] = tick
             held[s] += {"F": 1, "W": -1}.get(task.action, 0)
             if task.action == "I":
                 pending[s].append(Task("W", task.microbatch, task.chunk))
-        cells.append(row)
+        cells.append(tuple(row))
     return Table(name, S, M, v, tuple(cells))
 
 
-def order(name: str, stages: int, microbatches: int, chunks: int, stage: int):
+def order(name: str, stages: int, microbatches: int, chunks: int, stage: int,
+          mixed: bool = False):
     """The tasks of device ``stage`` in the order it runs them (each as soon as what it needs
     has arrived).
 
     - ``gpipe``: every forward (chunk by chunk, microbatch by microbatch), then every
       backward (the last chunk first).
-    - ``1f1b``: ``S - s - 1`` warm-up forwards, then one forward and one backward in turn,
-      then the backwards left.
-    - ``zero_bubble``: 1F1B's order with ``I`` for ``B`` (:func:`build` adds the ``W``).
-    - ``interleaved_1f1b`` (Megatron-LM's order): the microbatches in groups of ``S``, each
-      group's forwards through chunk 0, 1, ... and its backwards through chunk v-1, ..., 0;
-      ``2 (S - s - 1) + (v - 1) S`` warm-up forwards, then one forward and one backward
-      in turn.
+    - ``1f1b``: ``2 (S - s) - 3`` warm-up forwards (the round trip of ticks of one
+      kind), then one forward and one backward in turn, then the backwards left.
+    - ``zero_bubble``: Megatron-LM's 1F1B order (``S - s - 1`` warm-up forwards) with ``I``
+      for ``B`` (:func:`build` adds the ``W``).
+    - ``interleaved_1f1b``: the microbatches in groups of ``S``, each group's forwards
+      through chunk 0, 1, ... and its backwards through chunk v-1, ..., 0 (Megatron-LM's
+      order); ``2 (S - s) - 3 + (v - 1) S`` warm-up forwards, then one forward and one
+      backward in turn.
+    - ``mixed``: Megatron-LM's warm-ups, ``S - s - 1`` and ``2 (S - s - 1) + (v - 1) S``.
 
     Example:
         >>> [t.label(1) for t in order("1f1b", 2, 3, 1, stage=0)]
@@ -247,8 +285,9 @@ def order(name: str, stages: int, microbatches: int, chunks: int, stage: int):
         return Task(action, group * S + j, c if action == "F" else v - 1 - c)
 
     total, back = M * v, "I" if name in SPLIT else "B"
-    warm = min(2 * (S - s - 1) + (v - 1) * S if name == "interleaved_1f1b" else S - s - 1,
-               total)
+    warm = (2 * (S - s) - 3 + (v - 1) * S if name in LOCKSTEP and not mixed
+            else 2 * (S - s - 1) + (v - 1) * S if name == "interleaved_1f1b" else S - s - 1)
+    warm = max(0, min(warm, total))
     tasks = [nth("F", i) for i in range(warm)]
     for i in range(total - warm):
         tasks += [nth("F", warm + i), nth(back, i)]

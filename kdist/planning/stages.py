@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kdist.parallel import schedules
+from kdist.parallel import interpreter, schedules
 from kdist.parallel.stages import bubble_fraction
 
 TIMELINE_TICKS = 48  # the longest schedule `kdist plan` draws
@@ -222,8 +222,13 @@ def summary(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_le
     useful = blocks / s * tokens_step / devices
     v = vocab_stages(mesh)
     table = schedules.build(schedule, s, micro, repeats)
-    # zero-bubble's W ticks fill most of 1F1B's: its own table's idle share
-    bubble = table.bubble if schedule in schedules.SPLIT else bubble_fraction(s, micro, repeats)
+    if schedule == "gpipe":  # the scan: forwards of every iteration, then 2 F backwards
+        bubble = bubble_fraction(s, micro, repeats)
+        step = 3 * (repeats * micro + s - 1) / repeats
+    else:  # the interpreter's lockstep ticks, each as long as its costliest task
+        program = interpreter.Program(table)
+        bubble = interpreter.lockstep_bubble(program)
+        step = interpreter.step_forwards(program)
     hidden = int(getattr(cost, "config", {}).get("hidden_dim", 0))
     activation = global_batch_size / grad_accum / (d * f) / micro * sequence_length * hidden
     stages = []
@@ -237,7 +242,7 @@ def summary(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_le
                        "head_flops": head * tokens_step / devices / v if schedule == "gpipe"
                        else head * tokens_step / devices * (i == s - 1)})
     return {
-        "schedule": schedule, "ticks": table.ticks,
+        "schedule": schedule, "ticks": table.ticks, "step_forwards": step,
         "in_flight": [max(table.in_flight(i)) for i in range(s)],
         "timeline": table.timeline() if table.ticks <= TIMELINE_TICKS else None,
         "stages": s, "repeats": repeats, "microbatches": micro, "bubble": bubble,
@@ -259,11 +264,14 @@ def report_lines(info: dict[str, Any], format_bytes) -> list[str]:
                   "on the last stage inside it")
     steps = (f"{info['iterations']} iterations; bubble {info['bubble']:.1%} = "
              f"(S-1)/(R*M+S-1) of each stage's iterations compute on zeros" if name == "gpipe"
-             else f"{info['ticks']} ticks of one forward, input gradient or weight gradient; "
-                  f"bubble {info['bubble']:.1%} = (S-1)/(3M+S-1) of each stage's ticks idle"
+             else f"{info['ticks']} ticks, each of one forward, input gradient or weight "
+                  f"gradient per stage, kinds mixed"
              if name in schedules.SPLIT
-             else f"{info['ticks']} ticks of one forward or one backward; bubble "
-                  f"{info['bubble']:.1%} = (S-1)/(R*M+S-1) of each stage's ticks idle")
+             else f"{info['ticks']} ticks, each of forwards only or backwards only")
+    if "step_forwards" in info:
+        steps += (f"; step ~ {info['step_forwards']:.1f} forwards of a stage" + (
+            "" if name == "gpipe" else f" (a backward recomputes its forward: 3), bubble "
+                                       f"{info['bubble']:.1%} of the devices' time"))
     lines = [f"pipeline: {name}, {info['stages']} stages x {info['repeats']} repeats, "
              f"{info['microbatches']} microbatches ({info['microbatch_rows_per_device']:g} rows "
              f"per device each), {steps}",

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdist.parallel import interpreter, schedules
 from kdist.parallel.region import to_varying
+from kdist.parallel.stages import bubble_fraction
 
 LAYERS_PER_CHUNK, WIDTH, ROWS, LENGTH = 2, 8, 32, 4
 
@@ -121,8 +122,8 @@ def test_a_task_it_cannot_run_is_refused_before_compiling():
 
 
 @pytest.mark.parametrize("name, stages, m, chunks, slots", [
-    ("gpipe", 4, 8, 1, 8), ("1f1b", 4, 8, 1, 4), ("1f1b", 4, 32, 1, 4),
-    ("interleaved_1f1b", 4, 8, 2, 10), ("interleaved_1f1b", 4, 32, 2, 10),
+    ("gpipe", 4, 8, 1, 8), ("1f1b", 4, 8, 1, 5), ("1f1b", 4, 32, 1, 5),
+    ("interleaved_1f1b", 4, 8, 2, 9), ("interleaved_1f1b", 4, 32, 2, 9),
     ("zero_bubble", 4, 8, 1, 4), ("zero_bubble", 4, 32, 1, 4)])
 def test_buffers_hold_what_the_schedule_keeps_in_flight(name, stages, m, chunks, slots):
     """A stage's input buffer: its in-flight microbatches plus the one that arrived while it
@@ -201,8 +202,9 @@ def test_each_task_costs_what_its_vjp_computes_and_ticks_wait_for_the_costliest(
     gradients again — of every layer, the first's too: the layers are a scan, whose
     backward body computes both for each (3 F). Splitting B costs zero-bubble 2 F more per
     microbatch than 1F1B's B.
-    Every tick lasts as long as its costliest task, so 1F1B's steady state, a forward on one
-    stage beside a backward on the next, idles far more than its table's empty cells."""
+    Every tick lasts as long as its costliest task: 1F1B's ticks run forwards only or
+    backwards only, M + S - 2 and M + S - 1 of them, so its step lasts GPipe's
+    (M + S - 1) (F + B) less one forward, and its bubble in time is the formula's."""
     from kdist import hlo
 
     stages, m, rows, length, width, per_stage = 4, 8, 256, 64, 64, 4
@@ -215,10 +217,15 @@ def test_each_task_costs_what_its_vjp_computes_and_ticks_wait_for_the_costliest(
     assert flops[interpreter.WEIGHT_GRAD] == flops[interpreter.BACKWARD] == 3 * F
     assert flops[interpreter.LAST_INPUT_GRAD] == 2 * F + 2 * head  # + the head's matmuls
     one_f = interpreter.Program(schedules.build("1f1b", stages, m))
-    idle = float((one_f.action == interpreter.IDLE).mean())  # the table's, + last stage's F
+    idle = float((one_f.action == interpreter.IDLE).mean())  # the table's empty cells
     assert interpreter.lockstep_bubble(one_f, [0] + [1] * 7) == pytest.approx(idle, rel=1e-12)
-    costs = [0, F, 3 * F, 3 * F, 2 * F, 2 * F, 3 * F, 3 * F]
-    assert interpreter.lockstep_bubble(one_f, costs) > idle + 0.1
+    costs = np.array([0, F, 3 * F, 3 * F, 2 * F, 2 * F, 3 * F, 3 * F])
+    step = costs[one_f.action].max(axis=1).sum()
+    assert step == (m + stages - 1) * (F + 3 * F) - F
+    busy = costs[one_f.action].sum() / (stages * step)
+    assert 1 - busy == pytest.approx(interpreter.lockstep_bubble(one_f, costs), rel=1e-12)
+    assert interpreter.lockstep_bubble(one_f, costs) <= bubble_fraction(stages, m) + F * m / (
+        stages * step)  # the formula, plus the last stage's forwards its backward runs
 
 
 def test_1f1b_memory_does_not_grow_with_the_microbatches():
