@@ -80,7 +80,7 @@ RULES: tuple[Rule, ...] = (
     _built("schedule", "model", "XLA inside the stage"),
     _built("schedule", "replica", "a schedule per group"),
     _built("schedule", "reduction", "nested"), _built("schedule", "8-bit", "nested"),
-    _built("schedule", "seq", "all-gather attention, causal LMs"),
+    _built("schedule", "seq", "causal LMs; ring attention not with zero-bubble"),
 )
 _BY_PAIR = {frozenset((r.a, r.b)): r for r in RULES}
 assert len(_BY_PAIR) == len(RULES), "a pair of features is in the table twice"

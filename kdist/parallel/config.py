@@ -139,17 +139,16 @@ class Parallelism:
             gradients=_gradients(gradient_reduction, error_feedback),
         )
         combinations.check(config.features, spec)
-        if "schedule" in config.features and config.context is not None \
-                and config.context.variant == "ring":
-            # A schedule's ticks run each stage's task in a branch of its own; ring
-            # attention's collective-permutes over seq would be reached only by the devices
-            # of one stage, and XLA:CPU's permutes rendezvous with every device (an abort).
+        if config.pipeline is not None and config.pipeline.schedule == "zero_bubble" \
+                and config.context is not None and config.context.variant == "ring":
+            # Ring attention's collective-permutes over seq need every stage to run the same
+            # code in every tick (kdist.parallel.every_stage): zero-bubble's ticks mix kinds.
             raise ValueError(
-                f"Mesh spec {spec!r}: pipeline_schedule={pipeline_schedule!r} runs each "
-                f"stage's work in its own branch of the schedule, where ring attention's "
-                f"exchanges between 'seq' neighbours cannot run. Use "
-                f"context_parallel='all_gather' with this schedule, or "
-                f"pipeline_schedule='gpipe' with ring attention.")
+                f"Mesh spec {spec!r}: pipeline_schedule='zero_bubble' runs ticks that mix "
+                f"forwards, input gradients and weight gradients, so its stages cannot all "
+                f"run ring attention's exchanges between 'seq' neighbours in every tick. Use "
+                f"pipeline_schedule='1f1b' or 'interleaved_1f1b' with ring attention, or "
+                f"context_parallel='all_gather' with zero_bubble.")
         return config
 
 

@@ -28,7 +28,9 @@ table's ticks in which every stage runs its tick's task:
 Every tick lasts as long as its costliest task (:func:`lockstep_bubble`), so 1F1B's and
 interleaved's tables run forwards-only and backwards-only ticks
 (:data:`kdist.parallel.schedules.LOCKSTEP`): their step lasts GPipe's
-``(v M + S - 1) (F + B)`` less one forward.
+``(v M + S - 1) (F + B)`` less one forward. So every stage can also run each tick's kind
+of task, idle ones on zeros, when the layers hold collectives among all devices (ring
+attention's permutes over ``seq``): :mod:`kdist.parallel.every_stage`.
 
 At the end of every tick each stage sends its ``F`` output forward and its input cotangent
 backward (one collective-permute each, zeros when it had none) and writes what arrived into
@@ -57,7 +59,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdist.parallel import region
+from kdist.parallel import every_stage as alike
+from kdist.parallel import region, stage_weights
 from kdist.parallel.region import to_varying
 
 AXIS = "stage"
@@ -188,7 +191,7 @@ def _assign_slots(intervals, write, read) -> int:
 
 
 def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
-              shared=None):
+              shared=None, every_stage=False):
     """One device's part of ``program`` (inside a ``shard_map`` with ``stage`` manual).
 
     ``stage_fn(chunk_weights, x, data_m, chunk)`` applies this device's layers of model
@@ -201,7 +204,9 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
     only); ``shared``: a dict of arrays every microbatch gets whole (a dropout seed), merged
     into ``data_m`` (then a dict). Returns ``(loss, d_weights, d_loss_weights, d_xm)``, each this
     device's part: the loss and ``d_loss_weights`` on the last stage, ``d_xm`` on stage 0,
-    zeros elsewhere.
+    zeros elsewhere. ``every_stage``: every stage runs each tick's kind of task, idle ones
+    on zeros (:mod:`kdist.parallel.every_stage`: collectives among all devices inside the
+    layers, as ring attention's).
     """
     table = program.table
     S, v = table.stages, table.chunks
@@ -214,6 +219,7 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
         "action", "microbatch", "chunk", "read", "cotangent", "write", "write_cotangent")}
     zeros_x = jnp.zeros(xm.shape[1:], xm.dtype)
     varying = _varying_axes(weights, loss_weights, xm, data) | {AXIS}
+    kinds = jnp.asarray(alike.forward_ticks(program)) if every_stage else None
 
     def vary(tree):
         return jax.tree.map(lambda a: to_varying(a, varying), tree)
@@ -278,9 +284,14 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
         # weight's cotangent would otherwise be summed inside the branch, a collective
         # that only the devices taking that branch would reach (they would wait forever).
         # The sums run once, after the schedule.
-        y, dx, dw, dlw, value = jax.lax.switch(
-            at["action"], (idle, forward, backward, last_backward, input_grad,
-                           last_input_grad, weight_grad, last_weight_grad), vary(w), x, g)
+        if every_stage:
+            y, dx, dw, dlw, value = alike.run_task(
+                kinds[t], at["action"], w, x, g, lambda w, x: stage_fn(w, x, data_m, c),
+                lambda lw, y: loss_fn(lw, y, data_m), loss_weights, vary)
+        else:
+            y, dx, dw, dlw, value = jax.lax.switch(
+                at["action"], (idle, forward, backward, last_backward, input_grad,
+                               last_input_grad, weight_grad, last_weight_grad), vary(w), x, g)
         d_w = [jax.lax.dynamic_update_index_in_dim(
             acc, jax.lax.dynamic_index_in_dim(acc, c, keepdims=False) + grad, c, 0)
             for acc, grad in zip(d_w, dw)]
@@ -323,34 +334,9 @@ def _varying_axes(*trees) -> set:
     return axes
 
 
-def _sharded_dims(axes, batch_axes) -> list[tuple[int, str]]:
-    """A weight's dimensions split over a batch axis (``fsdp``): ``(dimension, axis)``."""
-    return [(d, a) for d, a in enumerate(axes) if a is not None and a in batch_axes]
-
-
-def _gather(w, axes, batch_axes):
-    """One device's block of a weight whole over its batch axes (ZeRO-3's gather)."""
-    for d, a in _sharded_dims(axes, batch_axes):
-        w = jax.lax.all_gather(w, a, axis=d, tiled=True)
-    return w
-
-
-def _reduce(g, axes, batch_axes):
-    """A weight's gradient summed over the batch axes: reduce-scattered back into the
-    weight's blocks over the axes it is split on, all-reduced over the others."""
-    sharded = _sharded_dims(axes, batch_axes)
-    split = {axis for _, axis in sharded}
-    rest = tuple(a for a in batch_axes if a not in split)
-    if rest:
-        g = jax.lax.psum(g, rest)
-    for d, a in sharded:
-        g = jax.lax.psum_scatter(g, a, scatter_dimension=d, tiled=True)
-    return g
-
-
 def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
                    shared=None, *, mesh, batch_axes=(), weight_axes=None, token_axes=(),
-                   specs=None):
+                   specs=None, every_stage=False):
     """The loss of ``table``'s schedule and its gradients, over ``mesh``.
 
     ``weights``: stacked arrays ``(v, L / v, ...)`` whose second dimension is split over
@@ -366,8 +352,8 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     ``token_axes``: axes that split every sequence's tokens (``seq``): the loss and every
     gradient are partial over them too, and summed over them like over the batch axes.
     ``specs``: ``(xm_spec, data_specs)`` where arrays are split over more than their rows
-    (tokens over ``seq``); default: rows over ``batch_axes``. Returns
-    ``(loss, (d_weights, d_loss_weights, d_xm))``.
+    (tokens over ``seq``); default: rows over ``batch_axes``. ``every_stage``: as in
+    :func:`interpret`. Returns ``(loss, (d_weights, d_loss_weights, d_xm))``.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -394,11 +380,11 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
         return jax.lax.psum(g, AXIS)
 
     def device(weights, loss_weights, xm, data, shared):
-        weights = [_gather(w, a, partial) for w, a in zip(weights, axes)]
+        weights = [stage_weights.gather(w, a, partial) for w, a in zip(weights, axes)]
         loss, d_w, d_lw, d_xm = interpret(program, stage_fn, loss_fn, weights,
-                                          loss_weights, xm, data, shared)
+                                          loss_weights, xm, data, shared, every_stage)
         loss = jax.lax.psum(loss, everything)
-        d_w = [_reduce(g, a, partial) for g, a in zip(d_w, axes)]
+        d_w = [stage_weights.reduce(g, a, partial) for g, a in zip(d_w, axes)]
         d_lw = jax.tree.map(lambda g: jax.lax.psum(g, everything), d_lw)
         return loss, d_w, d_lw, sum_over_stage(d_xm)
 
@@ -415,7 +401,7 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
 
 def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
                    shared=None, *, mesh, batch_axes=(), weight_axes=None, token_axes=(),
-                   specs=None):
+                   specs=None, every_stage=False):
     """:func:`value_and_grad`'s loss as a function JAX differentiates like any other: its
     forward pass runs the whole schedule (forwards and backwards) and keeps the gradients,
     its backward pass scales them by the loss's cotangent — so what computes ``xm`` (an
@@ -429,7 +415,8 @@ def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     def run(weights, loss_weights, xm, data, shared):
         return value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data,
                               shared, mesh=mesh, batch_axes=batch_axes,
-                              weight_axes=weight_axes, token_axes=token_axes, specs=specs)
+                              weight_axes=weight_axes, token_axes=token_axes, specs=specs,
+                              every_stage=every_stage)
 
     inputs = {}  # the types of data and shared (static), for their zero cotangents
 

@@ -404,5 +404,8 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     return interpreter.scheduled_loss(
         table, stage_fn, microbatch_loss, chunks, loss_weights,
         _to_microbatches(x, schedule), data, shared, mesh=schedule.mesh, batch_axes=batch_axes,
-        weight_axes=axes, token_axes=tokens, specs=specs)
+        weight_axes=axes, token_axes=tokens, specs=specs,
+        # ring attention's permutes over seq (manual here or in an enclosing region, as
+        # kdist's gradient reduction's): every stage runs every tick's kind of task
+        every_stage=sizes.get("seq", 1) > 1 and dist.config.context.variant == "ring")
 

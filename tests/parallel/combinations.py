@@ -154,8 +154,18 @@ TABLE: list[Row] = [
     trains("stage=2,data=4", "bert", config="scanned", pipeline_schedule="zero_bubble"),
     trains("stage=4,data=2", "gpt", config="deep", rows=16, pipeline_schedule="zero_bubble",
            tolerance="bfloat16"),
-    # schedules x seq: every stage, and the loss, on its share of the tokens
-    # (all-gather attention: ring's exchanges cannot run inside a stage's branch)
+    # schedules x seq: every stage, and the loss, on its share of the tokens; with ring
+    # attention every stage runs each tick's kind of task (kdist/parallel/every_stage.py)
+    trains("stage=2,seq=2,data=2", "gpt llama-documents", config="deep", rows=16,
+           context_parallel="ring", pipeline_schedule="1f1b"),
+    trains("stage=2,seq=4", "gpt-documents", config="deep", rows=16, context_parallel="ring",
+           pipeline_schedule="interleaved_1f1b", pipeline_repeats=2),
+    trains("stage=2,seq=2,model=2", "llama", config="deep", rows=16, context_parallel="ring",
+           pipeline_schedule="1f1b"),
+    trains("stage=2,seq=2,data=2", "gpt", config="deep", rows=16, context_parallel="ring",
+           pipeline_schedule="1f1b", gradient_reduction="float32"),
+    trains("replica=2,stage=2,seq=2", "gpt", config="deep", rows=16, context_parallel="ring",
+           pipeline_schedule="1f1b", **EXACT_DILOCO),
     trains("stage=2,seq=2,data=2", "gpt", config="deep", rows=16,
            context_parallel="all_gather", pipeline_schedule="1f1b"),
     trains("stage=2,seq=2,fsdp=2", "gpt-documents llama-documents", config="deep", rows=16,

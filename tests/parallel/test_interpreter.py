@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kdist.parallel import interpreter, schedules
+from kdist.parallel import every_stage, interpreter, schedules
 from kdist.parallel.region import to_varying
 from kdist.parallel.stages import bubble_fraction
 
@@ -72,7 +72,7 @@ def microbatches(a, groups, m):
         (m, groups * rows) + a.shape[1:])
 
 
-def scheduled(p, name, stages, m, chunks):
+def scheduled(p, name, stages, m, chunks, every_stage=False):
     """Loss and the same gradients, the embedding outside the schedule."""
     groups = 8 // stages
     mesh = mesh_of(stages)
@@ -87,7 +87,8 @@ def scheduled(p, name, stages, m, chunks):
     def loss(weights, head, embedding):
         xm = embedding[tokens]  # (M, b, T, D)
         return interpreter.scheduled_loss(table, stage_fn, loss_fn, weights, head, xm, data,
-                                          mesh=mesh, batch_axes=("data",))
+                                          mesh=mesh, batch_axes=("data",),
+                                          every_stage=every_stage)
 
     value, (d_w, d_head, d_table) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
         weights, p["head"], p["table"])
@@ -109,6 +110,25 @@ def test_every_schedule_trains_like_one_device(name, stages, m, chunks):
     for what, g, w in zip(("W", "b", "head", "embedding"), got, want):
         np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6 * float(np.abs(w).max()),
                                    err_msg=what)
+
+
+@pytest.mark.parametrize("name, stages, m, chunks", [("1f1b", 4, 8, 1),
+                                                     ("interleaved_1f1b", 2, 4, 3)])
+def test_every_stage_running_each_tick_trains_like_one_device(name, stages, m, chunks):
+    """Every stage runs each tick's kind of task, idle ones on zeros (what ring attention
+    needs): the same loss and gradients, and a table that mixes kinds is refused."""
+    p = problem(stages, chunks)
+    want_loss, want = one_device(p)
+    got_loss, got = scheduled(p, name, stages, m, chunks, every_stage=True)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=2e-6)
+    for what, g, w in zip(("W", "b", "head", "embedding"), got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6 * float(np.abs(w).max()),
+                                   err_msg=what)
+    with pytest.raises(ValueError, match="'zero_bubble' runs ticks that mix forwards and"):
+        every_stage.forward_ticks(interpreter.Program(schedules.build("zero_bubble", 4, 8)))
+    with pytest.raises(ValueError, match="'1f1b' runs ticks that mix"):
+        every_stage.forward_ticks(interpreter.Program(schedules.build("1f1b", 4, 8,
+                                                                       mixed=True)))
 
 
 def test_a_task_it_cannot_run_is_refused_before_compiling():

@@ -24,9 +24,9 @@ DEEP = dict(TINY_GPT, num_layers=8)
     ("stage=4,data=2", dict(pipeline_schedule="zero_bubble", pipeline_repeats=2),
      "pipeline_schedule='zero_bubble' runs one model chunk per stage; got 2"),
     # (with fsdp, model, seq, replica groups or gradient_reduction: combination table rows)
-    ("stage=2,seq=2,data=2", dict(pipeline_schedule="1f1b", context_parallel="ring"),
-     "pipeline_schedule='1f1b' runs each stage's work in its own branch .* Use "
-     "context_parallel='all_gather' with this schedule"),
+    ("stage=2,seq=2,data=2", dict(pipeline_schedule="zero_bubble", context_parallel="ring"),
+     "pipeline_schedule='zero_bubble' runs ticks that mix .* Use pipeline_schedule='1f1b' or "
+     "'interleaved_1f1b' with ring attention"),
     ("stage=4,data=2", dict(pipeline_schedule="1f1b", pipeline_repeats=2),
      "runs one model chunk per stage; got 2 \\(pipeline_repeats\\)"),
     ("stage=4,data=2", dict(pipeline_schedule="interleaved_1f1b"),
@@ -226,11 +226,11 @@ def test_auto_keeps_gpipe_when_it_fits_and_turns_to_1f1b_when_it_does_not():
     assert schedule == "1f1b" and why.startswith("1f1b: gpipe does not fit and 1f1b does")
     assert choose_schedule("gpt-nano", {"stage": 2, "data": 4}, tight, 64, 256,
                            pipeline_microbatches=16, pipeline_repeats=2)[0] == "interleaved_1f1b"
-    # Under seq: 1F1B with all-gather attention; GPipe where 1F1B is refused (ring
-    # attention) or the task's targets are not per token (BERT's masked positions).
+    # Under seq: 1F1B with either attention; GPipe where the task's targets are not per
+    # token (BERT's masked positions).
     assert choose_schedule("gpt-nano", {"stage": 4, "seq": 2}, tight, **shape)[0] == "1f1b"
     assert choose_schedule("gpt-nano", {"stage": 4, "seq": 2}, tight, **shape,
-                           context_parallel="ring")[0] == "gpipe"
+                           context_parallel="ring")[0] == "1f1b"
     assert choose_schedule("bert-tiny", {"stage": 4, "seq": 2}, 1, 64, 128,
                            pipeline_microbatches=16)[0] == "gpipe"
     classifier = BertClassifier.cost_model_for(preset_backbone_config("bert-tiny"),
