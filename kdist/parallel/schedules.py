@@ -29,8 +29,9 @@ forwards to keep busy, and holds ``2 (S - s) - 2 + (v - 1) S`` chunk inputs (at 
 ``v M``):
 
 - ``gpipe``: every forward first, then every backward: ``M`` microbatches in flight.
-- ``1f1b``: stage ``s`` holds ``2 (S - s) - 2`` microbatch inputs (Megatron's ``S - s``
-  with mixed ticks: 1.4x the step time at ``S = 4, M = 16``), whatever ``M``.
+- ``1f1b``: stage ``s`` holds ``2 (S - s) - 2`` microbatch inputs whatever ``M``
+  (Megatron's table holds ``S - s`` in mixed ticks: 1.35x the step at ``S = 4, M = 16``
+  with the compiled task costs, ``benchmarks/pipeline.py ticks``).
 - ``interleaved_1f1b`` (``v`` chunks per stage, the microbatches in groups of ``S`` as in
   Megatron-LM): the bubble divided by ``v``; stage 0 holds ``2 S - 2 + (v - 1) S`` chunk
   inputs (each ``1 / v`` of a stage's layers) whatever ``M``.
