@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 import kdist  # before keras: it selects Keras' JAX backend if none is chosen
@@ -124,16 +125,45 @@ def resolve_schedule(args: argparse.Namespace, cost_model, mesh: str, dtype: str
     return [f"--pipeline-schedule auto: {why}"] if sizes["stage"] > 1 else []
 
 
+DISTRIBUTION_FLAGS = ("gradient_reduction", "error_feedback", "sync_every",
+                      "outer_learning_rate", "outer_momentum", "context_parallel",
+                      "pipeline_microbatches", "pipeline_repeats", "pipeline_schedule")
+
+
 def set_distribution(args: argparse.Namespace, mesh: str, dtype: str) -> None:
     """Sets the Keras distribution (every mesh feature flag) and the dtype policy: before
-    any model is built."""
-    keras.distribution.set_distribution(kdist.distribution(
-        mesh, gradient_reduction=args.gradient_reduction, error_feedback=args.error_feedback,
-        sync_every=args.sync_every, outer_learning_rate=args.outer_learning_rate,
-        outer_momentum=args.outer_momentum, context_parallel=args.context_parallel,
-        load_balance=not args.no_load_balance, pipeline_microbatches=args.pipeline_microbatches,
-        pipeline_repeats=args.pipeline_repeats, pipeline_schedule=args.pipeline_schedule))
+    any model is built. A setting kdist refuses is said with the flags the user types."""
+    try:
+        dist = kdist.distribution(
+            mesh, gradient_reduction=args.gradient_reduction,
+            error_feedback=args.error_feedback, sync_every=args.sync_every,
+            outer_learning_rate=args.outer_learning_rate, outer_momentum=args.outer_momentum,
+            context_parallel=args.context_parallel, load_balance=not args.no_load_balance,
+            pipeline_microbatches=args.pipeline_microbatches,
+            pipeline_repeats=args.pipeline_repeats, pipeline_schedule=args.pipeline_schedule)
+    except ValueError as e:
+        raise ValueError(as_flags(str(e))) from None
+    keras.distribution.set_distribution(dist)
     keras.config.set_dtype_policy("mixed_bfloat16" if dtype == "bfloat16" else "float32")
+
+
+def as_flags(message: str) -> str:
+    """kdist's message with its keyword arguments spelled as the recipes' flags:
+    ``pipeline_repeats=1`` as ``--pipeline-repeats 1``, ``context_parallel`` as
+    ``--context-parallel``.
+
+    Example:
+        >>> as_flags("got pipeline_repeats=1. Use pipeline_schedule='1f1b'.")
+        'got --pipeline-repeats 1. Use --pipeline-schedule 1f1b.'
+    """
+    value = r"""'([^']*)'|"([^"]*)"|(\d+(?:\.\d+)?(?:e-?\d+)?|\w+)"""
+    for name in DISTRIBUTION_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        message = re.sub(rf"\b{name}=(?:{value})",
+                         lambda m: f"{flag} {next(g for g in m.groups() if g is not None)}",
+                         message)
+        message = re.sub(rf"\b{name}\b", flag, message)
+    return message
 
 
 def prepare(args: argparse.Namespace, state: RunState, cost_model, chosen: list[str]) -> str:

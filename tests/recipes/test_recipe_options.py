@@ -89,6 +89,25 @@ def test_a_typed_value_that_cannot_work_is_refused_naming_it():
             recipe_options.settle_defaults(args)
 
 
+def test_a_setting_the_distribution_refuses_is_said_with_the_flags():
+    """kdist names its keyword arguments (``pipeline_repeats=1``); a recipe user typed
+    flags, so the recipe says ``--pipeline-repeats 1`` — and sets no distribution."""
+    before = keras.distribution.distribution()
+    args = parse("gpt_pretrain", ["--mesh", "stage=2,data=4", "--pipeline-schedule",
+                                  "interleaved_1f1b"])
+    with pytest.raises(ValueError, match=r"^--pipeline-schedule interleaved_1f1b runs several "
+                                         r"model chunks per stage; got --pipeline-repeats 1\. "
+                                         r"Use --pipeline-repeats >= 2"):
+        recipe_run.set_distribution(args, "stage=2,data=4", "float32")
+    args = parse("gpt_pretrain", ["--mesh", "stage=2,seq=2,data=2", "--pipeline-schedule",
+                                  "zero_bubble", "--context-parallel", "ring"])
+    with pytest.raises(ValueError, match=r"Use --pipeline-schedule 1f1b or 'interleaved_1f1b' "
+                                         r"with ring attention, or --context-parallel "
+                                         r"all_gather with zero_bubble"):
+        recipe_run.set_distribution(args, "stage=2,seq=2,data=2", "float32")
+    assert keras.distribution.distribution() is before
+
+
 def test_the_batch_default_rounds_up_to_the_mesh_a_typed_batch_does_not():
     args = parse("gpt_pretrain", ["--grad-accum", "3"])
     assert recipe_options.settle_batch(args, 8 * 3) and args.global_batch_size == 24
