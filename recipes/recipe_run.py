@@ -159,9 +159,8 @@ def as_flags(message: str) -> str:
     value = r"""'([^']*)'|"([^"]*)"|(\d+(?:\.\d+)?(?:e-?\d+)?|\w+)"""
     for name in DISTRIBUTION_FLAGS:
         flag = "--" + name.replace("_", "-")
-        message = re.sub(rf"\b{name}=(?:{value})",
-                         lambda m: f"{flag} {next(g for g in m.groups() if g is not None)}",
-                         message)
+        message = re.sub(rf"\b{name}=(?:{value})", lambda m, flag=flag: " ".join(
+            [flag, next(g for g in m.groups() if g is not None)]), message)
         message = re.sub(rf"\b{name}\b", flag, message)
     return message
 
