@@ -10,14 +10,15 @@ QUIET := TF_CPP_MIN_LOG_LEVEL=2
 
 .PHONY: setup run test test-fast lint clean bench help
 
-setup: $(STAMP)  ## create .venv and install kdist with its test extras (once; a few minutes)
+setup: $(STAMP)  ## create .venv and install kdist with every extra and the test ones (once; a few minutes)
 
 # pip's own output is the progress of the install (~3 GB: JAX, Keras, TensorFlow, torch).
+# `all`: the text pipeline and TFDS (keras-hub, TensorFlow), which the recipes and tests use.
 $(STAMP): pyproject.toml
 	@echo "Installing kdist and its dependencies into $(VENV) (about 3 GB; a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --progress-bar on -e ".[test,hf-test]"
+	$(BIN)/python -m pip install --progress-bar on -e ".[all,test,hf-test]"
 	touch $(STAMP)
 
 # EXTRA_ARGS go after ARGS, so they win: tests/test_docs.py runs the README's own

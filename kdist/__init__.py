@@ -20,9 +20,10 @@ if "KERAS_BACKEND" not in os.environ:
     os.environ["KERAS_BACKEND"] = "jax"
 
 # ruff: noqa: E402
-# TensorFlow (which keras-hub and TFDS import) writes six lines of native start-up noise on
-# a CPU machine; they are dropped, anything else it writes is kept (kdist/noise.py).
-from kdist.noise import native_noise_filtered, probe_tensorflow_devices
+# Nothing here imports TensorFlow, keras-hub or TFDS: the text pipeline and TFDS import them
+# when first used (kdist/_optional.py), inside the native-noise filter (kdist/noise.py),
+# which also wraps these imports in case a native library they load writes start-up noise.
+from kdist.noise import native_noise_filtered
 
 with native_noise_filtered():
     import keras
@@ -51,8 +52,6 @@ with native_noise_filtered():
     # isort: split
     from kdist import hlo, planning  # planning: `kdist plan`
     from kdist import planning as plan  # its former name: kdist.plan.plan(...) still works
-
-    probe_tensorflow_devices()  # its one "failed call to cuInit" line, filtered here
 
 __version__ = "0.1.0"
 

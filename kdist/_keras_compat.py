@@ -138,6 +138,9 @@ def byte_pair_split_pattern() -> str:
     """The regex keras-hub's ``BytePairTokenizer`` splits text with before merging
     (``keras_hub.src.tokenizers.byte_pair_tokenizer.SPLIT_PATTERN_TOKENIZERS``, keras-hub
     0.32; not exported): a vocabulary trained with it gives the ids keras-hub computes."""
+    from kdist._optional import optional_import
+
+    optional_import("keras_hub", "A byte-pair vocabulary split like keras-hub's")
     try:
         from keras_hub.src.tokenizers.byte_pair_tokenizer import SPLIT_PATTERN_TOKENIZERS
     except ImportError as e:

@@ -37,12 +37,14 @@ def rss(field):
             return int(line.split()[1]) * 1024
 
 args = json.loads(sys.argv[1])
+# Before the baseline: Keras' set_random_seed imports TensorFlow where it is installed (to
+# seed it too), and TensorFlow's memory is not the step's.
+keras.utils.set_random_seed(0)
 device = jax.devices()[0]
 stats = device.memory_stats() if hasattr(device, "memory_stats") else None
 baseline = rss("VmRSS")
 baseline_device = (stats or {}).get("bytes_in_use", 0)
 keras.config.set_dtype_policy(args["policy"])
-keras.utils.set_random_seed(0)
 model = kdist.models.GPTCausalLM.from_preset(args["preset"], remat=args["remat"],
                                               **args["overrides"])
 model.compile(optimizer=kdist.optim.adamw())

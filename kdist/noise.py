@@ -1,16 +1,17 @@
 """Native start-up noise: the lines TensorFlow's and absl's C++ code write to the process's
-standard error when TensorFlow loads (kdist reads data with keras-hub and TFDS, which import
-it) or probes for a GPU — on a CPU machine, six lines ending in "failed call to cuInit:
-... ERROR" that report nothing wrong.
+standard error when TensorFlow loads (kdist's text pipeline and TFDS use keras-hub and TFDS,
+which import it) or probes for a GPU — on a CPU machine, six lines ending in "failed call
+to cuInit: ... ERROR" that report nothing wrong.
 
 ``TF_CPP_MIN_LOG_LEVEL`` no longer silences them (TensorFlow 2.21 logs them through absl
 before its log level is read), so :func:`native_noise_filtered` captures file descriptor 2
 around such a call and writes back every line except those known ones (the patterns below;
 anything else, a real error included, is kept). ``KDIST_NATIVE_LOGS=1`` keeps them all.
 
-``import kdist`` runs its imports and :func:`probe_tensorflow_devices` (TensorFlow's GPU
-platform probe, which prints "failed call to cuInit" once, whenever it first runs) inside
-the filter, so later TensorFlow use — tokenizers, TFDS, TensorBoard — starts quietly.
+``import kdist`` loads no TensorFlow. kdist imports keras-hub, TFDS and TensorFlow when
+first used (:func:`kdist._optional.optional_import`), inside the filter and followed there
+by :func:`probe_tensorflow_devices` (TensorFlow's GPU platform probe, which prints "failed
+call to cuInit" once, whenever it first runs), so later TensorFlow use starts quietly too.
 
 Example:
     >>> with native_noise_filtered():
@@ -70,8 +71,8 @@ def native_noise_filtered():
 
 def probe_tensorflow_devices() -> None:
     """Lets TensorFlow, if it is loaded, probe for GPUs now (it does so once per process,
-    and on a CPU machine logs "failed call to cuInit"); changes no TensorFlow setting and
-    allocates nothing (``tf.config.list_physical_devices``)."""
+    and on a CPU machine logs "failed call to cuInit"); changes no TensorFlow setting,
+    allocates nothing (``tf.config.list_physical_devices``) and never imports TensorFlow."""
     tf = sys.modules.get("tensorflow")
     if tf is not None and hasattr(tf, "config"):
         tf.config.list_physical_devices("GPU")

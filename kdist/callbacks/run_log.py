@@ -1,6 +1,6 @@
 """Where the ``Throughput`` callback's rows go: a list, a JSONL file, TensorBoard scalars
-(and profiles: :func:`parse_profile_steps`); the device (or process) memory each interval
-row reports.
+(written without TensorFlow: :mod:`kdist.callbacks.event_file`) and profiles
+(:func:`parse_profile_steps`); the device (or process) memory each interval row reports.
 
 Example:
     >>> log = RunLog()
@@ -17,6 +17,8 @@ import os
 import resource
 from pathlib import Path
 from typing import Any
+
+from kdist.callbacks.event_file import EventFileWriter
 
 JSONL_NAME = "throughput.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -44,7 +46,7 @@ def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
 class RunLog:
     """Every row written (:attr:`rows`, also without a directory), and on the writing
     process ``log_dir/throughput.jsonl`` (appended: a resumed run continues its file) and
-    TensorBoard scalars in ``log_dir/tensorboard``."""
+    TensorBoard scalars in ``log_dir/tensorboard/train``."""
 
     def __init__(self):
         self.rows: list[dict[str, Any]] = []
@@ -58,7 +60,7 @@ class RunLog:
         # optimizer step). Use a fresh directory for a fresh run.
         self._jsonl = open(log_dir / JSONL_NAME, "a", encoding="utf-8")  # noqa: SIM115
         if tensorboard:
-            self._writer = ScalarWriter(log_dir / TENSORBOARD_DIR)
+            self._writer = EventFileWriter(log_dir / TENSORBOARD_DIR / "train")
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -112,51 +114,6 @@ def memory_usage(devices: list) -> dict[str, Any]:
         rss = peak_rss
     return {"memory_in_use_bytes": rss, "memory_peak_bytes": max(peak_rss, rss),
             "memory_source": "process_rss"}
-
-
-class ScalarWriter:
-    """TensorBoard scalars through TensorFlow's summary writer, on the CPU.
-
-    ``tf.summary.scalar`` needs the ``tensorboard`` package; ``tf.summary.write`` with the
-    scalars plugin's metadata (what ``scalar`` itself writes) does not, and TensorBoard reads
-    it the same way. A row is one ``Summary`` protocol buffer built in Python and written by
-    one ``write_raw_pb`` op (20 eager ``tf.summary.write`` ops took 4 ms, and a flush per row
-    3 ms more); the writer flushes every 10 s and on close.
-    """
-
-    def __init__(self, path: Path):
-        try:
-            import tensorflow as tf
-            from tensorflow.core.framework import summary_pb2
-        except ImportError as e:
-            raise ImportError("TensorBoard scalars need TensorFlow (installed with keras-hub): "
-                              "pip install tensorflow, or pass "
-                              "Throughput(..., tensorboard=False).") from e
-        try:  # keep TensorFlow off accelerators: JAX needs their memory
-            tf.config.set_visible_devices([], "GPU")
-        except RuntimeError:
-            pass  # TensorFlow was initialised already by someone else; leave it
-        self._tf, self._summary_pb2 = tf, summary_pb2
-        self._metadata = summary_pb2.SummaryMetadata(
-            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
-            data_class=summary_pb2.DATA_CLASS_SCALAR,
-        )
-        with tf.device("/cpu:0"):
-            self._writer = tf.summary.create_file_writer(str(path / "train"),
-                                                         flush_millis=10_000)
-
-    def write(self, step: int, values: dict[str, float]) -> None:
-        tf, summary_pb2 = self._tf, self._summary_pb2
-        summary = summary_pb2.Summary(value=[
-            summary_pb2.Summary.Value(tag=name, metadata=self._metadata,
-                                      tensor=tf.make_tensor_proto(float(value), tf.float32))
-            for name, value in values.items()
-        ])
-        with tf.device("/cpu:0"), self._writer.as_default():
-            tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=step)
-
-    def close(self) -> None:
-        self._writer.close()
 
 
 class ScheduleValue:

@@ -82,7 +82,7 @@ class Throughput(keras.callbacks.Callback):
         peak_tflops: the per-device dense peak to use instead of the table/measurement.
         flops_per_token: training (model) FLOPs per token, instead of the model's cost
             model (e.g. BERT's masked-LM count at the masked positions actually trained).
-        tensorboard: also write TensorBoard scalars (needs TensorFlow, which keras-hub has).
+        tensorboard: also write TensorBoard scalars (event files kdist writes: no TensorFlow).
         profile_steps: ``(A, B)``: a JAX profiler trace of optimizer steps A..B (1-based,
             inclusive) into ``log_dir/tensorboard`` (``tensorboard-plugin-profile``).
         progress_bar: add ``tok/s`` and ``mfu`` (when reliable) to Keras' progress bar.

@@ -12,7 +12,7 @@ validation; each split has every class.
 the dataset's info (its supervised keys, else its ``Text`` and ``ClassLabel`` features).
 Without network, prepare the data beforehand (``tfds build NAME``, or ``download=True`` on a
 machine that has network) and pass its ``data_dir``; kdist does not wait minutes for a
-download that cannot happen.
+download that cannot happen. TFDS is the ``tfds`` extra (``pip install 'kdist[tfds]'``).
 
 Examples are encoded ``[CLS] text [SEP] [PAD] ...`` (cut to the sequence length) with
 the BERT tokenizer of the pretraining run, and served by :class:`ClassificationBatches`.
@@ -27,6 +27,7 @@ import os
 import keras
 import numpy as np
 
+from kdist._optional import optional_import
 from kdist.data.corpus import stdlib_files
 from kdist.data.sampling import StepSampler
 from kdist.data.wordpiece import CLS, PAD, SEP
@@ -120,7 +121,7 @@ def tfds_task(
     Example:
         >>> task = tfds_task("imdb_reviews", data_dir="~/tensorflow_datasets")  # doctest: +SKIP
     """
-    import tensorflow_datasets as tfds
+    tfds = optional_import("tensorflow_datasets", "A TFDS classification task")
 
     try:
         builder = tfds.builder(name, data_dir=data_dir)
@@ -140,6 +141,7 @@ def tfds_task(
         validation_split = "validation" if "validation" in splits else "test"
     text_key, label_key = _text_and_label_keys(info, name)
     label_feature = info.features[label_key]
+    optional_import("tensorflow", "A TFDS classification task (tfds.load reads with tf.data)")
     (train, validation), info = tfds.load(
         name, split=[train_split, validation_split], data_dir=data_dir, download=download,
         with_info=True,
@@ -163,7 +165,7 @@ def tfds_task(
 
 
 def _text_and_label_keys(info, name: str) -> tuple[str, str]:
-    import tensorflow_datasets as tfds
+    tfds = optional_import("tensorflow_datasets", "A TFDS classification task")
 
     if info.supervised_keys and len(info.supervised_keys) == 2:
         text_key, label_key = info.supervised_keys

@@ -30,6 +30,7 @@ from pathlib import Path
 import keras
 import numpy as np
 
+from kdist._optional import optional_import
 from kdist.data.checks import check_token_ids
 from kdist.data.corpus import STDLIB, load_corpus
 from kdist.data.sampling import StepSampler
@@ -183,7 +184,7 @@ class MLMBatches(keras.utils.PyDataset):
         spread: bool = False,
     ):
         super().__init__()
-        from keras_hub.layers import MaskedLMMaskGenerator
+        keras_hub = optional_import("keras_hub", "Masked-LM batches (MaskedLMMaskGenerator)")
 
         if not 0 < mask_selection_rate < 1:
             raise ValueError(f"mask_selection_rate must be in (0, 1); got {mask_selection_rate}.")
@@ -201,7 +202,7 @@ class MLMBatches(keras.utils.PyDataset):
             spread=num_steps * global_batch_size if spread and num_steps is not None else None)
         self.mask_selection_length = mask_selection_length or default_mask_selection_length(
             self.sequence_length, mask_selection_rate)
-        self.masker = MaskedLMMaskGenerator(
+        self.masker = keras_hub.layers.MaskedLMMaskGenerator(
             vocabulary_size=vocabulary_size,
             mask_selection_rate=mask_selection_rate,
             mask_selection_length=self.mask_selection_length,

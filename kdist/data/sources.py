@@ -13,7 +13,8 @@ larger than memory is never held whole. TFDS datasets are read with ``tfds.data_
 (random access) when they were prepared in a random-access format (ArrayRecord), else with
 ``tfds.load`` (TFRecord, through tf.data). They must be prepared already, or be preparable
 offline from ``manual_dir``; downloading is opt-in (``download=True``), because without a
-network TFDS retries for minutes before it fails.
+network TFDS retries for minutes before it fails. TFDS is the ``tfds`` extra
+(``pip install 'kdist[tfds]'``), imported when a TFDS source is opened.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from kdist._optional import optional_import
 from kdist.data.corpus import (
     STDLIB,
     canonical_encoding,
@@ -35,6 +37,10 @@ from kdist.data.corpus import (
 SPLITS = ("train", "validation")
 TFDS_PREFIX = "tfds:"
 _VALIDATION_NAMES = ("validation", "valid", "dev", "test")
+
+
+def _tfds():
+    return optional_import("tensorflow_datasets", "Reading a TFDS dataset")
 
 
 class TextSource:
@@ -161,7 +167,7 @@ class TFDSSource(TextSource):
         train_split: str | None = None,
         validation_split: str | None = None,
     ):
-        import tensorflow_datasets as tfds
+        tfds = _tfds()
 
         self.name = f"{TFDS_PREFIX}{name}"
         self._data_dir = None if data_dir is None else str(Path(data_dir).expanduser())
@@ -206,7 +212,7 @@ class TFDSSource(TextSource):
 
     @staticmethod
     def _prepare(builder, name, manual_dir, download) -> None:
-        import tensorflow_datasets as tfds
+        tfds = _tfds()
 
         if manual_dir is None and not download:
             raise ValueError(
@@ -223,7 +229,7 @@ class TFDSSource(TextSource):
 
     @staticmethod
     def _pick_text_key(info, text_key, name) -> str:
-        import tensorflow_datasets as tfds
+        tfds = _tfds()
 
         features = info.features
         keys = list(features.keys()) if hasattr(features, "keys") else []
@@ -256,7 +262,7 @@ class TFDSSource(TextSource):
             yield from self._from_tf_data(self._splits[split])
 
     def _from_data_source(self, split: str, chunk: int = 256) -> Iterator[str]:
-        import tensorflow_datasets as tfds
+        tfds = _tfds()
 
         source = tfds.data_source(
             self._load_name, split=split, data_dir=self._data_dir, download=False
@@ -266,8 +272,8 @@ class TFDSSource(TextSource):
                 yield _text(example[self._text_key])
 
     def _from_tf_data(self, split: str) -> Iterator[str]:
-        import tensorflow as tf
-        import tensorflow_datasets as tfds
+        tfds = _tfds()
+        tf = optional_import("tensorflow", "Reading a TFRecord TFDS dataset (tf.data)")
 
         try:
             tf.config.set_visible_devices([], "GPU")  # the accelerator memory is JAX's

@@ -1,11 +1,12 @@
 """Byte-pair tokenizers: keras-hub's ``BytePairTokenizer``, trained on the corpus when needed.
 
 keras-hub has no byte-pair trainer, so the merges are learned with the HF ``tokenizers``
-package (installed with keras-hub) using exactly the pre-tokenization keras-hub applies
-(its GPT-2 split pattern, then byte-level), and the result is loaded into
-``keras_hub.tokenizers.BytePairTokenizer``, which is what encodes and decodes everywhere in
-kdist. Trained vocabularies are cached by corpus fingerprint and size, so the second run
-does not train again.
+package using exactly the pre-tokenization keras-hub applies (its GPT-2 split pattern, then
+byte-level), and the result is loaded into ``keras_hub.tokenizers.BytePairTokenizer``,
+which is what encodes and decodes everywhere in kdist. Trained vocabularies are cached by
+corpus fingerprint and size, so the second run does not train again. Both packages are the
+``text`` extra (``pip install 'kdist[text]'``), imported here when first used
+(:mod:`kdist._optional`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-
-import keras_hub
+from typing import TYPE_CHECKING
 
 from kdist import _keras_compat
+from kdist._optional import optional_import
+
+if TYPE_CHECKING:
+    import keras_hub
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -34,8 +38,9 @@ def train_byte_pair(documents, vocabulary_size: int, directory: Path) -> None:
 
     Writes ``vocabulary.json`` and ``merges.txt`` atomically (temporary names, then rename).
     """
-    import tokenizers
-    from tokenizers import models, pre_tokenizers, trainers
+    tokenizers = optional_import("tokenizers", "Training a byte-pair vocabulary")
+    models, pre_tokenizers, trainers = (tokenizers.models, tokenizers.pre_tokenizers,
+                                        tokenizers.trainers)
 
     if vocabulary_size < 257 + 1:
         raise ValueError(
@@ -74,6 +79,7 @@ def load_byte_pair(directory: Path) -> keras_hub.tokenizers.BytePairTokenizer:
     """Loads a vocabulary written by :func:`train_byte_pair` into keras-hub's tokenizer."""
     vocabulary = json.loads((directory / "vocabulary.json").read_text(encoding="utf-8"))
     merges = (directory / "merges.txt").read_text(encoding="utf-8").splitlines()
+    keras_hub = optional_import("keras_hub", "A byte-pair tokenizer")
     return keras_hub.tokenizers.BytePairTokenizer(
         vocabulary=vocabulary, merges=[m for m in merges if m], unsplittable_tokens=[END_OF_TEXT]
     )
@@ -88,6 +94,7 @@ def byte_pair_tokenizer(corpus, vocabulary_size: int, cache_dir: Path | None = N
         >>> tok.detokenize(tok.tokenize("def f(x):\\n    return x")) == "def f(x):\\n    return x"
         True
     """
+    optional_import("keras_hub", "A byte-pair tokenizer")  # missing: say so before training
     directory = (cache_dir or cache_root()) / f"bpe-{corpus.fingerprint}-{vocabulary_size}"
     if not (directory / "merges.txt").exists():
         print(f"Training a {vocabulary_size:,}-entry byte-pair vocabulary on the corpus (once; "

@@ -1,13 +1,13 @@
 """WordPiece tokenizers for BERT: keras-hub's ``WordPieceTokenizer``, trained when needed.
 
-The vocabulary is learned with the HF ``tokenizers`` WordPiece trainer (installed with
-keras-hub), configured like keras-hub's tokenizer (split on whitespace and punctuation,
-case and accents kept, ``##`` continuation prefix), and loaded into
-``keras_hub.tokenizers.WordPieceTokenizer``, which does all encoding in kdist: both give the
-same ids on the corpus (``tests/data/test_mlm.py`` checks it). keras-hub's own trainer,
-``keras_hub.tokenizers.compute_word_piece_vocabulary``, works here too (it needs
-tensorflow-text, installed with keras-hub, and a ``tf.data`` dataset, not a list) but took
-~400 s on this corpus against ~3 s, so it is not the default.
+The vocabulary is learned with the HF ``tokenizers`` WordPiece trainer, configured like
+keras-hub's tokenizer (split on whitespace and punctuation, case and accents kept, ``##``
+continuation prefix), and loaded into ``keras_hub.tokenizers.WordPieceTokenizer``, which
+does all encoding in kdist (both packages are the ``text`` extra, imported when first
+used): both give the same ids on the corpus (``tests/data/test_mlm.py`` checks it).
+keras-hub's own trainer, ``keras_hub.tokenizers.compute_word_piece_vocabulary``, works
+here too (it needs tensorflow-text, installed with keras-hub, and a ``tf.data`` dataset,
+not a list) but took ~400 s on this corpus against ~3 s, so it is not the default.
 
 Vocabularies are cached by corpus fingerprint and size in the directory
 :func:`kdist.data.tokenizer.cache_root` names, as ``vocabulary.txt`` (one token per line,
@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import keras_hub
-
+from kdist._optional import optional_import
 from kdist.data.tokenizer import cache_root
+
+if TYPE_CHECKING:
+    import keras_hub
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)  # ids 0..4 in this order
@@ -34,14 +37,14 @@ def train_word_piece(documents, vocabulary_size: int, path: Path) -> None:
     the same documents always give the same file. Written atomically (temporary name, then
     rename), so concurrent runs never read a half-written file.
     """
-    from tokenizers import BertWordPieceTokenizer
+    tokenizers = optional_import("tokenizers", "Training a WordPiece vocabulary")
 
     if vocabulary_size < 256:
         raise ValueError(
             f"vocabulary_size={vocabulary_size} is too small for a WordPiece vocabulary: it "
             f"needs the special tokens and the corpus's characters. Use at least 1024."
         )
-    trainer = BertWordPieceTokenizer(
+    trainer = tokenizers.BertWordPieceTokenizer(
         clean_text=True, handle_chinese_chars=True, strip_accents=False, lowercase=False,
         wordpieces_prefix="##",
     )
@@ -80,6 +83,7 @@ def load_word_piece(path: str | os.PathLike) -> keras_hub.tokenizers.WordPieceTo
     if missing:
         raise ValueError(f"WordPiece vocabulary {path} lacks the special tokens {missing}; "
                          f"BERT needs {list(SPECIAL_TOKENS)}.")
+    keras_hub = optional_import("keras_hub", "A WordPiece tokenizer")
     return keras_hub.tokenizers.WordPieceTokenizer(
         vocabulary=vocabulary, lowercase=False, strip_accents=False, oov_token=UNK,
     )
@@ -98,6 +102,7 @@ def word_piece_tokenizer(corpus, vocabulary_size: int = 8192,
     """
     import jax
 
+    optional_import("keras_hub", "A WordPiece tokenizer")  # missing: say so before training
     if vocabulary is not None:
         return load_word_piece(vocabulary)
     path = (cache_dir or cache_root()) / f"wordpiece-{corpus.fingerprint}-{vocabulary_size}" / (

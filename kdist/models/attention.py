@@ -26,9 +26,8 @@ import jax
 import jax.numpy as jnp
 import keras
 from keras import layers, ops
-from keras_hub.layers import RotaryEmbedding
 
-from kdist.models.rope import ScaledRotaryEmbedding, check_rope_scaling
+from kdist.models.rope import RotaryEmbedding, ScaledRotaryEmbedding, check_rope_scaling
 from kdist.online_softmax import (
     chunk_gradients,
     online_finish,

@@ -3,6 +3,7 @@
 :class:`CachedGeneration` is a mixin for a task whose backbone has ``embed``, ``blocks``
 (each taking ``cache``/``cache_index``), ``final_norm`` and a reversible
 ``token_embedding``; the decode loop is one compiled ``while_loop`` per sampler and shape.
+The samplers are keras-hub's (the ``text`` extra, imported when ``generate`` is called).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import itertools
 import keras
 import numpy as np
 from keras import ops
+
+from kdist._optional import optional_import
 
 
 class CachedGeneration:
@@ -71,10 +74,11 @@ class CachedGeneration:
         """Extends ``prompt_ids`` (B, P) to ``(B, max_length)`` tokens with a key/value cache.
 
         ``sampler`` is a keras-hub sampler or one of ``"greedy"``, ``"top_k"`` (k=10),
-        ``"top_p"`` (p=0.9), ``"random"``. With a ``seed`` the result is reproducible call
-        after call; without, each call draws anew. Runs as one compiled program (a
-        ``while_loop`` over decode steps, reused across calls with the same sampler and
-        shapes) and works under any kdist distribution.
+        ``"top_p"`` (p=0.9), ``"random"`` (keras-hub's: ``pip install 'kdist[text]'``). With
+        a ``seed`` the result is reproducible call after call; without, each call draws
+        anew. Runs as one compiled program (a ``while_loop`` over decode steps, reused
+        across calls with the same sampler and shapes) and works under any kdist
+        distribution.
 
         Example:
             >>> from kdist.models import GPTCausalLM
@@ -133,10 +137,9 @@ class CachedGeneration:
 
 
 def _make_sampler(sampler, seed):
-    import keras_hub
-
     if not isinstance(sampler, str):
         return sampler
+    keras_hub = optional_import("keras_hub", f"Generating with the {sampler!r} sampler")
     factories = {
         "greedy": lambda: keras_hub.samplers.GreedySampler(),
         "top_k": lambda: keras_hub.samplers.TopKSampler(k=10, seed=seed),

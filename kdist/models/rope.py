@@ -1,9 +1,12 @@
-"""Rotary position embeddings with Llama 3.1/3.2's frequency scaling (``rope_type="llama3"``).
+"""Rotary position embeddings (RoPE): plain, and with Llama 3.1/3.2's frequency scaling.
 
-Plain RoPE in kdist is keras-hub's ``RotaryEmbedding`` (``CausalSelfAttention``); this
-module adds what it lacks for Llama 3.1 and 3.2 checkpoints: their ``rope_scaling`` block
-rescales each rotation frequency once, by its wavelength ``2 pi / f``, against the
-pretraining context ``L`` (``original_max_position_embeddings``):
+:class:`RotaryEmbedding` is plain RoPE (``CausalSelfAttention``), computing exactly what
+keras-hub's ``keras_hub.layers.RotaryEmbedding`` computes (its default ``"linear"`` kind,
+the one kdist uses; ``tests/models/test_rope.py`` compares the two) without importing
+keras-hub, which would load TensorFlow. :class:`ScaledRotaryEmbedding` adds what it lacks
+for Llama 3.1 and 3.2 checkpoints: their ``rope_scaling`` block rescales each rotation
+frequency once, by its wavelength ``2 pi / f``, against the pretraining context ``L``
+(``original_max_position_embeddings``):
 
     wavelength < L / high_freq_factor  ->  f             (high frequencies: unchanged)
     wavelength > L / low_freq_factor   ->  f / factor    (low frequencies: interpolated)
@@ -11,8 +14,9 @@ pretraining context ``L`` (``original_max_position_embeddings``):
                                            s = (L / wavelength - low) / (high - low)
 
 which is what Hugging Face ``transformers`` (``_compute_llama3_parameters``) and Meta's
-reference compute, at every sequence length. The rotation itself is the rotate-half form
-of keras-hub and Hugging Face: ``x cos + rotate_half(x) sin`` over ``[f, f]``.
+reference compute, at every sequence length. Both rotate the same way
+(:func:`rotate`), the rotate-half form of keras-hub and Hugging Face:
+``x cos + rotate_half(x) sin`` over ``[f, f]``.
 """
 
 from __future__ import annotations
@@ -83,6 +87,95 @@ def rope_inverse_frequencies(head_dim: int, max_wavelength: float,
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rotate(x, angles, dtype):
+    """``x`` ``(B, T, ..., H)`` rotated by ``angles`` ``(B|1, T, H/2)`` (float32):
+    ``x cos + rotate_half(x) sin`` with the angles repeated as ``[f, f]`` and cos/sin cast to
+    ``dtype``; written op for op as keras-hub's ``RotaryEmbedding`` (stack and reshape, not
+    ``concatenate``), so its results are bit-identical.
+
+    Example:
+        >>> rotate(keras.ops.ones((1, 1, 2)), keras.ops.zeros((1, 1, 1)), "float32").tolist()
+        [[[1.0, 1.0]]]
+    """
+    embedding = ops.stack((angles, angles), axis=-2)  # (B|1, T, 2, H/2)
+    embedding = ops.reshape(embedding, (*ops.shape(angles)[:-1], ops.shape(angles)[-1] * 2))
+    for axis in range(2, len(x.shape) - 1):  # a size-1 axis per middle axis (heads)
+        embedding = ops.expand_dims(embedding, axis)
+    cos = ops.cast(ops.cos(embedding), dtype)
+    sin = ops.cast(ops.sin(embedding), dtype)
+    first, second = ops.split(x, 2, axis=-1)
+    half_rotated = ops.reshape(ops.stack((-second, first), axis=-2), ops.shape(x))
+    return x * cos + half_rotated * sin
+
+
+@keras.saving.register_keras_serializable(package="kdist")
+class RotaryEmbedding(keras.layers.Layer):
+    """RoPE as keras-hub's ``RotaryEmbedding`` computes it, with its config keys.
+
+    ``call(inputs, start_index=0, positions=None)`` rotates each feature pair of the
+    ``feature_axis`` by positions ``start_index + t`` along ``sequence_axis``, or by
+    ``positions`` (``(T,)`` or ``(B, T)``: restarting per packed document); frequency ``i``
+    is ``max_wavelength ** (-2i / H) / scaling_factor``. Angles are computed in float32 and
+    applied in the compute dtype. keras-hub's other kinds (``rope_type`` "dynamic" and
+    "yarn") are not built: kdist's models never use them.
+
+    Example:
+        >>> rope = RotaryEmbedding(max_wavelength=10000)
+        >>> rope(keras.ops.ones((2, 4, 3, 8))).shape  # (batch, length, heads, head_dim)
+        (2, 4, 3, 8)
+    """
+
+    def __init__(self, max_wavelength=10000, scaling_factor=1.0, sequence_axis=1,
+                 feature_axis=-1, **kwargs):
+        super().__init__(**kwargs)
+        self.max_wavelength = max_wavelength
+        self.scaling_factor = scaling_factor
+        self.sequence_axis = sequence_axis
+        self.feature_axis = feature_axis
+        self.built = True  # no weights
+
+    def _axes(self, rank: int) -> tuple[int, int]:
+        sequence_axis, feature_axis = self.sequence_axis, self.feature_axis
+        if not (-rank <= sequence_axis < rank and -rank <= feature_axis < rank) or (
+                sequence_axis % rank == feature_axis % rank):
+            raise ValueError(f"RotaryEmbedding needs two different axes of its rank-{rank} "
+                             f"input; got sequence_axis={sequence_axis}, "
+                             f"feature_axis={feature_axis}.")
+        return sequence_axis % rank, feature_axis % rank
+
+    def inverse_frequencies(self, rotary_dim: int):
+        """The ``rotary_dim / 2`` frequencies, float32, as keras-hub computes them."""
+        exponent = ops.arange(0, rotary_dim, 2, dtype="float32") / ops.cast(rotary_dim,
+                                                                            "float32")
+        inverse = ops.power(ops.cast(self.max_wavelength, "float32"), -exponent)
+        return inverse / ops.cast(self.scaling_factor, "float32")
+
+    def call(self, inputs, start_index=0, positions=None):
+        sequence_axis, feature_axis = self._axes(len(inputs.shape))
+        rotary_dim = inputs.shape[feature_axis]
+        if rotary_dim % 2:
+            raise ValueError(f"RotaryEmbedding rotates feature pairs: the feature axis must "
+                             f"be even; got {rotary_dim}. Use an even head_dim.")
+        x = ops.moveaxis(inputs, (feature_axis, sequence_axis), (-1, 1))  # (B, T, ..., H)
+        if positions is None:
+            positions = ops.arange(ops.shape(x)[1], dtype="float32") + ops.cast(
+                start_index, "float32")
+        positions = ops.cast(positions, "float32")
+        if len(positions.shape) == 1:
+            positions = ops.expand_dims(positions, axis=0)  # (1, T)
+        angles = ops.einsum("bi,j->bij", positions, self.inverse_frequencies(rotary_dim))
+        out = rotate(x, angles, self.compute_dtype)
+        return ops.moveaxis(out, (-1, 1), (feature_axis, sequence_axis))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "max_wavelength": self.max_wavelength,
+                "scaling_factor": self.scaling_factor, "sequence_axis": self.sequence_axis,
+                "feature_axis": self.feature_axis}
+
+
 @keras.saving.register_keras_serializable(package="kdist")
 class ScaledRotaryEmbedding(keras.layers.Layer):
     """RoPE over ``(B, T, heads, H)`` with Llama 3's scaled frequencies.
@@ -113,11 +206,7 @@ class ScaledRotaryEmbedding(keras.layers.Layer):
             positions = ops.arange(ops.shape(x)[1], dtype="float32")[None] + ops.cast(
                 start_index, "float32")  # (1, T)
         angles = ops.cast(positions, "float32")[..., None] * inverse  # (B|1, T, H/2)
-        angles = ops.concatenate([angles, angles], axis=-1)[:, :, None, :]  # (B|1, T, 1, H)
-        cos = ops.cast(ops.cos(angles), x.dtype)
-        sin = ops.cast(ops.sin(angles), x.dtype)
-        first, second = ops.split(x, 2, axis=-1)
-        return x * cos + ops.concatenate([-second, first], axis=-1) * sin
+        return rotate(x, angles, x.dtype)
 
     def compute_output_shape(self, input_shape):
         return input_shape

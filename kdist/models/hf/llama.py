@@ -4,7 +4,7 @@ Llama's projections are ``nn.Linear`` weights ``(out, in)``: each is transposed 
 ``(in, out)`` and its head axis split, ``q_proj`` ``(N H, D)`` -> ``(D, N, H)``, ``k_proj`` /
 ``v_proj`` ``(K H, D)`` -> ``(D, K, H)``, ``o_proj`` ``(D, N H)`` -> ``(N, H, D)``; the MLP's
 ``gate_proj`` / ``up_proj`` / ``down_proj`` are transposed. Hugging Face's rotate-half RoPE
-is what kdist (keras-hub's ``RotaryEmbedding``) computes, so no query/key permutation is
+is what kdist (``kdist.models.rope``, as keras-hub) computes, so no query/key permutation is
 needed. ``rope_scaling`` of type ``llama3`` (3.1, 3.2) becomes kdist's ``rope_scaling``;
 ``rms_norm_eps`` the norms' epsilon; ``tie_word_embeddings`` whether ``lm_head.weight`` is
 read. Keys are read with or without the ``model.`` prefix (``LlamaForCausalLM`` /

@@ -13,7 +13,8 @@
   ``BertTokenizer``, lower-casing as ``tokenizer_config.json``'s ``do_lower_case`` says.
 
 :func:`save_tokenizer` writes the same files back (export), so a directory kdist writes is
-complete for ``from_pretrained`` and for ``transformers``.
+complete for ``from_pretrained`` and for ``transformers``. keras-hub and ``tokenizers`` are
+the ``text`` extra, imported when first used (:mod:`kdist._optional`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import json
 import os
 from pathlib import Path
 
-import keras_hub
-
 from kdist import _keras_compat
+from kdist._optional import optional_import
 
 TOKENIZER_JSON, VOCAB_JSON, MERGES, VOCAB_TXT = ("tokenizer.json", "vocab.json", "merges.txt",
                                                  "vocab.txt")
@@ -78,8 +78,17 @@ def load_tokenizer(directory: str | os.PathLike):
                      f"Llama 3), {VOCAB_JSON} + {MERGES} (GPT-2) or {VOCAB_TXT} (BERT).")
 
 
+def _keras_hub():
+    return optional_import("keras_hub", "A Hugging Face model's tokenizer")
+
+
+def _tokenizers():
+    return optional_import("tokenizers", "A Hugging Face model's tokenizer")
+
+
 def _byte_pair(vocabulary: dict, merges: list[str], settings: dict, model_type, specials):
     """keras-hub's class for the family, its special tokens unsplittable."""
+    keras_hub = _keras_hub()
     if model_type == "llama":
         bos = _token(settings.get("bos_token")) or "<|begin_of_text|>"
         eos = _token(settings.get("eos_token")) or "<|end_of_text|>"
@@ -94,8 +103,7 @@ def _byte_pair(vocabulary: dict, merges: list[str], settings: dict, model_type, 
 
 
 def _byte_pair_from_json(path: Path, spec: dict, settings: dict, model_type):
-    import tokenizers
-
+    tokenizers = _tokenizers()
     vocabulary = dict(spec["model"]["vocab"])
     added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
     vocabulary.update(added)
@@ -109,8 +117,9 @@ def _byte_pair_from_json(path: Path, spec: dict, settings: dict, model_type):
 def gpt2_backend(vocabulary: dict, merges: list[str], specials):
     """GPT-2's tokenization pipeline in HF ``tokenizers`` (what ``transformers`` converts
     ``vocab.json`` + ``merges.txt`` to): byte-level with GPT-2's regex."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
+    hf = _tokenizers()
+    Tokenizer, decoders, models, pre_tokenizers, processors = (
+        hf.Tokenizer, hf.decoders, hf.models, hf.pre_tokenizers, hf.processors)
     pairs = [tuple(m.split(" ")) for m in merges if m and not m.startswith("#version")]
     backend = Tokenizer(models.BPE(vocab=vocabulary, merges=pairs, fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -139,6 +148,7 @@ def _word_piece(vocabulary: list[str], settings: dict, spec: dict | None = None)
     strip = settings.get("strip_accents")
     strip = lowercase if strip is None else bool(strip)
     missing = [t for t in BERT_SPECIAL if t not in vocabulary]
+    keras_hub = _keras_hub()
     if missing:  # not a BERT vocabulary: plain WordPiece
         return keras_hub.tokenizers.WordPieceTokenizer(
             vocabulary=vocabulary, lowercase=lowercase, strip_accents=strip)
@@ -162,9 +172,9 @@ def save_tokenizer(tokenizer, directory: str | os.PathLike, max_length: int) -> 
         >>> save_tokenizer(tokenizer, "out/", max_length=256)   # doctest: +SKIP
         ['vocab.json', 'merges.txt', 'tokenizer.json', 'tokenizer_config.json']
     """
-    import tokenizers as hf_tokenizers
-
     from kdist.models.hf.exported_config import special_tokens
+
+    keras_hub, hf_tokenizers = _keras_hub(), _tokenizers()
 
     directory = Path(directory)
     tokens = special_tokens(tokenizer)
