@@ -302,6 +302,30 @@ def state_shardings(model):
     return model._get_state_sharding_spec()
 
 
+def keras_train_step(model):
+    """``jax.jit`` of the model's train step exactly as Keras 3.15's
+    ``JAXTrainer.make_train_function`` builds it: the state donated, the state outputs
+    pinned to the state's shardings under a distribution (``_get_state_sharding_spec``),
+    and under Flax NNX the class's ``train_step`` (``keras.src.backend.config.
+    is_nnx_enabled``). ``kdist.compiled_step`` compiles it ahead and calls it."""
+    import jax
+    import keras
+
+    try:
+        from keras.src.backend.config import is_nnx_enabled
+    except ImportError as e:
+        raise _missing("keras.src.backend.config.is_nnx_enabled", e) from e
+    out_shardings = None
+    if keras.distribution.distribution() is not None:
+        out_shardings = (None, model._get_state_sharding_spec())
+    if is_nnx_enabled():
+        def step(state, data):
+            return type(model).train_step(model, state, data)
+    else:
+        step = model.train_step
+    return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+
+
 def step_function(model, step):
     """``step(state, data)`` wrapped as the JAX trainer wraps its jitted train step for
     ``fit``: ``(state, iterator)``, ``steps_per_execution`` steps per call

@@ -4,6 +4,7 @@
     kdist report STORE                    a replica-group job's rounds, failures, rejoins
     kdist inspect CKPT_DIR [--read]       list a checkpoint directory's steps, verify them
     kdist plan --preset P --mesh M ...     per-device memory, FLOPs, collectives; fits or not
+    kdist plan --device tpu-v5e --devices 256 ...   the same for a TPU slice, from this CPU
 
 Subcommands are ``argparse`` subparsers: each has an ``add_<name>_parser`` function that
 registers its arguments and the function to run.
@@ -17,7 +18,9 @@ import sys
 from pathlib import Path
 
 from kdist import _keras_compat
+from kdist.accelerators import NAMES
 from kdist.parallel.schedules import SCHEDULES
+from kdist.planning.target import COMPILERS
 from kdist.run_report import REPORT_PNG, write_report
 
 # === Subcommands ===
@@ -69,20 +72,31 @@ def add_inspect_parser(subparsers) -> None:
                    help="also read every array back (slower)")
     p.set_defaults(func=_run_inspect)
 def _run_plan(args: argparse.Namespace) -> int:
+    from kdist.accelerators import accelerator
     from kdist.parallel.devices import force_host_devices
     from kdist.planning import mesh_devices, plan
 
     wanted = args.devices or mesh_devices(args.mesh, 8)
-    if not _keras_compat.jax_backends_started():  # else: plan over the devices there are
+    if args.device is not None:
+        accelerator(args.device)  # an unknown name is refused before anything starts
+    # This machine's devices are compiled on: for a plan of them, or standing in for a
+    # named accelerator's (--compile host). A named TPU is compiled for by the TPU compiler
+    # (no devices here: kdist.planning.target), else estimated.
+    here = args.device is None or args.compile == "host"
+    if here and not _keras_compat.jax_backends_started():  # else: the devices there are
         force_host_devices(wanted)  # on CPU; an accelerator's devices are what they are
-    import jax
+    devices = None
+    if here:
+        import jax
 
+        devices = jax.devices()[:wanted]
     overrides = ({"max_sequence_length": args.max_sequence_length}
                  if args.max_sequence_length else None)
     result = plan(args.preset, mesh=args.mesh, global_batch_size=args.global_batch_size,
                   sequence_length=args.sequence_length, precision=args.precision,
                   remat=args.remat == "block", grad_accum=args.grad_accum,
-                  device_memory=args.device_memory, devices=jax.devices()[:wanted],
+                  device_memory=args.device_memory, devices=devices, num_devices=wanted,
+                  device=args.device, slices=args.slices, compile=args.compile,
                   verify=not args.no_verify, model_overrides=overrides,
                   context_parallel=args.context_parallel,
                   load_balance=not args.no_load_balance,
@@ -127,8 +141,20 @@ def add_plan_parser(subparsers) -> None:
                         "2S-2+(R-1)S chunks, S microbatches in flight instead of M; the report "
                         "draws the timeline and gives the step); auto: gpipe "
                         "if it fits, else 1f1b (the report says why)")
+    p.add_argument("--device", default=None,
+                   help=f"plan for this accelerator instead of this machine's devices: its "
+                        f"HBM, links and slices from kdist's table ({', '.join(NAMES)})")
+    p.add_argument("--slices", type=int, default=None,
+                   help="with a TPU --device: slices joined by DCN (default: the fewest "
+                        "that hold --devices)")
+    p.add_argument("--compile", default="auto", choices=list(COMPILERS),
+                   help="how the figures are obtained: auto (with --device: the TPU "
+                        "compiler ahead of time where libtpu is installed, else an estimate; "
+                        "without: compiled here), tpu, host (XLA on this machine's devices, "
+                        "standing in) or none (the analytic estimate)")
     p.add_argument("--device-memory", default=None,
-                   help="per device, e.g. 80GiB (default: the device's own)")
+                   help="per device, e.g. 80GiB (default: the device's own, or --device's "
+                        "HBM)")
     p.add_argument("--devices", type=int, default=None,
                    help="devices to plan over (default: the mesh's; 8 for auto)")
     p.add_argument("--no-verify", action="store_true",

@@ -19,6 +19,7 @@ from typing import Any
 
 from kdist.callbacks.throughput import JSONL_NAME
 from kdist.groups.report import round_lines
+from kdist.planning.units import format_bytes
 
 REPORT_PNG = "report.png"
 
@@ -105,10 +106,16 @@ def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
                      f"goodput {last.get('goodput') or 0:.1%} of "
                      f"{last.get('elapsed_s') or 0:.0f} s")
         memory = last.get("memory_peak_bytes")
-        if memory is not None:
-            lines.append(f"memory: peak {memory / 2**30:.2f} GiB "
-                         f"({last.get('memory_source')}), in use "
-                         f"{last.get('memory_in_use_bytes', 0) / 2**30:.2f} GiB")
+        compiled = last.get("compiled_peak_bytes")
+        if memory is not None or compiled is not None:
+            line = "memory: "
+            if compiled is not None:  # kdist.callbacks.step_memory
+                line += (f"compiled step {format_bytes(compiled)} per device (arguments + "
+                         f"temporaries + outputs not aliased + code); ")
+            if memory is not None:
+                line += (f"live peak {memory / 2**30:.2f} GiB ({last.get('memory_source')}), "
+                         f"in use {last.get('memory_in_use_bytes', 0) / 2**30:.2f} GiB")
+            lines.append(line.rstrip("; "))
     lines += _process_lines(intervals) + round_lines(rows)
     _, train = _series(rows, "interval", "loss")
     _, val = _series(rows, "validation", "val_loss")

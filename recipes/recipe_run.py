@@ -25,6 +25,8 @@ import jax
 import keras
 from recipe_options import check_together, settle_batch
 
+from kdist.planning.target import running_links
+
 DEFAULT_SYNC_EVERY = 50
 
 
@@ -60,13 +62,16 @@ def resolve_mesh(args: argparse.Namespace, cost_model, sequence_length: int,
     if args.mesh.strip().lower() != "auto":
         return args.mesh, []
     batch = args.global_batch_size or args._defaults["global_batch_size"]
+    # The slow link's boundary: a TPU's slice (ICI spans its hosts), else a host.
+    group, slowdown, boundary = running_links()
     chosen, _, why = kdist.plan.choose_mesh(
         cost_model, jax.device_count(), kdist.plan.default_device_memory(), batch,
         sequence_length, precision=dtype, remat=args.remat == "block",
         grad_accum=args.grad_accum, context_parallel=args.context_parallel,
         pipeline_microbatches=args.pipeline_microbatches,
         pipeline_repeats=args.pipeline_repeats, sync_every=getattr(args, "sync_every", None),
-        devices_per_host=jax.local_device_count(), pipeline_schedule=args.pipeline_schedule)
+        devices_per_host=group, host_link_slowdown=slowdown, boundary=boundary,
+        pipeline_schedule=args.pipeline_schedule)
     lines = [f"mesh auto: {why}"]
     if chosen["stage"] == 1:  # the schedule's flags were for a pipeline auto did not choose
         unused = [f"--pipeline-microbatches {args.pipeline_microbatches}"] * bool(

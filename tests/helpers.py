@@ -154,3 +154,22 @@ class ProcessOutput:
         status = self.proc.wait(timeout=timeout)
         self._reader.join()
         return status, "".join(self.lines)
+
+
+def independent_memory(model, *batch):
+    """``memory_analysis()`` of the model's train step compiled here as Keras' trainer jits
+    it (state donated; one device, so no output shardings), for ``batch``'s shapes: what
+    :class:`kdist.compiled_step.ProgramMemory` must equal."""
+    import jax
+
+    from kdist import _keras_compat
+    from kdist.compiled_step import ProgramMemory
+
+    state = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                         _keras_compat.jax_state(model))
+    specs = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch)
+    compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, specs).compile()
+    m = compiled.memory_analysis()
+    return ProgramMemory(m.argument_size_in_bytes, m.output_size_in_bytes,
+                         m.alias_size_in_bytes, m.temp_size_in_bytes,
+                         m.generated_code_size_in_bytes)

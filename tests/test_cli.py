@@ -76,3 +76,16 @@ def test_report_plots_each_steps_loss_the_step_0_validation_and_titles_that_fit(
     assert names["figure"].startswith("run run-directory-name:")
     rows = [r for r in read_rows(tmp_path) if r["kind"] != "validation"]  # an older log
     assert loss_series(rows)["train_mean"][0] == [10, 20, 30]
+
+
+def test_report_names_the_compiled_steps_peak_beside_the_live_memory(tmp_path, capsys):
+    write_run(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "throughput.jsonl").read_text().splitlines()]
+    for row in rows:
+        if row["kind"] == "interval":
+            row["compiled_peak_bytes"] = 3 * 2**29
+    (tmp_path / "throughput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["report", str(tmp_path)]) == 0
+    assert ("memory: compiled step 1.50 GiB per device (arguments + temporaries + outputs not "
+            "aliased + code); live peak 2.00 GiB (process_rss), in use 1.00 GiB"
+            in capsys.readouterr().out)

@@ -149,3 +149,21 @@ def test_train_step_helpers():
     step = compat.step_function(model, lambda state, data: (calls.append(data), state))
     step("state", iter(["batch"]))
     assert calls == ["batch"]
+
+
+def test_keras_train_step_is_the_trainers_own_jit():
+    # kdist.compiled_step compiles it ahead; it must be the program Keras' fit would run:
+    # the state donated and, under a distribution, the state outputs pinned.
+    model = tiny_gpt(mesh="fsdp=8")
+    model.compile(optimizer="adamw")
+    x = np.zeros((8, 16), "int32")
+    model.train_on_batch(x, x)
+    state = compat.jax_state(model)
+    jitted = compat.keras_train_step(model)
+    lowered = jitted.lower(state, (x, x))
+    state_info, data_info = lowered.args_info[0]
+    is_info = lambda a: hasattr(a, "donated")  # noqa: E731
+    assert all(a.donated for a in jax.tree.leaves(state_info, is_leaf=is_info))
+    assert not any(a.donated for a in jax.tree.leaves(data_info, is_leaf=is_info))
+    out_state = lowered.compile().output_shardings[1]
+    assert jax.tree.leaves(out_state) == jax.tree.leaves(compat.state_shardings(model))

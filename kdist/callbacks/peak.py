@@ -26,29 +26,8 @@ import statistics
 import time
 from pathlib import Path
 
-# Dense (no sparsity) peak TFLOP/s per JAX device, from the vendors' data sheets:
-# (substring of jax's device_kind, lower case; bfloat16 peak; float32 peak).
-# float32 on NVIDIA Ampere and later is the TF32 tensor-core peak, because XLA lets float32
-# matmuls use TF32 by default; on TPU, default-precision float32 matmuls run as bfloat16
-# passes, so the bf16 figure is used. Order matters: the first matching substring wins.
-PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
-    ("h200", 989.0, 494.5),  # H200 SXM: same compute as H100 SXM
-    ("h100 pcie", 756.0, 378.0),
-    ("h100", 989.0, 494.5),  # H100 SXM ("NVIDIA H100 80GB HBM3")
-    ("gh200", 989.0, 494.5),
-    ("b200", 2250.0, 1100.0),
-    ("a100", 312.0, 156.0),  # SXM and PCIe have the same dense peak
-    ("l40s", 362.0, 183.0),
-    ("l4", 121.0, 60.0),
-    ("a10g", 70.0, 35.0),
-    ("tpu v6 lite", 918.0, 918.0),  # v6e (Trillium)
-    ("tpu v6e", 918.0, 918.0),
-    ("tpu v5 lite", 197.0, 197.0),  # v5e
-    ("tpu v5e", 197.0, 197.0),
-    ("tpu v5p", 459.0, 459.0),
-    ("tpu v5", 459.0, 459.0),  # v5p reports "TPU v5"
-    ("tpu v4", 275.0, 275.0),
-)
+from kdist import accelerators
+
 CACHE_FILE = "peak.json"
 REPEATS = 5  # timed matmuls per measurement
 NOISY_SPREAD = 1.5  # median of the runs over the best one above this: a busy machine
@@ -58,10 +37,11 @@ NOISY_SPREAD = 1.5  # median of the runs over the best one above this: a busy ma
 class Peak:
     """A device's dense peak TFLOP/s and where the figure comes from.
 
-    ``source`` is ``"table"`` (a data-sheet figure from :data:`PEAK_TFLOPS`), ``"measured"``
-    (a matmul benchmark on this machine: CPU or an unknown device) or ``"override"`` (given
-    by the user, e.g. ``--peak-tflops``). ``unreliable`` says why a measured figure may be
-    too low (None when there is no such sign); ``note`` how it was obtained.
+    ``source`` is ``"table"`` (a data-sheet figure from :mod:`kdist.accelerators`, whose
+    page ``note`` names), ``"measured"`` (a matmul benchmark on this machine: CPU or an
+    unknown device) or ``"override"`` (given by the user, e.g. ``--peak-tflops``).
+    ``unreliable`` says why a measured figure may be too low (None when there is no such
+    sign); ``note`` how it was obtained.
 
     Example:
         >>> Peak(989.0, "table", "NVIDIA H100 80GB HBM3", "bfloat16").tflops
@@ -91,7 +71,8 @@ class Peak:
 
 
 def table_peak_tflops(device_kind: str, dtype: str = "bfloat16") -> float | None:
-    """The data-sheet dense peak for a JAX ``device_kind``, or None if it is not in the table.
+    """The data-sheet dense peak for a JAX ``device_kind`` (:mod:`kdist.accelerators`), or
+    None if it is not in the table.
 
     Example:
         >>> table_peak_tflops("NVIDIA H100 80GB HBM3"), table_peak_tflops("TPU v5 lite")
@@ -99,11 +80,8 @@ def table_peak_tflops(device_kind: str, dtype: str = "bfloat16") -> float | None
         >>> table_peak_tflops("cpu") is None
         True
     """
-    kind = device_kind.lower()
-    for key, bf16, fp32 in PEAK_TFLOPS:
-        if key in kind:
-            return fp32 if dtype in ("float32", "tf32") else bf16
-    return None
+    entry = accelerators.for_device_kind(device_kind)
+    return None if entry is None else entry.tflops(dtype)
 
 
 def device_peak(
@@ -131,9 +109,10 @@ def device_peak(
             raise ValueError(f"The peak override must be positive TFLOP/s; got "
                              f"{override_tflops}. E.g. --peak-tflops 989 for an H100 in bf16.")
         return Peak(float(override_tflops), "override", kind, dtype)
-    tflops = None if devices[0].platform == "cpu" else table_peak_tflops(kind, dtype)
-    if tflops is not None:
-        return Peak(tflops, "table", kind, dtype)
+    entry = None if devices[0].platform == "cpu" else accelerators.for_device_kind(kind)
+    if entry is not None:
+        return Peak(entry.tflops(dtype), "table", kind, dtype,
+                    note=f"{entry.name} in {entry.source}")
     if not cache:
         return measure_peak(devices, dtype)
     return _cached_peak(devices, dtype)

@@ -43,6 +43,20 @@ def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
     return first, last
 
 
+def profiler_trace(log_dir: Path, start: bool) -> None:
+    """Starts a JAX profiler trace into ``log_dir/tensorboard``, or stops it.
+
+    Example:
+        >>> profiler_trace(Path("runs/x"), start=True)  # doctest: +SKIP
+    """
+    import jax
+
+    if start:
+        jax.profiler.start_trace(str(log_dir / TENSORBOARD_DIR))
+    else:
+        jax.profiler.stop_trace()
+
+
 class RunLog:
     """Every row written (:attr:`rows`, also without a directory), and on the writing
     process ``log_dir/throughput.jsonl`` (appended: a resumed run continues its file) and

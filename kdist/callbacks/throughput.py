@@ -48,11 +48,12 @@ from kdist.callbacks.run_log import (
     TENSORBOARD_DIR,
     RunLog,
     ScheduleValue,
-    memory_usage,
     parse_profile_steps,
+    profiler_trace,
 )
 from kdist.callbacks.step_clock import StepClock
 from kdist.callbacks.step_loss import StepLosses, per_optimizer_step
+from kdist.callbacks.step_memory import StepMemory
 from kdist.callbacks.stragglers import InputTimer, Stragglers
 from kdist.groups.rounds import interval_rounds
 from kdist.optim import AdamW
@@ -67,8 +68,8 @@ class Throughput(keras.callbacks.Callback):
     Each interval of ``log_every`` optimizer steps becomes one JSON line in
     ``log_dir/throughput.jsonl`` (process 0 only) and TensorBoard scalars in
     ``log_dir/tensorboard``; ``tok/s`` and ``mfu`` are added to Keras' progress bar. The
-    first line (``"kind": "config"``) states the FLOPs convention, the peak and its source.
-    ``kdist report log_dir`` plots the file.
+    first line (``"kind": "config"``) states the FLOPs convention, the peak and its source,
+    and the memory figures (:mod:`kdist.callbacks.step_memory`). ``kdist report`` plots it.
 
     Args:
         global_batch_size: sequences per optimizer step, over all processes and all
@@ -166,6 +167,7 @@ class Throughput(keras.callbacks.Callback):
         steps = (self.params or {}).get("steps")  # an epoch entered half-way: see step_loss
         self._step_losses = StepLosses(self._initial_fit_steps // steps if steps and
                                        self._initial_fit_steps % steps else None)
+        self._memory = StepMemory(model)  # the train step fit runs, compiled ahead
         self._inputs.install(model)
         self.stragglers.begin()
         if self._is_writer:
@@ -221,6 +223,7 @@ class Throughput(keras.callbacks.Callback):
             **self._peak.row(),
             "dtype": dtype,
             **self._flops.row(),
+            **self._memory.config(),
         }
 
     # === Hooks (Keras calls them), continued ===
@@ -439,7 +442,7 @@ class Throughput(keras.callbacks.Callback):
                     row["lr"] = self._schedule_value(row.pop("_lr_at"))
                     row.update(self.stragglers.interval(row["step"], row.pop("_figures")),
                                **interval_rounds(getattr(self, "_groups", None)))
-                    row.update(memory_usage(self._local_devices))
+                    row.update(self._memory.row(self._local_devices))
                 self._log.write(row)
                 if row["kind"] in ("interval", "validation"):
                     self._log.scalars(row["step"], {
@@ -448,13 +451,8 @@ class Throughput(keras.callbacks.Callback):
 
     def _trace(self, start: bool) -> None:
         """Starts or stops the profiler trace; its seconds are a stall, not a step."""
-        import jax
-
         began = time.perf_counter()
-        if start:
-            jax.profiler.start_trace(str(self.log_dir / TENSORBOARD_DIR))
-            self._tracing = True
-        else:
-            jax.profiler.stop_trace()
+        profiler_trace(self.log_dir, start)
+        self._tracing = self._tracing or start
         with self._lock:
             self._clock.stall(time.perf_counter() - began)

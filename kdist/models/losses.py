@@ -221,9 +221,10 @@ def auto_chunk_size(batch, length, vocabulary_size: int, table_rows: int | None 
     """
     if not all(isinstance(n, int) and n > 0 for n in (batch, length, vocabulary_size)):
         return None
-    platform = platform or jax.default_backend()
-    from kdist.parallel import region
+    from kdist.parallel import layout, region
     from kdist.parallel.layout import current_mesh_shape
+
+    platform = platform or layout.platform()
 
     shape = current_mesh_shape()
     # The whole step's rows (tokens: a device holds 1/seq of each row's under context

@@ -40,6 +40,7 @@ import keras
 from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
+from kdist.compiled_step import CompiledStep, attach
 from kdist.parallel import reduction, region
 from kdist.parallel import train_step as stateful
 from kdist.parallel.layout import BatchLayout, active
@@ -341,41 +342,37 @@ def make_train_function(model, force: bool = False) -> None:
     out_shardings = (None, _keras_compat.state_shardings(model))
     job = active().config.replicas.jobs
     if job is not None:
-        model.train_function = _keras_compat.step_function(
-            model, _group_job_step(model, job, out_shardings))
+        step, program = _group_job_step(model, job, out_shardings)
+        model.train_function = attach(_keras_compat.step_function(model, step), [program])
         return
-    programs = {sync: jax.jit(functools.partial(train_step, model, sync=sync),
-                              donate_argnums=0, out_shardings=out_shardings)
+    programs = {sync: CompiledStep(jax.jit(functools.partial(train_step, model, sync=sync),
+                                           donate_argnums=0, out_shardings=out_shardings))
                 for sync in (False, True)}
     schedule = _Schedule(model)
-    compiled = {}  # the sync program, compiled ahead at the first step (see below)
 
     def step(state, data):
         sync = schedule.is_sync(state)
-        if not compiled:
-            # Both programs compile in the first step (counted as compilation by
-            # kdist.callbacks.Throughput), not the sync one mid-run at step H.
-            compiled[True] = programs[True].lower(state, data).compile()
-        program = compiled[True] if sync else programs[False]
-        try:
-            logs, state = program(state, data)
-        except (TypeError, ValueError):  # other shapes or shardings: trace them anew
-            logs, state = programs[sync](state, data)
+        # Both programs compile in the first step (counted as compilation by
+        # kdist.callbacks.Throughput), not the sync one mid-run at step H.
+        programs[True].prepare(state, data)
+        logs, state = programs[sync](state, data)
         schedule.returned(state)
         return logs, state
 
-    model.train_function = _keras_compat.step_function(model, step)
+    model.train_function = attach(_keras_compat.step_function(model, step),
+                                  list(programs.values()))
 
 
 
 def _group_job_step(model, job, out_shardings):
     """The step of one group among separate group jobs: the inner step alone in the
     program; every ``sync_every``-th, the outer step through the store, on the host
-    (:class:`kdist.groups.sync.OuterSync`)."""
+    (:class:`kdist.groups.sync.OuterSync`). Returns ``(step, its compiled program)``."""
     from kdist.groups.sync import OuterSync
 
-    program = jax.jit(functools.partial(train_step, model, sync=False, guard=False),
-                      donate_argnums=0, out_shardings=out_shardings)
+    program = CompiledStep(jax.jit(functools.partial(train_step, model, sync=False,
+                                                     guard=False),
+                                   donate_argnums=0, out_shardings=out_shardings))
     schedule = _Schedule(model)
     outer = model.optimizer.groups.outer = OuterSync(model, job)
 
@@ -391,4 +388,4 @@ def _group_job_step(model, job, out_shardings):
             schedule.last = state  # the same count, in a new state
         return logs, state
 
-    return step
+    return step, program

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from kdist import compiled_step
 from kdist.parallel import reduction, replicas, rules
 from kdist.parallel import train_step as stateful
 from kdist.parallel.context import step as context_step
@@ -187,12 +188,18 @@ def train_step(model, keras_train_step, state, data):
 
 
 def make_train_function(model, keras_make, force: bool = False):
-    """Keras' ``make_train_function``, or the step owner's (DiLoCo: two programs, the sync
-    step every ``sync_every`` steps)."""
+    """Keras' ``make_train_function`` with its jitted step compiled ahead of the first
+    call (:mod:`kdist.compiled_step`: the same program, whose memory the callbacks then
+    read), or the step owner's (DiLoCo: two programs, the sync step every ``sync_every``
+    steps)."""
     owner = step_owner(model)
     if owner is not None:
         return owner.kdist_make_train_function(model, force)
-    return keras_make(force)
+    if model.train_function is not None and not force:
+        return None
+    keras_make(force)  # Keras' own checks (run_eagerly, jit_compile) and its step
+    compiled_step.install(model)
+    return None
 
 
 def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_variables,

@@ -9,6 +9,11 @@ on abstract inputs, with a verdict and the smallest change that fits.
 ``compile``    abstract build, the real train step compiled on abstract inputs, XLA's
                memory and FLOP counts
 ``report``     the :class:`Plan` record, its text, suggestions
+``target``     what a plan is for (this machine, or ``--device tpu-v5e`` x N) and how
+               its figures are obtained: compiled here, by the TPU compiler ahead of
+               time, or estimated
+``analytic``   the plan from the cost model alone; the theory every plan carries
+``traffic``    bytes per mesh axis, and the axes that cross the slow link
 =============  ==========================================================================
 
 :func:`plan` builds the model with **no weights materialised**, compiles the model's own
@@ -17,7 +22,9 @@ train step (what ``fit`` runs) for the mesh, and reads XLA's ``memory_analysis()
 (1.5 B parameters) plans on a CPU with a few GB of RAM. The plan is checked against real
 runs in ``tests/test_plan.py`` and ``benchmarks/plan_accuracy.py``. Mesh choice
 (``mesh="auto"``) and suggestions use the analytic model; the chosen mesh or suggested
-change is then compiled to confirm it.
+change is then compiled to confirm it. For an accelerator this machine does not have
+(``device="tpu-v5e"``, 256 chips), the program is compiled by the TPU compiler for the
+slice's topology where libtpu is installed, else estimated — and the report says which.
 
 ``kdist.plan`` (the former module's name) is this package.
 """
@@ -35,6 +42,13 @@ from kdist import hlo
 from kdist.parallel.mesh import mesh_spec, parse_mesh
 from kdist.planning import report as _report
 from kdist.planning import stages, traffic
+from kdist.planning.analytic import (
+    axis_links,
+    estimated_plan,
+    formula_flops,
+    remat_ratio,
+    theory_terms,
+)
 from kdist.planning.compile import (
     abstract_batch,
     build_abstract,
@@ -46,7 +60,6 @@ from kdist.planning.compile import (
     xla_train_step_flops,
 )
 from kdist.planning.estimate import (
-    collective_terms,
     compute_bytes,
     cost_model_of,
     dimensions,
@@ -64,6 +77,7 @@ from kdist.planning.search import (
     mesh_devices,
     model_axis_sizes,
 )
+from kdist.planning.target import resolve
 from kdist.planning.units import (
     USABLE_FRACTION,
     default_device_memory,
@@ -78,7 +92,8 @@ __all__ = [
     "USABLE_FRACTION", "Plan", "abstract_batch", "build_abstract", "candidate_meshes",
     "check_model_axis", "choose_mesh", "choose_schedule", "compile_plan",
     "compile_train_step", "compute_bytes", "cost_model_of", "model_axis_sizes",
-    "default_device_memory", "dimensions", "estimate", "format_bytes", "memory_breakdown",
+    "default_device_memory", "device_memory_source", "dimensions", "estimate",
+    "format_bytes", "memory_breakdown",
     "mesh_devices", "mesh_spec", "parse_bytes", "plan", "precision_policy",
     "preset_backbone_config", "theoretical_collective_bytes", "xla_flops",
     "xla_memory", "xla_train_step_flops",
@@ -110,6 +125,10 @@ def plan(
     load_balance: bool = True,
     sync_every: int | None = None,
     devices_per_host: int | None = None,
+    device: str | None = None,
+    num_devices: int | None = None,
+    slices: int | None = None,
+    compile: str = "auto",
 ) -> Plan:
     """Compiles one train step on abstract inputs and reports what it needs per device.
 
@@ -153,7 +172,18 @@ def plan(
             a ``replica`` axis (:func:`~kdist.planning.search.replica_counts`).
         devices_per_host: devices per host, for the axes that cross hosts (reported, and
             weighed :data:`~kdist.planning.traffic.HOST_LINK_SLOWDOWN` x by ``auto``);
-            default: the devices of ``devices[0]``'s process.
+            default: the devices of ``devices[0]``'s process (with ``device``: one JAX
+            process's chips on such a slice or cluster, from the table).
+        device, num_devices, slices, compile: plan for ``num_devices`` of an accelerator of
+            :mod:`kdist.accelerators` (``"tpu-v5e"``, ``"h100"``, ...) instead of this
+            machine's ``devices``: its HBM, its fast link inside a slice (ICI) or server
+            (NVLink) and its slow link between them (DCN, InfiniBand), weighed by their
+            bandwidths; ``slices`` TPU slices (default: the fewest that hold the chips).
+            ``compile`` says how the figures are obtained: ``"auto"`` (the TPU compiler
+            ahead of time where libtpu is installed, else this machine's devices if they
+            are that accelerator, else the analytic estimate), ``"tpu"``, ``"host"`` (XLA
+            here, standing in) or ``"none"`` (the estimate) —
+            :mod:`kdist.planning.target`; the report names the method.
 
     Example:
         >>> p = plan("gpt-nano", mesh="fsdp=8", global_batch_size=16, sequence_length=128,
@@ -172,18 +202,21 @@ def plan(
     if grad_accum < 1 or global_batch_size % grad_accum:
         raise ValueError(f"grad_accum={grad_accum} must be a positive divisor of "
                          f"global_batch_size={global_batch_size}.")
-    devices = list(devices) if devices is not None else jax.devices()
-    memory_source = "given" if device_memory is not None else device_memory_source(devices[0])
-    device_memory = (parse_bytes(device_memory) if device_memory is not None
-                     else default_device_memory(devices[0]))
+    if device is None and devices is None and num_devices is None:
+        devices = jax.devices()
+    if num_devices is None:
+        num_devices = len(devices) if devices is not None else mesh_devices(mesh, 8)
+    target = resolve(device, num_devices, compile=compile, slices=slices,
+                     devices_per_host=devices_per_host, device_memory=device_memory,
+                     devices=devices)
+    device_memory, devices = target.device_memory, list(target.devices or ())
     model_name, model_fn, cost, sequence_length = _resolve_model(
         model, model_overrides, batch, sequence_length)
-    if devices_per_host is None:
-        devices_per_host = sum(d.process_index == devices[0].process_index for d in devices)
-    if isinstance(devices_per_host, bool) or not isinstance(devices_per_host, int) \
-            or devices_per_host < 1:
-        raise ValueError(f"devices_per_host must be a positive integer (the devices of one "
-                         f"host); got {devices_per_host!r}.")
+    if not target.compiled and cost is None:
+        cost = _cost_of_function(model_fn)
+        if cost is None:
+            raise ValueError(f"{target.how}; an estimate needs the model's cost model (a "
+                             f"kdist preset, or a model with a cost_model() method).")
 
     mesh_choice = None
     if mesh.strip().lower() == "auto":
@@ -194,18 +227,19 @@ def plan(
                              "model with a cost_model() method); for other models pass an "
                              "explicit mesh such as 'fsdp=8'.")
         chosen, table, mesh_choice = choose_mesh(
-            cost, len(devices), device_memory, global_batch_size, sequence_length,
+            cost, target.num_devices, device_memory, global_batch_size, sequence_length,
             precision=policy, remat=remat, grad_accum=grad_accum,
             context_parallel=context_parallel,
             pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats,
-            sync_every=sync_every, devices_per_host=devices_per_host,
-            pipeline_schedule=pipeline_schedule)
+            sync_every=sync_every, devices_per_host=target.link_group,
+            pipeline_schedule=pipeline_schedule, host_link_slowdown=target.slowdown,
+            boundary=f"{target.group_name}s")
         mesh = mesh_spec(chosen)
         auto_candidates = sorted((r for r in table if r.get("rank") is not None),
                                  key=lambda r: r["rank"])[:AUTO_TRIES]
-    sizes = _check_mesh(mesh, devices, global_batch_size, grad_accum)
+    sizes = _check_mesh(mesh, target.num_devices, global_batch_size, grad_accum)
     if cost is not None:  # before compiling, with the sizes that can work here
-        check_model_axis(sizes, cost, len(devices))
+        check_model_axis(sizes, cost, target.num_devices)
     if sizes["seq"] > 1 and sequence_length:  # before compiling: the layout's own check
         from kdist.parallel.context import SequenceLayout
 
@@ -240,6 +274,13 @@ def plan(
                                       schedule_for(sizes, remat, grad_accum)[0]),
                             sync_every=sync_every)
 
+    if not target.compiled:
+        return estimated_plan(target, model_name, cost, mesh, sizes, mesh_choice, policy,
+                              remat, grad_accum, global_batch_size, sequence_length,
+                              gradient_reduction, context_parallel, pipeline_microbatches,
+                              pipeline_repeats, schedule_for(sizes, remat, grad_accum),
+                              sync_every, suggest)
+
     start = time.perf_counter()
     compiled, state, model_obj = run(sizes, remat, grad_accum)
     if mesh_choice is not None and verify:  # an estimate can be wrong: compile to confirm
@@ -253,10 +294,14 @@ def plan(
     schedule = (pipeline_microbatches, pipeline_repeats)
     pipeline_schedule, schedule_choice = schedule_for(sizes, remat, grad_accum)
     # The program compiled under DiLoCo is a sync step: its theory counts one sync.
-    theory_terms = _theory(cost, sizes, global_batch_size // grad_accum, sequence_length,
+    terms = theory_terms(cost, sizes, global_batch_size // grad_accum, sequence_length,
                            policy, gradient_reduction, grad_accum, context_parallel,
                            (*schedule, pipeline_schedule), 1 if sizes["replica"] > 1 else None)
-    found = hlo.parse_collectives(compiled.as_text(), num)
+    # kdist.hlo reads XLA:CPU's collectives; a TPU program's are asynchronous, decomposed
+    # and looped (collective matmuls), which it does not count right yet: the theoretical
+    # figures stand alone there, and the report says so.
+    found = (hlo.parse_collectives(compiled.as_text(), num) if target.method == "host"
+             else [])
     result = Plan(
         config=dict(model=model_name, mesh=mesh, global_batch_size=global_batch_size,
                     sequence_length=sequence_length, precision=policy, remat=remat,
@@ -267,18 +312,20 @@ def plan(
         xla_memory=xla_memory(compiled),
         device_memory=device_memory,
         flops={"xla": xla_flops(compiled) * num * grad_accum,
-               "program": hlo.matmul_flops(compiled.as_text()) * num * grad_accum,
-               "formula": _formula_flops(cost, global_batch_size, sequence_length, remat)},
+               "program": (hlo.matmul_flops(compiled.as_text()) * num * grad_accum
+                           if target.method == "host" else float("nan")),
+               "formula": formula_flops(cost, global_batch_size, sequence_length, remat)},
         collectives=_collectives(found, grad_accum),
-        theoretical_collectives=traffic.by_kind(theory_terms),
+        theoretical_collectives=traffic.by_kind(terms),
         axis_bytes={"compiled": {a: b * grad_accum for a, b in
                                  traffic.measured_by_axis(found, sizes).items()},
-                    "theoretical": traffic.by_axis(theory_terms, sizes)},
-        crosses_hosts=list(traffic.crossing_axes(sizes, devices_per_host)),
-        devices_per_host=devices_per_host,
+                    "theoretical": traffic.by_axis(terms, sizes)},
+        crosses_hosts=list(traffic.crossing_axes(sizes, target.link_group)),
+        devices_per_host=target.devices_per_host,
         compile_seconds=seconds,
         mesh_choice=mesh_choice,
-        device_memory_source=memory_source,
+        device_memory_source=target.memory_source,
+        target=target.describe(), method=target.method, links=axis_links(target, sizes),
         pipeline=(dict(stages.summary(cost, sizes, global_batch_size, sequence_length,
                                       *schedule, compute_bytes(policy), grad_accum,
                                       pipeline_schedule), choice=schedule_choice)
@@ -286,7 +333,7 @@ def plan(
     )
     if suggest and not result.fits:
         result.suggestion = _report.suggest(
-            result, _remat_ratio(cost, sequence_length, remat), run if verify else None)
+            result, remat_ratio(cost, sequence_length, remat), run if verify else None)
     return result
 
 
@@ -304,7 +351,7 @@ def _verified_auto(candidates, first, why, device_memory, devices, global_batch_
             mesh, sizes, compiled, state, model_obj = first
         else:
             mesh = row["mesh"]
-            sizes = _check_mesh(mesh, devices, global_batch_size, grad_accum)
+            sizes = _check_mesh(mesh, len(devices), global_batch_size, grad_accum)
             compiled, state, model_obj = run(sizes, remat, grad_accum)
         total = memory_breakdown(compiled, state)["total"]
         if best is None or total < best[0]:
@@ -350,13 +397,13 @@ def _resolve_model(model, overrides, batch, sequence_length):
                     f"got {type(model).__name__}.")
 
 
-def _check_mesh(mesh: str, devices: list, global_batch_size: int,
+def _check_mesh(mesh: str, num_devices: int, global_batch_size: int,
                 grad_accum: int) -> dict[str, int]:
-    sizes = parse_mesh(mesh, mesh_devices(mesh, len(devices)))
+    sizes = parse_mesh(mesh, mesh_devices(mesh, num_devices))
     num = math.prod(sizes.values())
-    if num > len(devices):
+    if num > num_devices:
         raise ValueError(
-            f"Mesh {mesh!r} needs {num} devices but this process has {len(devices)}. On CPU, "
+            f"Mesh {mesh!r} needs {num} devices but this process has {num_devices}. On CPU, "
             f"call kdist.force_host_devices({num}) before jax starts (the `kdist plan` "
             f"command does this itself).")
     micro = global_batch_size // grad_accum
@@ -387,41 +434,8 @@ def _cost_of_function(model_fn) -> Any:
         keras.distribution.set_distribution(previous_dist)
 
 
-def _formula_flops(cost, global_batch_size, sequence_length, remat) -> float:
-    if cost is None or not sequence_length:
-        return float("nan")
-    per_token = cost.flops_per_token(sequence_length)
-    return (per_token.hardware if remat else per_token.training) * (
-        global_batch_size * sequence_length)
-
-
 def _collectives(found, grad_accum) -> dict:
     collectives = hlo.summarize_collectives(found)
     for row in collectives.values():
         row.update(bytes=row["bytes"] * grad_accum, wire_bytes=row["wire_bytes"] * grad_accum)
     return collectives
-
-
-def _theory(cost, sizes, micro, sequence_length, policy, gradient_reduction, grad_accum,
-            context_parallel="all_gather", schedule=(None, 1, "gpipe"),
-            sync_every=None) -> list:
-    """The theoretical minimum's terms per optimizer step (none when it cannot be
-    counted: no cost model, or one without the dimensions its axes need)."""
-    needs = {"hidden_dim", "num_layers"} | ({"num_heads"} if sizes["seq"] > 1 else set())
-    if cost is None or ((sizes["model"] > 1 or sizes["seq"] > 1 or sizes["stage"] > 1)
-                        and not needs <= set(dimensions(cost))):
-        return []
-    terms = collective_terms(
-        cost, sizes, micro, sequence_length, compute_bytes(policy),
-        gradient_bytes={"bfloat16": 2, "float8": 1, "int8": 1}.get(gradient_reduction),
-        context_parallel=context_parallel,
-        pipeline_microbatches=schedule[0], pipeline_repeats=schedule[1],
-        pipeline_schedule=schedule[2], sync_every=sync_every)
-    return [traffic.Traffic(t.kind, t.axes, t.bytes * grad_accum) for t in terms]
-
-
-def _remat_ratio(cost, sequence_length, remat) -> float:
-    if cost is None or remat:
-        return 1.0
-    return (cost.activation_bytes_per_token(sequence_length, 4, True)
-            / cost.activation_bytes_per_token(sequence_length, 4, False))

@@ -23,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +33,7 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
+from kdist.compiled_step import ProgramMemory
 from kdist.parallel.layout import KdistDistribution, distribution
 from kdist.parallel.mesh import mesh_spec
 
@@ -168,27 +171,38 @@ def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length,
     A fresh Keras session is used (stable variable paths, the abstract model dropped
     afterwards); the caller's distribution and dtype policy are put back.
     """
+    import jax
+
     previous_policy = keras.config.dtype_policy()
     previous_dist = keras.distribution.distribution()
     keras.utils.clear_session()
     num = math.prod(sizes.values())
+    # Devices of a TPU topology (kdist.planning.target) are not this process's: nothing can
+    # be placed on them, and one device of them still needs a mesh to compile for.
+    foreign = devices[0] not in set(jax.devices())
     dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard,
                          gradient_reduction=gradient_reduction,
                          context_parallel=context_parallel, load_balance=load_balance,
                          pipeline_microbatches=pipeline[0], pipeline_repeats=pipeline[1],
                          pipeline_schedule=pipeline[2] if len(pipeline) > 2 else "gpipe",
                          sync_every=sync_every)
-            if num > 1 else None)
+            if num > 1 or foreign else None)
     try:
         keras.config.set_dtype_policy(policy)
         keras.distribution.set_distribution(dist)
         model = build_abstract(model_fn, dist)
         if getattr(model, "optimizer", None) is None:
+            # The optimizer's step counter is created with a value, which Keras would place
+            # on the mesh's devices: a TPU topology compiled for from a CPU (no device to
+            # hold it) cannot take it. Made off the mesh, it gets its layout in _abstract.
+            keras.distribution.set_distribution(None)
             opt = optimizer_fn()
+            keras.distribution.set_distribution(dist)
             if grad_accum > 1:
                 opt.gradient_accumulation_steps = grad_accum
-            model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True))
+            with _abstract_scope(foreign):  # the loss tracker, optimizer slots: no memory
+                model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
         x, y = batch if batch is not None else abstract_batch(model, micro_batch,
                                                               sequence_length)
         compiled, state = compile_train_step(model, x, y, dist)
@@ -199,12 +213,22 @@ def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length,
     return compiled, state, model
 
 
+@contextlib.contextmanager
+def _abstract_scope(abstract: bool):
+    """Variables created inside are left uninitialised (no memory, no device) when
+    ``abstract``; else nothing changes."""
+    if not abstract:
+        yield
+        return
+    with keras.StatelessScope(initialize_variables=False):
+        yield
+    _keras_compat.forget_pending_variables()
+
+
 def xla_memory(compiled) -> dict[str, int]:
     """``memory_analysis()`` of a compiled program: argument, output, alias, temp and
-    generated-code bytes per device."""
-    m = compiled.memory_analysis()
-    return {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
-            for k in ("argument", "output", "alias", "temp", "generated_code")}
+    generated-code bytes per device (:class:`kdist.compiled_step.ProgramMemory`)."""
+    return dataclasses.asdict(ProgramMemory.of(compiled))
 
 
 def xla_flops(compiled) -> float:
@@ -230,7 +254,8 @@ def memory_breakdown(compiled, state) -> dict[str, float]:
     opt = shard_bytes(optimizer_state)
     # Gradients: one float32 shard per trainable weight, live inside XLA's temporaries.
     grads = sum(math.prod(s.sharding.shard_shape(s.shape)) * 4 for s in trainable)
-    total = x["argument"] + x["output"] - x["alias"] + x["temp"] + x["generated_code"]
+    # The compiled step's peak, the same sum the Throughput callback logs.
+    total = ProgramMemory(**x).peak
     return {
         "parameters": float(params),
         "optimizer_state": float(opt),

@@ -19,7 +19,7 @@ from typing import Any
 
 from kdist import hlo
 from kdist.parallel.mesh import mesh_spec, parse_mesh
-from kdist.planning import stages
+from kdist.planning import stages, traffic
 from kdist.planning.compile import memory_breakdown
 from kdist.planning.units import USABLE_FRACTION, format_bytes
 
@@ -48,6 +48,12 @@ class Plan:
     axis_bytes: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     crosses_hosts: list[str] = dataclasses.field(default_factory=list)
     devices_per_host: int | None = None
+    # What the plan is for and how its figures were obtained (kdist.planning.target):
+    # method "host" (compiled by XLA on this machine's devices), "tpu" (by the TPU compiler
+    # ahead of time) or "estimate" (the analytic cost model, nothing compiled).
+    target: str = ""
+    method: str = "host"
+    links: dict[str, Any] = dataclasses.field(default_factory=dict)  # kdist.planning._links
 
     @property
     def total(self) -> float:
@@ -70,6 +76,8 @@ class Plan:
         c = self.config
         lines = [f"device memory: {format_bytes(self.device_memory)} per device "
                  f"({self.device_memory_source})"]
+        if self.target and (self.method != "host" or self.links.get("group") != "host"):
+            lines.append(f"target: {self.target}")  # another device, or not compiled
         lines.append(f"plan: {c['model']} ({self.parameters:,} parameters), mesh "
                      f"{mesh_spec(self.mesh)} over {math.prod(self.mesh.values())} devices, "
                      f"global batch {c['global_batch_size']} x {c['sequence_length']}, "
@@ -80,16 +88,22 @@ class Plan:
         lines += self._memory_lines() + self._flops_lines() + self._collective_lines()
         if self.pipeline:
             lines += stages.report_lines(self.pipeline, format_bytes)
-        lines.append(f"compile: {self.compile_seconds:.1f} s")
+        lines.append(f"compile: {self.compile_seconds:.1f} s" if self.method != "estimate"
+                     else f"estimate: {self.compile_seconds:.2f} s (nothing compiled)")
         return "\n".join(lines + self._verdict_lines())
 
     def _memory_lines(self) -> list[str]:
         m = self.memory
-        lines = ["memory per device (XLA memory_analysis):"]
+        lines = [{"host": "memory per device (XLA memory_analysis; peak = arguments + "
+                          "temporaries + outputs not aliased + generated code):",
+                  "tpu": "memory per chip (the TPU compiler's memory_analysis; peak = "
+                         "arguments + temporaries + outputs not aliased + generated code):",
+                  "estimate": "memory per device (ESTIMATED by the analytic cost model, "
+                              "nothing compiled):"}[self.method]]
         for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"),
                            ("gradients", "gradients (in temporaries)"),
                            ("activations_and_temporaries", "activations + other temporaries"),
-                           ("batch_and_other", "batch and other arguments"),
+                           ("batch_and_other", "batch, program code, other"),
                            ("total", "total (peak)")):
             lines.append(f"  {label:<34}{format_bytes(m[key]):>12}")
         lines.append(f"  {'device memory':<34}{format_bytes(self.device_memory):>12}"
@@ -99,6 +113,9 @@ class Plan:
 
     def _flops_lines(self) -> list[str]:
         f = self.flops
+        if self.method == "estimate":
+            return [f"FLOPs per optimizer step: formula {f['formula']:.4g} (estimated; no "
+                    f"compiled program to count)"]
         lines = [f"FLOPs per optimizer step: XLA {f['xla']:.4g}, formula {f['formula']:.4g} "
                  f"(XLA / formula {f['xla'] / f['formula']:.3f}; loop bodies' matmuls counted "
                  f"per iteration)"]
@@ -114,6 +131,8 @@ class Plan:
         return lines
 
     def _collective_lines(self) -> list[str]:
+        if self.method != "host":
+            return self._theory_lines()
         if not self.collectives:
             return ["collectives: none (one device, or nothing sharded)"]
         lines = ["collectives per step (per device; wire = ring bytes sent):"]
@@ -135,25 +154,54 @@ class Plan:
                          f"benchmarks/README.md for why)")
         return lines
 
+    def _theory_lines(self) -> list[str]:
+        """The collectives of a plan whose program's were not counted: the theoretical
+        minimum, by kind and per axis with the link each axis uses."""
+        why = ("estimated: nothing compiled" if self.method == "estimate" else
+               "theoretical: the TPU program's collectives are asynchronous, decomposed and "
+               "looped, which kdist.hlo does not count yet")
+        theory = self.theoretical_collectives
+        if not theory:
+            return ["collectives: none (one device, or nothing sharded)"]
+        lines = [f"collectives per step (per device, ring wire bytes; {why}):"]
+        for kind in hlo.COLLECTIVE_KINDS:
+            if theory.get(kind):
+                lines.append(f"  {kind:<20}theoretical min {format_bytes(theory[kind])}")
+        return lines + self._axis_lines()
+
     def _axis_lines(self) -> list[str]:
         compiled = self.axis_bytes.get("compiled", {})
         theory = self.axis_bytes.get("theoretical", {})
         if not compiled and not theory:
             return []
+        links = self.links if self.links.get("group") in ("slice", "server") else None
         hosts = (f"{self.devices_per_host} devices per host" if self.devices_per_host
                  else "one host")
+        if links:
+            hosts = (f"{links['fast']} inside a {links['group']} of "
+                     f"{links['devices_per_group']}, {links['slow']} between "
+                     f"{links['group']}s, {links['slow']} bytes weigh "
+                     f"{links['slowdown']:.3g}x in --mesh auto")
         lines = [f"  per mesh axis (wire, a collective over several axes split "
                  f"hierarchically; {hosts}):"]
         for axis in [a for a in self.mesh if a in compiled or a in theory]:
             extra = (f", theoretical min {format_bytes(theory[axis])}" if axis in theory
                      else "")
             where = "  crosses hosts" if axis in self.crosses_hosts else ""
+            if links:
+                share = links["slow_share"].get(axis)
+                where = (f"  {links['slow']}: crosses {links['group']}s "
+                         f"({traffic.percent(share)} of its bytes)" if share
+                         else f"  {links['fast']}")
             every = self.config.get("sync_every")
             if axis == "replica" and every:
-                where += (f"  (the sync step compiled; every {every} steps: "
-                          f"{format_bytes(compiled.get(axis, 0.0) / every)} per step)")
-            lines.append(f"    {axis:<18}{format_bytes(compiled.get(axis, 0.0)):>12} wire"
-                         f"{extra}{where}")
+                step = compiled or theory
+                where += (f"  (the sync step {'compiled' if compiled else 'estimated'}; every "
+                          f"{every} steps: {format_bytes(step.get(axis, 0.0) / every)} per "
+                          f"step)")
+            shown = (f"{format_bytes(compiled.get(axis, 0.0)):>12} wire{extra}" if compiled
+                     else f"{format_bytes(theory.get(axis, 0.0)):>12} wire, theoretical min")
+            lines.append(f"    {axis:<18}{shown}{where}")
         return lines
 
     def _verdict_lines(self) -> list[str]:

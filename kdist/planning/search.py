@@ -263,7 +263,7 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
                 pipeline_microbatches: int | None = None,
                 pipeline_repeats: int = 1, sync_every: int | None = None,
                 devices_per_host: int | None = None, pipeline_schedule: str = "gpipe",
-                host_link_slowdown: float = HOST_LINK_SLOWDOWN
+                host_link_slowdown: float = HOST_LINK_SLOWDOWN, boundary: str = "hosts"
                 ) -> tuple[dict[str, int], list[dict], str]:
     """The mesh that fits in memory with the least communication per step (analytic).
 
@@ -388,12 +388,13 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
                f"{format_bytes(budget)} usable per device) with the least communication "
                f"({format_bytes(best['wire_bytes'])} per device per step; tensor- and "
                f"context-parallel bytes weigh double"
-               + (f", bytes between hosts {host_link_slowdown:g}x" if devices_per_host
+               + (f", bytes between {boundary} {host_link_slowdown:.3g}x" if devices_per_host
                   and devices_per_host < num_devices else "")
                + f") of the {len(fitting)} fitting meshes out of {len(rows)}")
         if best["crosses_hosts"]:
-            why += "; across hosts: " + ", ".join(
-                f"{a} ({f:.0%} of its bytes)" for a, f in best["crosses_hosts"].items())
+            why += f"; across {boundary}: " + ", ".join(
+                f"{a} ({traffic.percent(f)} of its bytes)"
+                for a, f in best["crosses_hosts"].items())
         if best["bubble"]:
             why += (f"; no mesh without a pipeline fits, so it has the smallest bubble "
                     f"({best['bubble']:.0%} of the iterations)")

@@ -143,6 +143,16 @@ def crossing_axes(mesh: Mapping[str, int], devices_per_host: int | None) -> tupl
     return tuple(crossing_fractions(mesh, devices_per_host))
 
 
+def percent(share: float) -> str:
+    """A share of an axis's bytes as a percentage, small ones not rounded to nothing.
+
+    Example:
+        >>> percent(1.0), percent(1 / 3), percent(0.002)
+        ('100%', '33%', '0.20%')
+    """
+    return f"{share:.0%}" if share >= 0.01 else f"{share:.2%}"
+
+
 def weighted_bytes(axis_bytes: Mapping[str, float], fractions: Mapping[str, float],
                    slowdown: float = HOST_LINK_SLOWDOWN) -> float:
     """The bytes per axis summed, the share of each that crosses hosts (``fractions``,

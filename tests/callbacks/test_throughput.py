@@ -2,15 +2,16 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import keras
 import numpy as np
 import pytest
 
-from kdist.callbacks import Throughput, parse_profile_steps
+from kdist.callbacks import Throughput, parse_profile_steps, throughput
 from kdist.callbacks import peak as peaks
 from kdist.callbacks.throughput import JSONL_NAME
-from tests.helpers import TINY_GPT, parity_optimizer, tiny_gpt
+from tests.helpers import TINY_GPT, independent_memory, parity_optimizer, tiny_gpt
 
 BATCH, LENGTH = 16, 32  # steps of a few milliseconds: long enough to time
 
@@ -125,8 +126,10 @@ def test_no_state_sync_per_batch_and_async_dispatch_kept(monkeypatch):
     baseline, syncs[:] = len(syncs), []
     cb = Throughput(BATCH, LENGTH, log_every=1, peak_tflops=1.0, tensorboard=False)
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[cb])
-    # One extra sync, in on_train_begin (reading the optimizer), none per batch.
+    # One extra sync, in on_train_begin (reading the optimizer), none per batch — the
+    # compiled step's memory in every row included.
     assert len(syncs) == baseline + 1
+    assert all(r["compiled_peak_bytes"] > 0 for r in cb.rows if r["kind"] == "interval")
     assert [r["step"] for r in cb.rows if r["kind"] == "interval"] == list(range(17, 33))
     assert cb.rows[0]["num_devices"] == 8
     # Keras runs batch-end hooks off the training thread only if every callback allows it.
@@ -195,6 +198,50 @@ def test_a_model_without_cost_model_gets_labelled_6n_flops(tmp_path):
     assert config["flops_breakdown"] is None
     mfu = [r["mfu"] for r in cb.rows if "mfu" in r]  # the first interval is compilation
     assert mfu and all(0 < m <= 1 for m in mfu)
+    # Any Keras model's step is compiled ahead too: its program's memory is logged.
+    peak = independent_memory(model, *(a[:BATCH] for a in data(1))).peak
+    assert all(r["compiled_peak_bytes"] == peak for r in cb.rows if r["kind"] == "interval")
+
+
+def test_the_compiled_steps_peak_is_logged_beside_the_live_memory(tmp_path):
+    model = tiny_gpt()
+    model.compile(optimizer=parity_optimizer())
+    cb = Throughput(BATCH, LENGTH, log_dir=tmp_path, log_every=2, peak_tflops=1.0,
+                    tensorboard=False)
+    x, y = data(4)
+    model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[cb])
+    expected = independent_memory(model, x[:BATCH], y[:BATCH])
+    intervals = rows_of(tmp_path, "interval")
+    assert intervals and all(r["compiled_peak_bytes"] == expected.peak for r in intervals)
+    assert intervals[-1]["compiled_memory"] == {
+        "argument": expected.argument, "output": expected.output, "alias": expected.alias,
+        "temp": expected.temp, "generated_code": expected.generated_code}
+    # The live figures stay, labelled as such (on CPU: the process's resident memory).
+    assert intervals[-1]["memory_source"] == "process_rss"
+    note = rows_of(tmp_path, "config")[0]["memory_note"]
+    assert "arguments + temporaries + outputs not aliased + generated code" in note
+    assert "live buffers" in note and "compiled_peak_unavailable" not in intervals[-1]
+
+
+def test_mfu_divides_by_the_device_kinds_table_peak_and_names_it(monkeypatch):
+    """On a TPU v5e the denominator is Google's 197 TFLOP/s bf16, named with its source.
+    The run is on this CPU; only the devices the callback accounts for are v5e chips."""
+    chip = SimpleNamespace(device_kind="TPU v5 lite", platform="tpu", process_index=0,
+                           memory_stats=lambda: None)
+    monkeypatch.setattr(throughput, "fit_devices", lambda: ([chip], [chip], 0))
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = tiny_gpt()
+    model.compile(optimizer=parity_optimizer())
+    cb = Throughput(BATCH, LENGTH, log_every=2, tensorboard=False)
+    model.fit(*data(4), batch_size=BATCH, verbose=0, shuffle=False, callbacks=[cb])
+    config = cb.rows[0]
+    assert (config["device_kind"], config["peak_tflops_per_device"], config["peak_source"]) \
+        == ("TPU v5 lite", 197.0, "table")
+    assert config["peak"] == ("197 TFLOP/s bfloat16 per device (table, tpu-v5e in Google "
+                              "Cloud TPU docs, page 'TPU v5e': TPU v5 lite)")
+    timed = [r for r in cb.rows if r.get("tflops_per_device")]
+    assert timed and all(r["mfu"] == pytest.approx(r["tflops_per_device"] / 197.0)
+                         for r in timed)
 
 
 def test_an_mfu_against_a_peak_measured_under_load_stays_out_of_the_progress_bar(

@@ -1,0 +1,114 @@
+"""A plan from the analytic cost model alone (``method == "estimate"``: an accelerator
+there is no compiler for here, or ``--compile none``), and the analytic figures every plan
+carries beside the compiled ones: the theoretical collectives, the formula's FLOPs, the link
+each mesh axis uses.
+
+Example:
+    >>> from kdist.planning.estimate import cost_model_of
+    >>> formula_flops(cost_model_of("gpt-nano"), 8, 256, remat=False) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kdist.planning import report as _report
+from kdist.planning import stages, traffic
+from kdist.planning.estimate import collective_terms, compute_bytes, dimensions, estimate
+from kdist.planning.report import Plan
+from kdist.planning.target import Target
+
+
+def axis_links(target: Target, sizes: dict[str, int]) -> dict[str, Any]:
+    """Which link each mesh axis of size > 1 uses: the fast one, or (some of its bytes) the
+    slow one between ``target.link_group``-device groups, with that share."""
+    crossing = traffic.crossing_fractions(sizes, target.link_group)
+    return {"fast": target.fast_link, "slow": target.slow_link, "group": target.group_name,
+            "devices_per_group": target.link_group, "slowdown": target.slowdown,
+            "axes": {a: (target.slow_link if a in crossing else target.fast_link)
+                     for a, n in sizes.items() if n > 1},
+            "slow_share": {a: round(f, 4) for a, f in crossing.items()}}
+
+
+def estimated_plan(target, model_name, cost, mesh, sizes, mesh_choice, policy, remat,
+                   grad_accum, global_batch_size, sequence_length, gradient_reduction,
+                   context_parallel, pipeline_microbatches, pipeline_repeats, schedule,
+                   sync_every, suggest) -> Plan:
+    """The plan from the analytic cost model alone (``target.method == "estimate"``): the
+    memory of :func:`~kdist.planning.estimate.estimate`, the formula's FLOPs and the
+    theoretical collectives, per axis with the link each one uses. Nothing is compiled."""
+    start = time.perf_counter()
+    pipeline_schedule, schedule_choice = schedule
+    e = estimate(cost, sizes, global_batch_size, sequence_length, precision=policy,
+                 remat=remat, grad_accum=grad_accum, context_parallel=context_parallel,
+                 pipeline_microbatches=pipeline_microbatches,
+                 pipeline_repeats=pipeline_repeats, pipeline_schedule=pipeline_schedule)
+    named = ("parameters", "optimizer_state", "gradients")
+    memory = {k: float(e[k]) for k in named}
+    memory["activations_and_temporaries"] = float(e["activations"])
+    memory["batch_and_other"] = float(e["total"] - sum(memory.values()))  # pipeline, groups
+    memory["total"] = float(e["total"])
+    terms = theory_terms(cost, sizes, global_batch_size // grad_accum, sequence_length, policy,
+                    gradient_reduction, grad_accum, context_parallel,
+                    (pipeline_microbatches, pipeline_repeats, pipeline_schedule),
+                    1 if sizes["replica"] > 1 else None)
+    result = Plan(
+        config=dict(model=model_name, mesh=mesh, global_batch_size=global_batch_size,
+                    sequence_length=sequence_length, precision=policy, remat=remat,
+                    grad_accum=grad_accum, sync_every=sync_every),
+        mesh=sizes, parameters=int(cost.parameters), memory=memory, xla_memory={},
+        device_memory=target.device_memory,
+        flops={"xla": float("nan"), "program": float("nan"),
+               "formula": formula_flops(cost, global_batch_size, sequence_length, remat)},
+        collectives={}, theoretical_collectives=traffic.by_kind(terms),
+        axis_bytes={"theoretical": traffic.by_axis(terms, sizes)},
+        crosses_hosts=list(traffic.crossing_axes(sizes, target.link_group)),
+        devices_per_host=target.devices_per_host, compile_seconds=0.0,
+        mesh_choice=mesh_choice, device_memory_source=target.memory_source,
+        target=target.describe(), method=target.method, links=axis_links(target, sizes),
+        pipeline=(dict(stages.summary(cost, sizes, global_batch_size, sequence_length,
+                                      pipeline_microbatches, pipeline_repeats,
+                                      compute_bytes(policy), grad_accum, pipeline_schedule),
+                       choice=schedule_choice) if sizes.get("stage", 1) > 1 else None),
+    )
+    result.compile_seconds = time.perf_counter() - start
+    if suggest and not result.fits:
+        result.suggestion = _report.suggest(
+            result, remat_ratio(cost, sequence_length, remat), None)
+    return result
+
+
+
+def theory_terms(cost, sizes, micro, sequence_length, policy, gradient_reduction, grad_accum,
+            context_parallel="all_gather", schedule=(None, 1, "gpipe"),
+            sync_every=None) -> list:
+    """The theoretical minimum's terms per optimizer step (none when it cannot be
+    counted: no cost model, or one without the dimensions its axes need)."""
+    needs = {"hidden_dim", "num_layers"} | ({"num_heads"} if sizes["seq"] > 1 else set())
+    if cost is None or ((sizes["model"] > 1 or sizes["seq"] > 1 or sizes["stage"] > 1)
+                        and not needs <= set(dimensions(cost))):
+        return []
+    terms = collective_terms(
+        cost, sizes, micro, sequence_length, compute_bytes(policy),
+        gradient_bytes={"bfloat16": 2, "float8": 1, "int8": 1}.get(gradient_reduction),
+        context_parallel=context_parallel,
+        pipeline_microbatches=schedule[0], pipeline_repeats=schedule[1],
+        pipeline_schedule=schedule[2], sync_every=sync_every)
+    return [traffic.Traffic(t.kind, t.axes, t.bytes * grad_accum) for t in terms]
+
+
+def formula_flops(cost, global_batch_size, sequence_length, remat) -> float:
+    if cost is None or not sequence_length:
+        return float("nan")
+    per_token = cost.flops_per_token(sequence_length)
+    return (per_token.hardware if remat else per_token.training) * (
+        global_batch_size * sequence_length)
+
+
+def remat_ratio(cost, sequence_length, remat) -> float:
+    if cost is None or remat:
+        return 1.0
+    return (cost.activation_bytes_per_token(sequence_length, 4, True)
+            / cost.activation_bytes_per_token(sequence_length, 4, False))

@@ -1,0 +1,68 @@
+"""The train step compiled ahead of its first call: the same program, compiled once, whose
+memory_analysis() is the one an independent compile of the step reports."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdist import compiled_step
+from kdist.compiled_step import CompiledStep
+from tests.helpers import independent_memory, parity_optimizer, tiny_gpt
+
+
+class CompileLog(logging.Handler):
+    """JAX's compile log (jax_log_compiles): one "Compiling jit(f)" line per compilation of
+    f, whether XLA then builds it or the persistent cache serves it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def count(self, name):
+        return sum(line.startswith(f"Compiling jit({name})") for line in self.lines)
+
+
+@pytest.fixture
+def compile_log():
+    log, logger = CompileLog(), logging.getLogger("jax")
+    logger.addHandler(log)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield log
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(log)
+
+
+def test_fit_compiles_the_step_once_and_keeps_its_memory(compile_log):
+    model = tiny_gpt()
+    model.compile(optimizer=parity_optimizer())
+    x = np.random.default_rng(0).integers(0, 256, (40, 16)).astype("int32")
+    model.fit(x, x, batch_size=8, verbose=0)  # 5 equal batches: one program
+    (step,) = compiled_step.steps_of(model.train_function)
+    assert step.programs == 1 and compile_log.count("train_step") == 1
+    assert step.memory == independent_memory(model, x[:8], x[:8])
+    assert step.memory.peak == (step.memory.argument + step.memory.temp
+                                + step.memory.output - step.memory.alias
+                                + step.memory.generated_code)
+    # A smaller last batch is another program, as under jit; the largest is reported.
+    full = step.memory
+    model.fit(x[:36], x[:36], batch_size=8, verbose=0)
+    assert step.programs == 2 and compile_log.count("train_step") == 2
+    assert step.memory == full and full.peak > independent_memory(model, x[:4], x[:4]).peak
+
+
+def test_a_call_the_executable_refuses_goes_through_jit():
+    step = CompiledStep(jax.jit(lambda state, x: (x.sum(), state * 2.0), donate_argnums=0))
+    _, state = step(jnp.ones(3), jnp.ones(2))
+    assert step.programs == 1
+    # The state changed dtype: the ahead-compiled program refuses it before running, and
+    # jit compiles anew (the batch key is unchanged, so no second program is recorded).
+    logs, state = step(jnp.ones(3, "bfloat16"), jnp.ones(2))
+    assert state.dtype == jnp.bfloat16 and float(logs) == 2.0 and step.programs == 1
