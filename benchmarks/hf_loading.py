@@ -162,7 +162,7 @@ def child_mmap(directory: str, per_tensor: str) -> dict:
 
 
 def on_gpu(directory: str | None = None) -> dict:
-    """The figure still to take on a GPU machine (``benchmarks/gpu.py --hf-load``): the same
+    """The figure still to take on a GPU machine (``benchmarks/accelerator.py --hf-load``): the same
     checkpoint loaded onto the GPUs (``fsdp=N``, or one device), kdist vs keras-hub's
     ``from_preset``: seconds, device peak and host peak. Each path in its own process."""
     with tempfile.TemporaryDirectory(prefix="kdist-hf-gpu-") as tmp:

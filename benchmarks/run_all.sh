@@ -4,7 +4,8 @@
 # benchmarks/results/<name>.json. Usage, from the repository root:
 #   benchmarks/run_all.sh            # or: make bench      (~1 hour on 2 busy CPU cores)
 #   PYTHON=.venv/bin/python benchmarks/run_all.sh
-# gpu.py runs only where JAX sees a GPU (otherwise its CPU dry run checks the plumbing).
+# accelerator.py and attention.py run only where JAX sees a TPU or GPU (otherwise their
+# CPU dry runs check the plumbing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
@@ -35,8 +36,10 @@ run "$PYTHON" benchmarks/hf_loading.py
 run "$PYTHON" benchmarks/communicate_less.py --parts bytes error  # its train part: ~1.5 h idle
 run "$PYTHON" benchmarks/fault_trials.py --kills 3 --steps 80 --step-sleep 0.5 \
   --json benchmarks/results/fault_trials.json  # the full 10 kills: ~30 min
-if "$PYTHON" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
-  run "$PYTHON" benchmarks/gpu.py
+if "$PYTHON" -c "import jax, sys; sys.exit(jax.devices()[0].platform == 'cpu')" 2>/dev/null; then
+  run "$PYTHON" benchmarks/attention.py
+  run "$PYTHON" benchmarks/accelerator.py
 else
-  run "$PYTHON" benchmarks/gpu.py --dry-run
+  run "$PYTHON" benchmarks/attention.py --dry-run
+  run "$PYTHON" benchmarks/accelerator.py --dry-run
 fi

@@ -352,3 +352,12 @@ def variable_initializer(variable):
     """The initializer a variable was (or will be) initialised with (``Variable.
     _initializer``; None once a Keras variable holds its value and drops it)."""
     return getattr(variable, "_initializer", None)
+
+
+def in_shape_inference() -> bool:
+    """Whether Keras is inferring output shapes (``compute_output_spec``: stand-in lengths
+    for unknown dimensions, nothing computed), where a layer may take any path that gives
+    the same shapes."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()

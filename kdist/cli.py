@@ -94,7 +94,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                  if args.max_sequence_length else None)
     result = plan(args.preset, mesh=args.mesh, global_batch_size=args.global_batch_size,
                   sequence_length=args.sequence_length, precision=args.precision,
-                  remat=args.remat == "block", grad_accum=args.grad_accum,
+                  remat=False if args.remat in ("auto", "none") else args.remat,
+                  grad_accum=args.grad_accum,
                   device_memory=args.device_memory, devices=devices, num_devices=wanted,
                   device=args.device, slices=args.slices, compile=args.compile,
                   verify=not args.no_verify, model_overrides=overrides,
@@ -127,9 +128,10 @@ def add_plan_parser(subparsers) -> None:
                    help="tokens per sequence (default: the preset's context)")
     p.add_argument("--precision", default="float32",
                    choices=["float32", "f32", "bf16", "bfloat16"])
-    p.add_argument("--remat", nargs="?", const="block", default="none",
-                   choices=["none", "block"],
-                   help="rematerialise each block (--remat alone: block), as in the recipes")
+    p.add_argument("--remat", nargs="?", const="block", default="auto",
+                   choices=["auto", "none", "minimal", "save_dots", "block"],
+                   help="what each block keeps for the backward pass, as in the recipes "
+                        "(auto and none: everything; --remat alone: block)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--pipeline-microbatches", type=int, default=None,
                    help="with a stage axis: microbatches per step (default: one per stage)")

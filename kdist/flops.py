@@ -277,5 +277,5 @@ def model_flops_per_token(
         causal=config.get("causal", True) if causal is None else causal,
         causal_half=causal_half,
         gated_mlp=bool(config.get("gated_mlp", config.get("mlp_activation") == "swiglu")),
-        remat=bool(config.get("remat", False)),
+        remat=config.get("remat", False) in (True, "block"),
     )

@@ -171,10 +171,12 @@ def main(argv=None):
                                    f"The encoded {split} examples of --task {args.task}")
     if args.init_from is not None:  # streamed into the sharded backbone
         backbone = kdist.models.BertBackbone.from_pretrained(
-            args.init_from, dropout=args.dropout, remat=run.remat(args))
+            args.init_from, dropout=args.dropout, remat=run.remat(args),
+            attention_implementation=args.attention_implementation)
     else:
-        backbone = kdist.models.BertBackbone(**{**config, "dropout": args.dropout,
-                                                "remat": run.remat(args)})
+        backbone = kdist.models.BertBackbone(**{
+            **config, "dropout": args.dropout, "remat": run.remat(args),
+            "attention_implementation": args.attention_implementation})
     model = kdist.models.BertClassifier(backbone, data.num_classes,
                                         classifier_dropout=args.classifier_dropout)
     if args.init_from is not None:

@@ -134,7 +134,7 @@ def main(argv=None):
     )
     model = kdist.models.BertMaskedLM.from_preset(
         args.preset, vocabulary_size=data.vocabulary_size, dropout=args.dropout,
-        remat=run.remat(args))
+        remat=run.remat(args), attention_implementation=args.attention_implementation)
     model.compile(
         optimizer=kdist.optim.adamw(
             args.learning_rate,

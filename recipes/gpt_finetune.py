@@ -123,7 +123,8 @@ def main(argv=None):
         tfds_manual_dir=args.tfds_manual_dir, tfds_download=args.tfds_download,
         encoding=args.encoding, tokenizer=tokenizer, end_of_text=end_of_text(tokenizer))
     start = time.time()
-    overrides = dict(remat=run.remat(args), attention_chunk_size=args.attention_chunk_size)
+    overrides = dict(remat=run.remat(args), attention_chunk_size=args.attention_chunk_size,
+                     attention_implementation=args.attention_implementation)
     if args.dropout is not None:
         overrides["dropout"] = args.dropout
     model = kdist.models.GPTCausalLM.from_pretrained(args.init_from, **overrides)

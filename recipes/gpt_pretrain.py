@@ -151,6 +151,7 @@ def main(argv=None):
         remat=run.remat(args),
         document_mask=args.document_mask,
         attention_chunk_size=args.attention_chunk_size,
+        attention_implementation=args.attention_implementation,
         max_sequence_length=config["max_sequence_length"],
     )
     model.compile(

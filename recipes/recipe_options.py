@@ -33,7 +33,8 @@ from recipe_flags import (
     text_encoding,
 )
 
-REMAT_CHOICES = ("none", "block")  # the same values as `kdist plan --remat`
+# kdist.models.remat's policies ("none": False); `kdist plan --remat` takes the same.
+REMAT_CHOICES = ("auto", "none", "minimal", "save_dots", "block")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
@@ -155,8 +156,14 @@ def add_run_flags(p: argparse.ArgumentParser, output_dir: str, log_every: int) -
     g = p.add_argument_group("run")
     g.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="bfloat16 = Keras mixed_bfloat16; auto = float32 on CPU only")
-    g.add_argument("--remat", nargs="?", const="block", default="none", choices=REMAT_CHOICES,
-                   help="rematerialise each block in the backward pass (--remat alone: block)")
+    g.add_argument("--remat", nargs="?", const="block", default="auto", choices=REMAT_CHOICES,
+                   help="what each block keeps for the backward pass (kdist.models.remat): "
+                        "auto = nothing recomputed on a CPU, the least recompute that fits on "
+                        "an accelerator; --remat alone: block")
+    g.add_argument("--attention-implementation", default="auto",
+                   choices=("auto", "xla", "chunked", "splash"),
+                   help="auto = the fastest measured for the device (Pallas splash attention "
+                        "on a TPU, XLA's elsewhere; kdist.accelerators)")
     g.add_argument("--seed", type=nonnegative_int("--seed", 0), default=0)
     g.add_argument("--output-dir", default=output_dir)
     g.add_argument("--log-every", type=positive_int("--log-every", log_every),

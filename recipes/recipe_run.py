@@ -66,7 +66,7 @@ def resolve_mesh(args: argparse.Namespace, cost_model, sequence_length: int,
     group, slowdown, boundary = running_links()
     chosen, _, why = kdist.plan.choose_mesh(
         cost_model, jax.device_count(), kdist.plan.default_device_memory(), batch,
-        sequence_length, precision=dtype, remat=args.remat == "block",
+        sequence_length, precision=dtype, remat=planned_remat(args),
         grad_accum=args.grad_accum, context_parallel=args.context_parallel,
         pipeline_microbatches=args.pipeline_microbatches,
         pipeline_repeats=args.pipeline_repeats, sync_every=getattr(args, "sync_every", None),
@@ -123,7 +123,7 @@ def resolve_schedule(args: argparse.Namespace, cost_model, mesh: str, dtype: str
     sizes = mesh_sizes(mesh)
     args.pipeline_schedule, why = kdist.plan.choose_schedule(
         cost_model, sizes, kdist.plan.default_device_memory(), args.global_batch_size,
-        args.sequence_length, precision=dtype, remat=args.remat == "block",
+        args.sequence_length, precision=dtype, remat=planned_remat(args),
         grad_accum=args.grad_accum, context_parallel=args.context_parallel,
         pipeline_microbatches=args.pipeline_microbatches,
         pipeline_repeats=args.pipeline_repeats, sync_every=getattr(args, "sync_every", None))
@@ -177,6 +177,8 @@ def prepare(args: argparse.Namespace, state: RunState, cost_model, chosen: list[
     distribution, the output directory. Returns the precision."""
     keras.utils.set_random_seed(args.seed)
     dtype = precision(args)
+    if isinstance(cost_model, dict):  # a GPT recipe's config: the device's batch for it
+        chosen = chosen + device_batch(args, cost_model)
     mesh, explained = resolve_mesh(args, cost_model, args.sequence_length, dtype)
     chosen = chosen + settle_mesh_defaults(args, mesh)
     chosen = chosen + resolve_schedule(args, cost_model, mesh, dtype)
@@ -208,9 +210,36 @@ def check_context(args: argparse.Namespace, mesh: str) -> None:
                              f"{e}") from None
 
 
-def remat(args: argparse.Namespace) -> bool:
-    """The models' ``remat`` argument of ``--remat none|block``."""
-    return args.remat == "block"
+def remat(args: argparse.Namespace) -> bool | str:
+    """The models' ``remat`` argument of ``--remat`` (``none``: False)."""
+    return False if args.remat == "none" else args.remat
+
+
+def planned_remat(args: argparse.Namespace) -> bool | str:
+    """``--remat`` as the planner estimates it (``auto``: what it means on this device for
+    the recipe's default shapes is decided at the step; planned as no remat)."""
+    return False if args.remat in ("none", "auto") else args.remat
+
+
+def device_batch(args: argparse.Namespace, config: dict) -> list[str]:
+    """On an accelerator, the default ``--global-batch-size`` (none typed): the batch
+    ``kdist.accelerators.default_batch`` gives each device for this model and sequence
+    length (what fits without rematerialisation), where it is larger than the recipe's.
+    Returns the line for the log."""
+    device = kdist.accelerators.target()
+    if args.global_batch_size is not None or device.platform == "cpu":
+        return []
+    full = {**config, "remat": remat(args), "dropout": getattr(args, "dropout", 0.0),
+            "attention_implementation": args.attention_implementation,
+            "attention_chunk_size": getattr(args, "attention_chunk_size", None)}
+    cost = kdist.plan.cost_model_of(full)
+    per_device = kdist.accelerators.default_batch(cost, args.sequence_length)
+    batch = per_device * jax.device_count()
+    if batch <= args._defaults["global_batch_size"]:
+        return []
+    args._defaults["global_batch_size"] = batch
+    return [f"--global-batch-size {batch} ({per_device} per {device.device_kind} device: the "
+            f"most that fits without rematerialisation, kdist.accelerators.default_batch)"]
 
 
 def flag_values(args: argparse.Namespace) -> dict:

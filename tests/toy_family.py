@@ -51,7 +51,8 @@ class MLPCost(CostModel):
                              causal=False, causal_half=causal_half,
                              sequence_length=sequence_length)
 
-    def activation_bytes_per_token(self, sequence_length, bytes_per_value=4, remat=False):
+    def activation_bytes_per_token(self, sequence_length, bytes_per_value=4, remat=False,
+                                   scores_kept=None, logits=True, fused=False):
         return bytes_per_value * (2 * self.d + 2 * self.f + self.v)
 
 

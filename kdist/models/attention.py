@@ -27,6 +27,9 @@ import jax.numpy as jnp
 import keras
 from keras import layers, ops
 
+from kdist import _keras_compat, accelerators
+from kdist.kernels import splash
+from kdist.models import remat
 from kdist.models.rope import RotaryEmbedding, ScaledRotaryEmbedding, check_rope_scaling
 from kdist.online_softmax import (
     chunk_gradients,
@@ -144,6 +147,8 @@ def _attend(q, k, v, mask, is_causal):
 
 def _attend_fwd(q, k, v, mask, is_causal):
     out, stats = _forward(q, k, v, mask, is_causal)
+    # Named: a rematerialisation policy that keeps them ("minimal") skips this forward.
+    out, stats = remat.named((out, stats), splash.RESIDUALS)
     return out, (q, k, v, mask, out, stats)
 
 
@@ -179,15 +184,16 @@ class CausalSelfAttention(layers.Layer):
     Projections are ``EinsumDense`` with kernels shaped ``(D, N, H)`` (query), ``(D, K, H)``
     (key, value) and ``(N, H, D)`` (output), so tensor parallelism splits the head axes and
     XLA reduces the output projection's partial sums. Attention itself is
-    ``keras.ops.dot_product_attention`` (grouped-query natively; cuDNN flash attention on
-    GPU where available; logits and softmax in float32 under ``mixed_bfloat16``).
+    chosen by ``attention_implementation`` (by default for the device: Pallas splash
+    attention on a TPU, ``keras.ops.dot_product_attention`` elsewhere — cuDNN flash
+    attention on a GPU; logits and softmax in float32 under ``mixed_bfloat16``).
 
     Args:
         num_heads: query heads N.
         head_dim: H.
         num_key_value_heads: K (N must divide by K); None means N (multi-head attention).
         rotary_max_wavelength: if set, queries and keys are rotated by position (RoPE,
-            keras-hub's ``RotaryEmbedding``) with this base wavelength.
+            :class:`kdist.models.rope.RotaryEmbedding`) with this base wavelength.
         rope_scaling: Llama 3.1/3.2's RoPE frequency scaling (a Hugging Face
             ``rope_scaling`` dict with ``rope_type="llama3"``; :mod:`kdist.models.rope`), or
             None (plain RoPE).
@@ -197,11 +203,16 @@ class CausalSelfAttention(layers.Layer):
         fused_qkv: one ``qkv`` projection with kernel ``(D, K, N/K + 2, H)`` (each key/value
             head's query heads, then its key, then its value) instead of ``query``, ``key``
             and ``value``: one matmul instead of three. Off by default (weight names differ).
-        attention_chunk_size: if set, training and evaluation attend through
-            :func:`kdist.models.attention.chunked_attention` over chunks of this many keys:
-            the ``(B, N, T, T)`` probabilities are never kept for the backward pass (for
-            backends without a fused attention kernel: CPU, or document masks). None:
-            ``keras.ops.dot_product_attention`` (cuDNN flash attention on a GPU).
+        attention_implementation: how training and evaluation attend (generation with a
+            cache always uses ``keras.ops.dot_product_attention``): ``"auto"`` (default)
+            the fastest measured for the device the step is compiled for and the shapes
+            (:mod:`kdist.accelerators`: Pallas splash attention on a TPU, XLA's elsewhere);
+            ``"xla"`` ``keras.ops.dot_product_attention`` (cuDNN flash attention on a GPU);
+            ``"chunked"`` :func:`chunked_attention`; ``"splash"``
+            :func:`kdist.kernels.splash.splash_attention` (interpreted off a TPU: tests).
+        attention_chunk_size: keys per chunk of ``"chunked"``; with ``"auto"``, a request
+            for ``"chunked"`` where the device has no faster kernel (the ``(B, N, T, T)``
+            probabilities are never kept for the backward pass). None: 128 where chunked.
 
     Example:
         >>> attn = CausalSelfAttention(num_heads=4, head_dim=16, num_key_value_heads=2,
@@ -223,9 +234,12 @@ class CausalSelfAttention(layers.Layer):
         fused_qkv: bool = False,
         attention_chunk_size: int | None = None,
         rope_scaling: dict | None = None,
+        attention_implementation: str = "auto",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.attention_implementation = accelerators.check_implementation(
+            attention_implementation)
         if attention_chunk_size is not None and (
                 not isinstance(attention_chunk_size, int) or attention_chunk_size < 1):
             raise ValueError(f"attention_chunk_size must be None (Keras' attention) or a "
@@ -313,6 +327,50 @@ class CausalSelfAttention(layers.Layer):
         q = ops.reshape(qkv[:, :, :, :groups], (batch, length, self.num_heads, self.head_dim))
         return q, qkv[:, :, :, groups], qkv[:, :, :, groups + 1]
 
+    def implementation(self, queries: int, keys: int, arbitrary_mask: bool) -> str:
+        """The attention this layer runs for ``queries`` over ``keys`` (``"auto"``
+        resolved for the device being compiled for); raises where the choice cannot
+        run."""
+        device = accelerators.target()
+        name = self.attention_implementation
+        if not (isinstance(queries, int) and isinstance(keys, int)):  # symbolic lengths
+            return "xla" if name in ("auto", "splash") else name
+        if name == "auto":
+            return accelerators.attention_for(
+                device, queries=queries, keys=keys, head_dim=self.head_dim,
+                arbitrary_mask=arbitrary_mask, chunk_size=self.attention_chunk_size)
+        if name == "splash" and (arbitrary_mask or not splash.supports(
+                queries, keys, self.head_dim)):
+            if _keras_compat.in_shape_inference():  # Keras' stand-in lengths: same shapes
+                return "xla"
+            why = ("a mask other than causality and documents (e.g. padded keys)"
+                   if arbitrary_mask else f"{queries} queries over {keys} keys (splash "
+                   f"needs multiples of {splash.LANES})")
+            raise ValueError(f"attention_implementation='splash' cannot take {why}. Use "
+                             f"'auto', 'xla' or 'chunked' for this model.")
+        return name
+
+    def attend(self, q, k, v, attention_mask=None, segment_ids=None):
+        """``q (B, T, N, H)`` over ``k``/``v (B, S, K, H)`` by :meth:`implementation`;
+        ``attention_mask`` broadcastable to ``(B, 1, T, S)``, ``segment_ids (B, T)``."""
+        name = self.implementation(q.shape[1], k.shape[1], attention_mask is not None)
+        q, k, v = remat.named((q, k, v), remat.ATTENTION_INPUTS)
+        if name == "splash":
+            device = accelerators.target()
+            blocks = accelerators.splash_blocks(device, queries=q.shape[1],
+                                                head_dim=self.head_dim)
+            return splash.splash_attention(q, k, v, causal=self.causal, segment_ids=segment_ids,
+                                           blocks=blocks, interpret=device.platform != "tpu")
+        if segment_ids is not None:  # (B, 1, T, T): the same document
+            same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+            attention_mask = same if attention_mask is None else attention_mask & same
+        # Keras infers output shapes with stand-in lengths; the result's shape is the same.
+        if name == "chunked" and not _keras_compat.in_shape_inference():
+            return chunked_attention(q, k, v, mask=attention_mask, is_causal=self.causal,
+                                     chunk_size=self.attention_chunk_size or
+                                     accelerators.DEFAULT_CHUNK)
+        return ops.dot_product_attention(q, k, v, mask=attention_mask, is_causal=self.causal)
+
     def rotate(self, x, start_index=0, positions=None):
         """RoPE on ``(B, T, heads, H)`` at positions ``start_index + t`` or ``positions``."""
         if self.rotary is None:
@@ -341,21 +399,17 @@ class CausalSelfAttention(layers.Layer):
                 positions = None if split is None else split[None]  # (1, T)
             q, k = self.rotate(q, positions=positions), self.rotate(k, positions=positions)
             if context.current_layout(length) is not None:  # T split over the seq axis
+                if self.attention_implementation == "splash":
+                    raise ValueError(
+                        "attention_implementation='splash' does not split a sequence over "
+                        "the 'seq' axis: context parallelism attends with its own online "
+                        "softmax (context_parallel='all_gather' or 'ring'). Use 'auto' "
+                        "(splash where the sequence is whole, context attention where split).")
                 out = context.attention(q, k, v, mask=attention_mask, segment_ids=segment_ids,
                                         causal=self.causal,
                                         chunk_size=self.attention_chunk_size)
                 return self.attention_output(out)
-            if segment_ids is not None:  # (B, 1, T, T): the same document
-                same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-                attention_mask = same if attention_mask is None else attention_mask & same
-            # Keras infers output shapes with symbolic batch and length; the chunking needs
-            # concrete ones, and the shapes are the same either way.
-            if self.attention_chunk_size and all(isinstance(d, int) for d in k.shape[:2]):
-                out = chunked_attention(q, k, v, mask=attention_mask, is_causal=self.causal,
-                                        chunk_size=self.attention_chunk_size)
-            else:
-                out = ops.dot_product_attention(q, k, v, mask=attention_mask,
-                                                is_causal=self.causal)
+            out = self.attend(q, k, v, attention_mask, segment_ids)
             return self.attention_output(out)  # (B, T, N, H) -> (B, T, D)
         q, k = self.rotate(q, cache_index), self.rotate(k, cache_index)
         start = [0, cache_index, 0, 0]
@@ -382,4 +436,5 @@ class CausalSelfAttention(layers.Layer):
             "fused_qkv": self.fused_qkv,
             "attention_chunk_size": self.attention_chunk_size,
             "rope_scaling": self.rope_scaling,
+            "attention_implementation": self.attention_implementation,
         }

@@ -25,7 +25,9 @@ import keras
 import numpy as np
 from keras import ops
 
+from kdist import accelerators
 from kdist.data.checks import check_id_range, check_token_ids
+from kdist.models import remat
 from kdist.models.presets import preset_config
 from kdist.parallel import step
 
@@ -62,8 +64,9 @@ class CostModel(abc.ABC):
 
     @abc.abstractmethod
     def activation_bytes_per_token(self, sequence_length: int, bytes_per_value: int = 4,
-                                   remat: bool = False) -> float:
-        """Bytes of activations kept for the backward pass, per token."""
+                                   remat=False, scores_kept: bool | None = None,
+                                   logits: bool = True, fused: bool = False) -> float:
+        """Bytes the backward pass keeps per token (see ``GPTCostModel``'s)."""
 
 
 def constructor_arguments(cls) -> dict[str, inspect.Parameter]:
@@ -193,7 +196,8 @@ class Task:
         step.prepare(self)  # state the step features keep (residuals, replica groups)
 
     def train_step(self, state, data):
-        return step.train_step(self, super().train_step, state, data)
+        with remat.choosing(accelerators.remat_for_data(self, data)):  # "auto" at this batch
+            return step.train_step(self, super().train_step, state, data)
 
     def make_train_function(self, force=False):
         return step.make_train_function(self, super().make_train_function, force)
@@ -312,7 +316,6 @@ class Task:
     def finish_loss(self, y, loss):
         """A loss the task computed itself plus the layers' losses and the label alarm."""
         from kdist import _keras_compat
-
         for extra in self.losses:
             loss = loss + _keras_compat.aggregate_additional_loss(self, extra)
         return self.label_alarm(y, loss)
@@ -326,10 +329,8 @@ class Task:
 
     def label_alarm(self, y, loss):
         """``loss`` plus the token-id labels' :meth:`token_id_alarm` if ``check_token_ids``."""
-        if not (getattr(self, "check_token_ids", False) and self.token_id_labels
-                and y is not None):
-            return loss
-        return loss + self.token_id_alarm(y)
+        checked = getattr(self, "check_token_ids", False) and self.token_id_labels
+        return loss + self.token_id_alarm(y) if checked and y is not None else loss
 
     def _with_id_check(self, kwargs: dict) -> dict:
         """``kwargs`` of fit/evaluate/predict with the callback that raises for ids the
@@ -342,8 +343,7 @@ class Task:
         return {**kwargs, "callbacks": [*callbacks, _RaiseOnBadTokenIds(findings)]}
 
     def _token_id_findings(self) -> _TokenIdFindings:
-        if getattr(self, "_id_findings", None) is None:
-            self._id_findings = _TokenIdFindings()
+        self._id_findings = getattr(self, "_id_findings", None) or _TokenIdFindings()
         return self._id_findings
 
     # === Cost model ===

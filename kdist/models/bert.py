@@ -68,9 +68,13 @@ class BertBackbone(Backbone, keras.Model):
         dropout: embedding and residual dropout rate (BERT: 0.1).
         layer_norm_epsilon: epsilon of every LayerNorm (BERT: 1e-12).
         initializer_range: stddev of the normal initialiser (BERT: 0.02).
-        remat: rematerialise each block in the backward pass.
+        remat: what each block keeps for the backward pass (:mod:`kdist.models.remat`;
+            ``"auto"``: chosen for the device and the batch, as ``GPTBackbone``'s).
         attention_chunk_size: attend over chunks of this many keys without keeping the
             attention probabilities for the backward pass (``CausalSelfAttention``).
+        attention_implementation: ``"auto"`` (default: by the device; BERT's padded keys
+            are a mask splash does not take, so XLA's or chunked attention), ``"xla"``,
+            ``"chunked"`` or ``"splash"`` (``CausalSelfAttention``).
         mlp_activation: the encoder MLP's GELU: ``"gelu"`` (tanh approximation, kdist's
             default) or ``"gelu_exact"`` (erf: the original BERT and Hugging Face's).
         scan_layers: the encoder blocks as one stacked, scanned ``LayerStack``
@@ -104,10 +108,11 @@ class BertBackbone(Backbone, keras.Model):
         dropout: float = 0.0,
         layer_norm_epsilon: float = 1e-12,
         initializer_range: float = 0.02,
-        remat: bool = False,
+        remat: bool | str = "auto",
         attention_chunk_size: int | None = None,
         mlp_activation: str = "gelu",
         scan_layers: bool | None = None,
+        attention_implementation: str = "auto",
         **kwargs,
     ):
         if mlp_activation not in ("gelu", "gelu_exact"):
@@ -153,6 +158,7 @@ class BertBackbone(Backbone, keras.Model):
                 remat=remat,
                 attention_chunk_size=attention_chunk_size,
                 mlp_activation=mlp_activation,
+                attention_implementation=attention_implementation,
                 dtype=dtype,
                 name=name,
             )
@@ -198,6 +204,7 @@ class BertBackbone(Backbone, keras.Model):
         self.attention_chunk_size = attention_chunk_size
         self.mlp_activation = mlp_activation
         self.scan_layers = scan_layers
+        self.attention_implementation = attention_implementation
 
     def embed(self, token_ids, segment_ids, training=None):
         """Token + position + segment embeddings, normalised, with dropout: ``(B, T)`` ids

@@ -73,22 +73,28 @@ class BertCostModel(CostModel):
             extra = 2 * d * d * unembedding_share
         encoder = flops.transformer_flops_per_token(
             c["num_layers"], d, c["num_heads"], c["intermediate_dim"], c["vocabulary_size"],
-            sequence_length, causal=False, remat=bool(c["remat"]), extra_forward_flops=extra)
+            sequence_length, causal=False, remat=c["remat"] in (True, "block"),
+            extra_forward_flops=extra)
         return dataclasses.replace(encoder, unembedding=encoder.unembedding * unembedding_share)
 
     def activation_bytes_per_token(self, sequence_length: int, bytes_per_value: int = 4,
-                                   remat: bool = False) -> float:
+                                   remat=False, scores_kept: bool | None = None,
+                                   logits: bool = True, fused: bool = False) -> float:
         """As :meth:`GPTCostModel.activation_bytes_per_token` per encoder layer (the same
         tensors, post-norm), plus the embedding sum and its norm (2D); the MLM head's
         float32 logits and their gradient (2V x 4 bytes) and transform (3D) only at the
         masked share of positions; a classifier head keeps a negligible (B, D)."""
         c = self.config
         d, f, n, v = c["hidden_dim"], c["intermediate_dim"], c["num_heads"], c["vocabulary_size"]
-        attention = 2 * n * (1 if c["attention_chunk_size"] else sequence_length)
+        if scores_kept is None:
+            scores_kept = not c["attention_chunk_size"]
+        attention = 2 * n * (sequence_length if scores_kept else 1)
         per_layer = bytes_per_value * (9 * d + attention + 2 * f)
         head = 0.0
-        if self.num_classes is None:
+        if self.num_classes is None and logits:
             head = self._head_share(sequence_length) * (2 * v * 4 + 3 * d * bytes_per_value)
-        layers_kept = bytes_per_value * d * c["num_layers"] + per_layer if remat else (
-            c["num_layers"] * per_layer)
+        # Policies that keep more than the block input ("minimal", "save_dots") as keeping
+        # everything: the cautious side.
+        layers_kept = bytes_per_value * d * c["num_layers"] + per_layer \
+            if remat in (True, "block") else c["num_layers"] * per_layer
         return layers_kept + 2 * d * bytes_per_value + head

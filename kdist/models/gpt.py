@@ -74,15 +74,19 @@ class GPTBackbone(Backbone, keras.Model):
         layer_norm_epsilon: epsilon of every norm.
         initializer_range: stddev of the normal weight initialiser (GPT-2: 0.02); the
             residual output projections use ``initializer_range / sqrt(2 * num_layers)``.
-        remat: rematerialise each block in the backward pass: False, True / ``"block"``
-            (``keras.remat``: keep only each block's input) or ``"save_dots"`` (keep the
-            matmul outputs too; see ``PreNormBlock``).
+        remat: what each block keeps for the backward pass (:mod:`kdist.models.remat`):
+            ``"auto"`` (default: nothing recomputed on a CPU; on an accelerator the least
+            recompute whose step fits the device's memory, decided at each batch shape),
+            ``False``, ``"minimal"``, ``"save_dots"`` or ``"block"``/``True``.
         fused_qkv: one fused query/key/value projection per block (``.../attention/qkv``)
             instead of three; off by default.
-        attention_chunk_size: attend over chunks of this many keys without keeping the
-            attention probabilities for the backward pass (``CausalSelfAttention``); for
-            CPUs and document masks, where no fused attention kernel runs. None: Keras'
-            attention (cuDNN flash attention on a GPU).
+        attention_implementation: ``"auto"`` (default: the fastest measured for the
+            device the step is compiled for — Pallas splash attention on a TPU, Keras'
+            attention elsewhere, cuDNN flash attention on a GPU; :mod:`kdist.accelerators`),
+            ``"xla"``, ``"chunked"`` or ``"splash"`` (``CausalSelfAttention``).
+        attention_chunk_size: keys per chunk of ``"chunked"`` attention, which never keeps
+            the attention probabilities for the backward pass; with ``"auto"``, a request
+            for it where the device has no faster kernel (CPUs).
         vocabulary_divisible_by: the token table gets ``vocabulary_size`` rounded up to a
             multiple of this many rows (Megatron's ``--make-vocab-size-divisible-by``). The
             extra rows are never an input and are cut from the logits, so the model
@@ -130,12 +134,13 @@ class GPTBackbone(Backbone, keras.Model):
         dropout: float = 0.0,
         layer_norm_epsilon: float = 1e-5,
         initializer_range: float = 0.02,
-        remat: bool | str = False,
+        remat: bool | str = "auto",
         fused_qkv: bool = False,
         vocabulary_divisible_by: int = 1,
         attention_chunk_size: int | None = None,
         rope_scaling: dict | None = None,
         scan_layers: bool | None = None,
+        attention_implementation: str = "auto",
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -207,6 +212,7 @@ class GPTBackbone(Backbone, keras.Model):
                 fused_qkv=fused_qkv,
                 attention_chunk_size=attention_chunk_size,
                 rope_scaling=rope_scaling if rotary else None,
+                attention_implementation=attention_implementation,
                 dtype=dtype,
                 name=name,
             )
@@ -255,6 +261,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.attention_chunk_size = attention_chunk_size
         self.rope_scaling = rope_scaling
         self.scan_layers = scan_layers
+        self.attention_implementation = attention_implementation
 
     @property
     def head_dim(self) -> int:

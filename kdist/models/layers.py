@@ -11,6 +11,7 @@ from __future__ import annotations
 import keras
 from keras import layers, ops
 
+from kdist.models import remat as remat_policies
 from kdist.models.attention import CausalSelfAttention
 from kdist.parallel import context
 from kdist.parallel.constraints import shard_batch
@@ -101,11 +102,14 @@ class MLP(layers.Layer):
         )
 
     def call(self, x):
-        # x: (B, T, D) -> (B, T, F) -> (B, T, D)
+        # x: (B, T, D) -> (B, T, F) -> (B, T, D); the hidden pre-activations are what a
+        # "minimal" rematerialisation keeps (kdist.models.remat)
+        up = remat_policies.named(self.up(x), remat_policies.MLP_HIDDEN)
         if self.activation == "swiglu":
-            return self.down(keras.activations.silu(self.gate(x)) * self.up(x))
+            gate = remat_policies.named(self.gate(x), remat_policies.MLP_HIDDEN)
+            return self.down(keras.activations.silu(gate) * up)
         approximate = self.activation == "gelu"  # tanh form; "gelu_exact": erf
-        return self.down(keras.activations.gelu(self.up(x), approximate=approximate))
+        return self.down(keras.activations.gelu(up, approximate=approximate))
 
     def get_config(self):
         return {
@@ -118,37 +122,15 @@ class MLP(layers.Layer):
         }
 
 
-# Block rematerialisation: False (none), True or "block" (keep the block input only),
-# "save_dots" (also keep matmul outputs without batch dimensions: projections and MLP).
-REMAT_POLICIES = (False, True, "block", "save_dots")
-
-
-def rematerialised(fn, remat: bool | str):
-    """``fn`` wrapped for rematerialisation under one of :data:`REMAT_POLICIES`.
-
-    Example:
-        >>> rematerialised(lambda x: x * 2, "save_dots")(keras.ops.ones(2)).shape
-        (2,)
-    """
-    if remat == "save_dots":
-        import jax
-
-        return jax.checkpoint(
-            fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return keras.remat(fn)
-
-
 @keras.saving.register_keras_serializable(package="kdist")
 class PreNormBlock(layers.Layer):
     """A pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
     Norms compute in float32 under mixed precision (Keras does this for
-    ``LayerNormalization`` and ``RMSNormalization``). With ``remat=True`` the forward pass
-    is wrapped in ``keras.remat`` (``jax.checkpoint``): only the block input is kept for the
-    backward pass. ``remat="block"`` is the same; ``remat="save_dots"`` keeps the outputs of
-    the projection and MLP matmuls too (``jax.checkpoint_policies.
-    dots_with_no_batch_dims_saveable``), so the backward pass recomputes only the
-    element-wise ops and attention — less memory saved, less recompute.
+    ``LayerNormalization`` and ``RMSNormalization``). ``remat`` is one of
+    :mod:`kdist.models.remat`'s policies: what the forward pass keeps for the backward pass
+    (``False``: everything; ``"minimal"``, ``"save_dots"``, ``"block"``/``True``: less,
+    recomputing more; ``"auto"``: the device's choice for the step's shapes).
     (``keras.RematScope(mode="full")`` cannot be used here: Keras 3.15
     checkpoints ``Layer.__call__`` with every keyword argument traced, so
     ``training=False`` becomes a tracer and Dropout's ``if training`` fails.)
@@ -177,12 +159,11 @@ class PreNormBlock(layers.Layer):
         fused_qkv: bool = False,
         attention_chunk_size: int | None = None,
         rope_scaling: dict | None = None,
+        attention_implementation: str = "auto",
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"Unknown remat {remat!r}. Use one of {REMAT_POLICIES} (True means "
-                             f"'block').")
+        remat_policies.check(remat)
         self.fused_qkv = fused_qkv
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -199,6 +180,7 @@ class PreNormBlock(layers.Layer):
         self.remat = remat
         self.attention_chunk_size = attention_chunk_size
         self.rope_scaling = rope_scaling
+        self.attention_implementation = attention_implementation
         dtype = self.dtype_policy
         self.attention_norm = normalization(norm, layer_norm_epsilon, "attention_norm", dtype)
         self.attention = CausalSelfAttention(
@@ -212,6 +194,7 @@ class PreNormBlock(layers.Layer):
             fused_qkv=fused_qkv,
             attention_chunk_size=attention_chunk_size,
             rope_scaling=rope_scaling,
+            attention_implementation=attention_implementation,
             dtype=dtype,
             name="attention",
         )
@@ -249,9 +232,10 @@ class PreNormBlock(layers.Layer):
                 self.attention_norm(x), attention_mask=attention_mask, positions=positions,
                 segment_ids=segment_ids,
             )
-            return self._mlp_residual(x + self.attention_dropout(h, training=training), training)
+            x = x + self.attention_dropout(h, training=training)
+            return self._mlp_residual(remat_policies.named(x, remat_policies.MIDPOINT), training)
 
-        return rematerialised(forward, self.remat)(x) if self.remat else forward(x)
+        return remat_policies.rematerialised(forward, remat_policies.effective(self.remat))(x)
 
     def _mlp_residual(self, x, training):
         x = x + self.mlp_dropout(self.mlp(self.mlp_norm(x)), training=training)
@@ -276,6 +260,7 @@ class PreNormBlock(layers.Layer):
             "fused_qkv": self.fused_qkv,
             "attention_chunk_size": self.attention_chunk_size,
             "rope_scaling": self.rope_scaling,
+            "attention_implementation": self.attention_implementation,
         }
 
 
@@ -285,8 +270,9 @@ class PostNormBlock(layers.Layer):
 
     Attention is bidirectional (kdist's ``CausalSelfAttention`` with ``causal=False``);
     ``attention_mask`` ``(B, 1, 1, T)`` hides padded keys. Norms compute in float32 under
-    mixed precision. ``remat=True`` wraps the block in ``keras.remat``;
-    ``attention_chunk_size`` is ``CausalSelfAttention``'s (probabilities not kept);
+    mixed precision. ``remat`` is a :mod:`kdist.models.remat` policy (``True``: keep only
+    the block input);
+    ``attention_chunk_size`` and ``attention_implementation`` are ``CausalSelfAttention``'s;
     ``mlp_activation`` is ``MLP``'s ``"gelu"`` (tanh) or ``"gelu_exact"`` (HF BERT's erf).
 
     Example:
@@ -303,9 +289,10 @@ class PostNormBlock(layers.Layer):
         dropout: float = 0.0,
         layer_norm_epsilon: float = 1e-12,
         initializer_range: float = 0.02,
-        remat: bool = False,
+        remat: bool | str = False,
         attention_chunk_size: int | None = None,
         mlp_activation: str = "gelu",
+        attention_implementation: str = "auto",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -315,13 +302,15 @@ class PostNormBlock(layers.Layer):
         self.dropout = dropout
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
-        self.remat = remat
+        self.remat = remat_policies.check(remat)
         self.attention_chunk_size = attention_chunk_size
         self.mlp_activation = mlp_activation
+        self.attention_implementation = attention_implementation
         dtype = self.dtype_policy
         self.attention = CausalSelfAttention(
             num_heads, head_dim, causal=False, initializer_range=initializer_range,
-            attention_chunk_size=attention_chunk_size, dtype=dtype, name="attention",
+            attention_chunk_size=attention_chunk_size,
+            attention_implementation=attention_implementation, dtype=dtype, name="attention",
         )
         self.attention_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="attention_norm")
@@ -344,10 +333,11 @@ class PostNormBlock(layers.Layer):
         def forward(x):
             h = self.attention(x, attention_mask=attention_mask)  # (B, T, D)
             x = self.attention_norm(x + self.attention_dropout(h, training=training))
+            x = remat_policies.named(x, remat_policies.MIDPOINT)
             x = self.mlp_norm(x + self.mlp_dropout(self.mlp(x), training=training))
             return shard_batch(x)  # B split over data x fsdp
 
-        return keras.remat(forward)(x) if self.remat else forward(x)
+        return remat_policies.rematerialised(forward, remat_policies.effective(self.remat))(x)
 
     def get_config(self):
         return {
@@ -361,6 +351,7 @@ class PostNormBlock(layers.Layer):
             "remat": self.remat,
             "attention_chunk_size": self.attention_chunk_size,
             "mlp_activation": self.mlp_activation,
+            "attention_implementation": self.attention_implementation,
         }
 
 

@@ -194,7 +194,7 @@ def _seq_size() -> int:
 # chunks of 32: 1.12x [1.03, 1.25] (optimisations.py, under load). With gpt-nano's 8192
 # entries it was slower at 16 x 256 (128 MiB) and 32 x 256 (256 MiB): 0.961x [0.957, 0.985]
 # and 0.966x [0.960, 0.971] — so the vocabulary decides, not the logits' size alone. On an
-# H200 it changed nothing (0.98-1.005x, gpu.py). Elsewhere "auto" keeps the logits.
+# H200 it changed nothing (0.98-1.005x, the former gpu.py). Elsewhere "auto" keeps the logits.
 AUTO_MIN_VOCABULARY = 32768
 AUTO_MIN_LOGITS_BYTES = 64 * 2**20
 AUTO_MAX_CHUNK_BYTES = 64 * 2**20
@@ -221,10 +221,11 @@ def auto_chunk_size(batch, length, vocabulary_size: int, table_rows: int | None 
     """
     if not all(isinstance(n, int) and n > 0 for n in (batch, length, vocabulary_size)):
         return None
-    from kdist.parallel import layout, region
+    from kdist import accelerators
+    from kdist.parallel import region
     from kdist.parallel.layout import current_mesh_shape
 
-    platform = platform or layout.platform()
+    platform = platform or accelerators.target().platform  # the device compiled for
 
     shape = current_mesh_shape()
     # The whole step's rows (tokens: a device holds 1/seq of each row's under context

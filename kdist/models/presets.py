@@ -40,6 +40,14 @@ GPT_PRESETS.update({
         hidden_dim=256, intermediate_dim=768, max_sequence_length=256,
         rotary_max_wavelength=10000.0, tie_embeddings=False,
     ),
+    # The largest that trains with AdamW on one 16 GiB accelerator (TPU v5e) at T = 2048:
+    # 554 M parameters (float32 weights and Adam's two moments: 8.9 GB with the gradients),
+    # 128-wide heads and a 32768-token vocabulary (multiples of the TPU's 128 lanes).
+    "llama-550m": dict(
+        _LLAMA, vocabulary_size=32768, num_layers=20, num_heads=12, num_key_value_heads=4,
+        hidden_dim=1536, intermediate_dim=4096, max_sequence_length=2048,
+        rotary_max_wavelength=500000.0, tie_embeddings=True,
+    ),
     # Shapes of Llama 3.2 1B / 3B (tied embeddings) and Llama 3.1 8B (untied), as published.
     "llama-1b": dict(
         _LLAMA, vocabulary_size=128256, num_layers=16, num_heads=32, num_key_value_heads=8,

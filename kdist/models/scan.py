@@ -30,7 +30,7 @@ import numpy as np  # noqa: F401 (used by the docstring examples)
 from keras import layers, ops
 
 from kdist import _keras_compat
-from kdist.models import stacking
+from kdist.models import remat, stacking
 from kdist.parallel import pipeline, rules
 from kdist.parallel.constraints import shard_batch
 
@@ -254,8 +254,9 @@ class LayerStack(layers.Layer):
         if schedule is not None:
             layouts = [pipeline.layout_axes(v) for v in self._parts.stacked]
             x = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule, layouts)
-        else:
-            x = scan_layers(layer, self._flat(weights), x, kwargs, seed)
+        else:  # a scan keeps what its blocks' policy says, never every intermediate
+            with remat.stacked():  # (kdist.models.remat.in_scan; a pipeline's own stays)
+                x = scan_layers(layer, self._flat(weights), x, kwargs, seed)
         return shard_batch(x)  # (B, T, D), B split over the replica axes
 
     def _flat(self, weights):

@@ -271,25 +271,6 @@ def active() -> KdistDistribution | None:
     return dist if isinstance(dist, KdistDistribution) else None
 
 
-def platform() -> str:
-    """The platform the step is traced for: the active distribution's devices' (``"tpu"``
-    under ``kdist plan --device tpu-v5e`` on a CPU, whose mesh holds a TPU topology's
-    devices), else JAX's default backend. Choices made while tracing that depend on the
-    hardware ask this, not ``jax.default_backend()``, so a program compiled ahead of time
-    for another platform makes that platform's choices.
-
-    Example:
-        >>> platform() in ("cpu", "gpu", "tpu")
-        True
-    """
-    dist = keras.distribution.distribution()
-    if dist is not None:
-        return dist.device_mesh.backend_mesh.devices.flat[0].platform
-    import jax
-
-    return jax.default_backend()
-
-
 def current_mesh_shape() -> dict[str, int]:
     """Axis sizes of the active kdist distribution; all 1 when none (or another kind) is set."""
     dist = keras.distribution.distribution()

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kdist.parallel import region, rules
-from kdist.parallel.layout import active, divisors, platform
+from kdist.parallel.layout import active, divisors
 from kdist.parallel.mesh import REPLICA_AXES
 from kdist.parallel.region import to_varying
 from kdist.parallel.stages import Schedule, bubble_fraction, check_settings  # noqa: F401
@@ -306,7 +306,9 @@ def _wire_dtype(dtype):
     """The type of the two cross-stage sums (outputs, and the inputs' cotangent): float32
     on XLA:CPU, whose all-reduce promotion pass aborts on these bfloat16 all-reduces (jax
     0.10.2; it would promote them to float32 anyway), else the activations' own."""
-    return jnp.float32 if platform() == "cpu" else dtype
+    from kdist import accelerators
+
+    return jnp.float32 if accelerators.target().platform == "cpu" else dtype
 
 
 def scheduled_name() -> str:

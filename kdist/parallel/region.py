@@ -94,11 +94,13 @@ def entered(region: Region):
         stack.pop()
 
 
-def shard_map(fn, *, mesh, axes, in_specs, out_specs, batch_axes=()):
+def shard_map(fn, *, mesh, axes, in_specs, out_specs, batch_axes=(), check_vma=True):
     """``jax.shard_map(fn)`` over those of ``axes`` still automatic in the current region,
     ``fn`` traced in the region inside (:meth:`Region.within`); ``fn`` itself when none
     is. ``mesh``: the distribution's JAX mesh (a nested ``shard_map`` takes the enclosing
-    one's). ``in_specs``/``out_specs`` may name only those axes.
+    one's). ``in_specs``/``out_specs`` may name only those axes. ``check_vma=False``:
+    JAX does not type what varies over the manual axes (for a body whose operations cannot,
+    such as a Pallas kernel's; only outside every other region).
 
     Nested in another region the result is differentiable all the same: JAX 0.10 cannot
     differentiate a ``shard_map`` nested in another (the residuals it ships name the outer
@@ -121,8 +123,11 @@ def shard_map(fn, *, mesh, axes, in_specs, out_specs, batch_axes=()):
 
     if not new:  # every axis asked for is manual already: the arrays are blocks
         return body
+    if not check_vma and outer.per_device:
+        raise ValueError("A shard_map without varying-axes checks cannot nest in another "
+                         "region (its axes would be typed as not varying).")
     mapped = functools.partial(jax.shard_map, mesh=None if outer.per_device else mesh,
-                               axis_names=set(new))
+                               axis_names=set(new), check_vma=check_vma)
     if not outer.per_device:
         return mapped(body, in_specs=in_specs, out_specs=out_specs)
     return _differentiable(body, mapped, in_specs, out_specs, tuple(sorted(new)))

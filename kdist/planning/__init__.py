@@ -143,7 +143,8 @@ def plan(
             mesh that fits with the least communication (:func:`choose_mesh`).
         global_batch_size, sequence_length: sequences (and tokens each) per optimizer step.
         precision: ``"float32"`` or ``"bf16"`` (Keras ``mixed_bfloat16``).
-        remat: ``True`` / ``"block"``: rematerialise each Transformer block.
+        remat: a :mod:`kdist.models.remat` policy (``True`` / ``"block"``: keep each block's
+            input only; ``"auto"`` is planned as ``False``).
         grad_accum: micro-batches per step (Keras ``gradient_accumulation_steps``).
         device_memory: bytes (or ``"80GiB"``) per device; default: the device's own.
         batch: ``(x, y)`` arrays or shape structs of one micro-batch; default: token ids
@@ -191,13 +192,24 @@ def plan(
         >>> p.fits, p.memory["parameters"] < p.parameters * 4 / 4  # doctest: +SKIP
         (True, True)
     """
+    arguments = dict(locals())  # every parameter, to plan again for a named device
     import jax
 
+    from kdist import accelerators
     from kdist.optim import adamw
 
-    if remat not in (False, True, "block", "none", None):
-        raise ValueError(f"remat must be False/'none' or True/'block'; got {remat!r}.")
-    remat = remat in (True, "block")
+    if device is not None and accelerators.target().device_kind.lower() not in \
+            accelerators.accelerator(device).kinds:
+        # Planned for a named device: everything traced or estimated makes its choices
+        # (attention kernel, what XLA keeps), on whatever machine plans. The same call,
+        # inside the assumption (the first argument line captured every parameter).
+        entry = accelerators.accelerator(device)
+        with accelerators.assume(entry.kinds[0], entry.platform):
+            return plan(**arguments)
+    if remat not in (False, True, None, "none", "auto", "block", "minimal", "save_dots"):
+        raise ValueError(f"remat must be one of kdist.models.remat's policies (False/'none', "
+                         f"'minimal', 'save_dots', True/'block'); got {remat!r}.")
+    remat = {None: False, "none": False, "auto": False, True: "block"}.get(remat, remat)
     policy = precision_policy(precision)
     if grad_accum < 1 or global_batch_size % grad_accum:
         raise ValueError(f"grad_accum={grad_accum} must be a positive divisor of "

@@ -103,7 +103,9 @@ def formula_flops(cost, global_batch_size, sequence_length, remat) -> float:
     if cost is None or not sequence_length:
         return float("nan")
     per_token = cost.flops_per_token(sequence_length)
-    return (per_token.hardware if remat else per_token.training) * (
+    # "block" recomputes the forward's matmuls; "minimal" and "save_dots" (almost) none.
+    recomputes = remat in (True, "block")
+    return (per_token.hardware if recomputes else per_token.training) * (
         global_batch_size * sequence_length)
 
 

@@ -284,11 +284,21 @@ def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_
 def _memory(cost, dims, mesh, batch, length, precision, remat, grad_accum,
             context_parallel) -> dict[str, float]:
     """:func:`estimate` of one replica group without a pipeline."""
+    from kdist import accelerators
+
     shards = mesh.get("fsdp", 1) * mesh.get("model", 1)
     weights = cost.parameters * 4 / shards
     micro_batch = batch / grad_accum / (mesh.get("data", 1) * mesh.get("fsdp", 1))
     s, value_bytes = mesh.get("seq", 1), compute_bytes(precision)
-    per_token = cost.activation_bytes_per_token(length if s == 1 else 1, value_bytes, remat)
+    # For a TPU (the target device: kdist.accelerators.target), what its compiler keeps:
+    # element-wise work fused (GPTCostModel's ``fused``), splash attention's statistics.
+    fused = accelerators.target().platform == "tpu"
+    extra = {}
+    if fused and s == 1 and hasattr(cost, "config"):
+        extra = {"fused": True, "scores_kept": accelerators.defaults.attention_keeps_scores(
+            cost.config, length)}
+    per_token = cost.activation_bytes_per_token(length if s == 1 else 1, value_bytes, remat,
+                                                **extra)
     activations = micro_batch * length / s * per_token / mesh.get("model", 1)
     if s > 1 and context_parallel == "all_gather":
         activations += traffic.gathered_kv_bytes(dims, micro_batch, length, mesh.get("model", 1),
@@ -296,6 +306,8 @@ def _memory(cost, dims, mesh, batch, length, precision, remat, grad_accum,
     return {
         "parameters": weights,
         "optimizer_state": 2 * weights + (weights if grad_accum > 1 else 0),
-        "gradients": weights,
+        # A TPU's compiler consumes each gradient as the backward pass makes it (its
+        # temporaries measured as activations and logits alone: GPTCostModel's ``fused``).
+        "gradients": 0.0 if extra else weights,
         "activations": activations,
     }

@@ -10,7 +10,7 @@ from tests.helpers import TINY_GPT, TINY_LLAMA, tiny_gpt, token_batches, train
 from tests.parallel.harness import assert_trains_like_one_device
 
 
-@pytest.mark.parametrize("remat", ["block", "save_dots"])
+@pytest.mark.parametrize("remat", ["block", "save_dots", "minimal", "auto"])
 def test_remat_policies_train_like_no_remat(remat):
     batches = token_batches(3)
     plain = train(tiny_gpt(seed=1), batches)

@@ -106,7 +106,8 @@ def parse_error(main, argv, capsys) -> str:
     (["--peak-tflops", "0"], "argument --peak-tflops: must be a positive number; got 0"),
     (["--seed", "-1"], "argument --seed: must be >= 0; got -1"),
     (["--checkpoint-every", "-1"], "argument --checkpoint-every: must be >= 0; got -1"),
-    (["--remat", "all"], "argument --remat: invalid choice: 'all' (choose from 'none', 'block')"),
+    (["--remat", "all"], "argument --remat: invalid choice: 'all' (choose from 'auto', "
+         "'none', 'minimal', 'save_dots', 'block')"),
     (["--init-from", "/no/such/checkpoint"], "argument --init-from: /no/such/checkpoint: no such "
                                              "file or directory. Pass an existing checkpoint dir"),
     (["--encoding", "klingon"], "argument --encoding: unknown text encoding 'klingon'. Pass a "

@@ -5,6 +5,7 @@ when it cannot work."""
 
 import sys
 
+import jax
 import keras
 import pytest
 
@@ -29,7 +30,7 @@ SHARED = ["--mesh", "--host-devices", "--gradient-reduction", "--error-feedback"
           "--global-batch-size", "--grad-accum", "--learning-rate", "--warmup-steps",
           "--weight-decay", "--eval-every", "--precision", "--remat", "--seed", "--output-dir",
           "--log-every", "--peak-tflops", "--profile-steps", "--checkpoint-dir",
-          "--checkpoint-every", "--resume"]
+          "--checkpoint-every", "--resume", "--attention-implementation"]
 # Every --steps a user may type that the defaults depend on: tiny, prime, round, odd.
 STEPS = [1, 2, 7, 9, 10, 20, 29, 50, 70, 97, 100, 150, 199, 200, 300, 1000, 1234]
 
@@ -161,7 +162,26 @@ def test_auto_without_a_pipeline_leaves_the_schedule_flags_out():
 def test_remat_takes_the_same_values_in_the_recipes_and_kdist_plan():
     plan = cli.build_parser()
     for argv, want in ((["--remat"], "block"), (["--remat", "block"], "block"),
-                       (["--remat", "none"], "none"), ([], "none")):
+                       (["--remat", "none"], "none"), (["--remat", "minimal"], "minimal"),
+                       ([], "auto")):
         assert plan.parse_args(["plan", *argv]).remat == want
         for name in RECIPE_MODULES:
             assert parse(name, argv).remat == want, name
+
+
+def test_an_accelerator_trains_the_batch_that_fits_it():
+    """On a TPU the default --global-batch-size is kdist.accelerators.default_batch per device
+    (what the step was compiled to fit there); on a CPU, and once typed, the recipe's own."""
+    config = kdist.models.presets.preset_config(kdist.models.GPT_PRESETS, "gpt2-medium")
+    args = parse("gpt_pretrain", ["--preset", "gpt2-medium", "--sequence-length", "1024"])
+    assert recipe_run.device_batch(args, config) == []  # a CPU
+    with kdist.accelerators.assume("TPU v5 lite"):
+        lines = recipe_run.device_batch(args, config)
+        devices = jax.device_count()
+        assert args._defaults["global_batch_size"] == 16 * devices
+        assert lines == [f"--global-batch-size {16 * devices} (16 per TPU v5 lite device: the "
+                         f"most that fits without rematerialisation, "
+                         f"kdist.accelerators.default_batch)"]
+        typed = parse("gpt_pretrain", ["--preset", "gpt2-medium", "--sequence-length", "1024",
+                                       "--global-batch-size", "4"])
+        assert recipe_run.device_batch(typed, config) == []

@@ -1,16 +1,8 @@
-"""One prepared GPU benchmark: gpt2-small and gpt2-medium in bf16 with cuDNN flash attention,
-tokens/s and MFU, in under 8 minutes on one NVIDIA GPU.
-
-For each (preset, variant): build kdist's GPTCausalLM under ``mixed_bfloat16`` (on all
-visible GPUs with ``fsdp=N`` if there are several), compile AdamW, check that the compiled
-train step calls cuDNN's fused attention (``__cudnn$fmha`` in the optimized HLO — Keras'
-``ops.dot_product_attention`` picks cuDNN flash attention by itself when the shapes, dtype
-and GPU allow; kdist's attention layer passes no mask in plain causal training so it can),
-then time ``fit`` steps after warm-up. MFU = tokens/s x ``kdist.flops.model_flops_per_token``
-(training = 3 x forward matmul FLOPs, causal attention counted as half of T x T — the
-MaxText/Megatron convention; the full-T x T figure is also given) / (devices x the
-data-sheet bf16 dense peak from ``kdist.callbacks.peak.PEAK_TFLOPS``). A time budget skips the
-remaining variants rather than overrun (default 7 minutes).
+"""The multi-device accelerator runs (TPU or GPU), reached through
+``benchmarks/accelerator.py``'s flags: context parallelism, communicating less, pipeline
+schedules, loading a Hugging Face checkpoint onto the devices. Each needs two or more
+devices where it splits something across them, and has a CPU dry run (8 host devices, a
+tiny shape) that checks its plumbing.
 
 ``--communicate-less`` (issue 18; 2 or more devices): gpt2-small on ``data=N`` with each
 gradient reduction (XLA's, kdist's float32 and bfloat16, float8, int8, float8 with error
@@ -19,18 +11,22 @@ time against the XLA-reduction row of the same run, tokens/s, MFU, and the colle
 per device per step read from the train step's HLO (``kdist.hlo``; ``--no-bytes`` skips the
 three extra compilations this costs). On one device it says so and measures nothing.
 
-    python benchmarks/gpu.py                      # on the GPU machine
-    python benchmarks/gpu.py --dry-run            # CPU: a tiny shape, checks the plumbing
-    python benchmarks/gpu.py --context            # 2+ GPUs: seq=N, ring vs all-gather
-    python benchmarks/gpu.py --communicate-less   # 2+ GPUs: 8-bit gradients, DiLoCo vs data=N
-    python benchmarks/gpu.py --communicate-less --dry-run   # CPU, 8 host devices, tiny shape
-    python benchmarks/gpu.py --hf-load            # loading a Hugging Face checkpoint onto GPUs
-    python benchmarks/gpu.py --pipeline           # 2+ GPUs: GPipe vs 1F1B vs interleaved vs ZB
-    python benchmarks/gpu.py --pipeline --dry-run # CPU, 8 host devices (stage=2,data=4)
-
 ``--pipeline`` (issue 26; 2 or more devices): gpt2-medium on ``stage=N`` with each
 ``pipeline_schedule`` at M = 2N and 4N microbatches: step time against GPipe's at the same M,
 tokens/s, MFU and peak device memory (the schedules' point: 1F1B's does not grow with M).
+
+``--context``: one long sequence split over every device (``seq=N``), ring against
+all-gather attention. ``--hf-load``: ``benchmarks/hf_loading.py`` on the devices.
+
+The single-device runs this script made on an H200 (its former name ``gpu.py``; figures in
+``benchmarks/README.md``) are ``benchmarks/accelerator.py``'s now, for TPUs and GPUs alike.
+
+    python benchmarks/accelerator.py --context            # 2+ devices: seq=N
+    python benchmarks/accelerator.py --communicate-less   # 2+ devices
+    python benchmarks/accelerator.py --communicate-less --dry-run   # CPU, 8 host devices
+    python benchmarks/accelerator.py --pipeline           # 2+ devices
+    python benchmarks/accelerator.py --pipeline --dry-run # CPU, 8 host devices
+    python benchmarks/accelerator.py --hf-load            # a checkpoint onto the devices
 """
 
 from __future__ import annotations
@@ -47,23 +43,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import keras_clock, print_table, write_result  # noqa: E402
 
-# (preset, variant name, backbone options, LM options, global batch)
-RUNS = [
-    ("gpt2-small", "default", {}, {}, 32),
-    ("gpt2-small", "loss_chunk_size=256", {}, {"loss_chunk_size": 256}, 32),
-    ("gpt2-medium", "default", {}, {}, 16),
-    ("gpt2-medium", "loss_chunk_size=256", {}, {"loss_chunk_size": 256}, 16),
-    ("gpt2-medium", "remat=save_dots, batch 32", {"remat": "save_dots"}, {}, 32),
-    ("gpt2-small", "batch 64", {}, {}, 64),
-    ("gpt2-medium", "batch 32", {}, {}, 32),
-    ("gpt2-medium", "fused_qkv, batch 32", {"fused_qkv": True}, {}, 32),
-    ("gpt2-medium", "batch 64", {}, {}, 64),
-    ("gpt2-small", "table unpadded (50257 rows)", {"vocabulary_divisible_by": 1}, {}, 32),
-    ("gpt2-medium", "table unpadded (50257 rows)", {"vocabulary_divisible_by": 1}, {}, 16),
-    # Scanned layer stack (one block compiled, lax.scan over stacked weights): tokens/s and
-    # wall_s (compile included) against the default row. Figure still to take on a GPU.
-    ("gpt2-medium", "scan_layers", {"scan_layers": True}, {}, 16),
-]
 # Context parallelism (--context; needs 2 or more GPUs): one long sequence split over all
 # of them, both attention variants. Figure still to take: tokens/s, MFU and peak memory of
 # gpt2-small at 32,768 tokens on seq=N, ring against all-gather (this machine has 1 GPU).
@@ -381,8 +360,7 @@ def main(argv=None):
                    help="skip the remaining runs once this much time has passed")
     p.add_argument("--output", default="gpu", help="result name under benchmarks/results/")
     p.add_argument("--runs", nargs="*", type=int, default=None,
-                   help="indices into RUNS, or COMMUNICATE_LESS_RUNS with --communicate-less "
-                        "(default: all)")
+                   help="indices into the mode's runs (default: all)")
     p.add_argument("--context", action="store_true",
                    help="CONTEXT_RUNS instead: one sequence of --length tokens (default "
                         "32768) split over every GPU (seq=N), ring and all-gather")
@@ -398,7 +376,9 @@ def main(argv=None):
                         "1F1B and interleaved 1F1B at M = 2N and 4N")
     p.add_argument("--hf-load", action="store_true",
                    help="instead: load a gpt2-medium-shaped Hugging Face checkpoint onto the "
-                        "GPUs, kdist vs keras-hub (benchmarks/hf_loading.py; ~2 min)")
+                        "devices, kdist vs keras-hub (benchmarks/hf_loading.py; ~2 min)")
+    p.add_argument("--codec", action="store_true",
+                   help="the 8-bit gradient codec's encode + decode on one device")
     args = p.parse_args(argv)
     if args.hf_load:  # seconds, device and host peaks of each path, in its own process
         from benchmarks import hf_loading
@@ -414,57 +394,55 @@ def main(argv=None):
     _keep_tensorflow_off_the_gpu()
     import jax
 
-    if not args.dry_run and jax.devices()[0].platform != "gpu":
-        raise SystemExit(f"No GPU: JAX sees {jax.devices()[0].platform} devices. Install "
-                         f"JAX's CUDA wheels (pip install -e '.[gpu]'), or pass --dry-run.")
+    if not args.dry_run and jax.devices()[0].platform == "cpu":
+        raise SystemExit("No accelerator: JAX sees CPU devices. Run on a TPU or GPU machine, "
+                         "or pass --dry-run.")
     if args.communicate_less:
         return communicate_less(args)
     if args.pipeline:
         return pipeline_schedules(args)
-    if args.context and jax.device_count() < 2:
+    if args.codec:
+        codec = codec_throughput(args.dry_run)  # issue 18: the 8-bit codec's on-device cost
+        print_table("8-bit gradient codec (encode + decode), one device", codec,
+                    [("format", "format", ""), ("values", "values", ",d"),
+                     ("seconds", "seconds", ".4f"), ("values/s", "values_per_s", ".3g"),
+                     ("rel. error", "error", ".4f")])
+        write_result(("gpu_dry_run" if args.dry_run else args.output) + "_codec",
+                     {"args": vars(args), "codec": codec})
+        return codec
+    if not args.context:
+        raise SystemExit("Name a mode: --context, --communicate-less, --pipeline, --hf-load "
+                         "or --codec (one device's comparison: benchmarks/accelerator.py).")
+    if jax.device_count() < 2:
         raise SystemExit("--context splits a sequence over several devices; JAX sees one.")
-    runs = CONTEXT_RUNS if args.context else RUNS
-    if args.context and args.length == 1024:
+    if args.length == 1024:
         args.length = 32768
-    length = (256 if args.context else 64) if args.dry_run else args.length
+    length = 256 if args.dry_run else args.length
     steps = 3 if args.dry_run else args.steps
     start, rows, skipped = time.perf_counter(), [], []
-    for i, (preset, variant, backbone_options, lm_options, batch) in enumerate(runs):
+    for i, (preset, variant, backbone_options, lm_options, batch) in enumerate(CONTEXT_RUNS):
         if args.runs is not None and i not in args.runs:
             continue
         if time.perf_counter() - start > args.budget_s:
             skipped.append(f"{preset} {variant}")
             continue
-        batch = 4 if args.dry_run and not args.context else batch
-        first = not any(r["preset"] == preset for r in rows) and not args.context
         row = measure(preset, backbone_options, lm_options, batch, length, steps, args.dry_run,
-                      check_attention=first,
-                      context_parallel=variant if args.context else None)
+                      check_attention=False, context_parallel=variant)
         row["variant"] = variant
         rows.append(row)
-        print(f"{preset} {variant}: {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, "
-              f"cuDNN attention {row['cudnn_attention']}", flush=True)
-    print_table(f"{'DRY RUN (tiny shape, CPU) — ' if args.dry_run else ''}GPU training, "
-                f"T={length}, {rows[0]['dtype_policy'] if rows else ''}; MFU: "
+        print(f"{preset} {variant}: {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}",
+              flush=True)
+    print_table(f"{'DRY RUN (tiny shape, CPU) — ' if args.dry_run else ''}context parallel "
+                f"training, T={length}, {rows[0]['dtype_policy'] if rows else ''}; MFU: "
                 f"{rows[0]['convention'] if rows else ''}", rows,
                 [("preset", "preset", ""), ("variant", "variant", ""), ("batch", "batch", "d"),
                  ("step s", "step_s", ".3f"), ("tokens/s", "tokens_per_s", ",.0f"),
-                 ("MFU", "mfu", ".1%"), ("MFU full-T", "mfu_full_attention", ".1%"),
-                 ("cuDNN attn", "cudnn_attention", ""), ("peak GiB", "peak_memory_gib", ".1f"),
+                 ("MFU", "mfu", ".1%"), ("peak GiB", "peak_memory_gib", ".1f"),
                  ("loss", "final_loss", ".3f")])
     if skipped:
         print(f"skipped (time budget): {', '.join(skipped)}")
-    codec = codec_throughput(args.dry_run)  # issue 18: the 8-bit codec's on-device cost
-    print_table("8-bit gradient codec (encode + decode), one device", codec,
-                [("format", "format", ""), ("values", "values", ",d"),
-                 ("seconds", "seconds", ".4f"), ("values/s", "values_per_s", ".3g"),
-                 ("rel. error", "error", ".4f")])
-    print(f"total {time.perf_counter() - start:.0f} s")
-    name = ("gpu_dry_run" if args.dry_run else args.output) + ("_context" if args.context
-                                                              else "")
-    write_result(name,
-                 {"args": vars(args), "target": "gpt2-medium bf16 >= 50% MFU",
-                  "rows": rows, "skipped": skipped, "codec": codec})
+    write_result(("gpu_dry_run" if args.dry_run else args.output) + "_context",
+                 {"args": vars(args), "rows": rows, "skipped": skipped})
     return rows
 
 

@@ -1,0 +1,46 @@
+"""The accelerator benchmarks' CPU dry runs: the scripts a TPU or GPU run depends on work
+end to end on a tiny shape (Pallas kernels interpreted), and say what they measured."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import child_environment
+
+pytestmark = pytest.mark.slow
+
+
+def _dry_run(tmp_path, script, *args):
+    env = child_environment(BENCHMARK_RESULTS=str(tmp_path))
+    out = subprocess.run([sys.executable, f"benchmarks/{script}", "--dry-run", *args], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_attention_benchmark_times_every_implementation(tmp_path):
+    stdout = _dry_run(tmp_path, "attention.py")
+    rows = json.loads((tmp_path / "attention_dry_run.json").read_text())["rows"]
+    names = {(r["implementation"], r.get("block_q")) for r in rows if "ms" in r}
+    assert {("xla", None), ("chunked", None), ("splash", 128)} <= names, rows
+    # float32 on a CPU: every implementation computes XLA's attention
+    assert max(r["max_diff_vs_xla"] for r in rows if "ms" in r) < 1e-5
+    assert "attention forward + backward" in stdout
+
+
+def test_accelerator_benchmark_compares_the_three_sides(tmp_path):
+    stdout = _dry_run(tmp_path, "accelerator.py", "--only", "llama-550m")
+    result = json.loads((tmp_path / "accelerator_dry_run.json").read_text())
+    sides = {r["side"]: r for r in result["rows"]}
+    assert set(sides) == {"kdist", "keras-hub", "plain JAX"}, result["rows"]
+    ours = sides["kdist"]
+    for name in ("keras-hub", "plain JAX"):
+        assert ours[f"vs {name}"] == pytest.approx(
+            ours["tokens_per_s"] / sides[name]["tokens_per_s"])
+    for row in sides.values():  # the compiled step's peak, and MFU from the FLOPs
+        assert row["peak_bytes"] > 0 and row["mfu"] > 0
+        assert row["tflops"] == pytest.approx(
+            row["tokens_per_s"] * ours["flops_per_token"] / 1e12)
+    assert "vs keras-hub" in stdout and result["matmul_tflops"] > 0
