@@ -100,7 +100,31 @@ class KdistDistribution(ModelParallel):
         return mesh_axis
 
     def get_data_layout(self, data_shape):
+        if len(data_shape):
+            self.check_batch(data_shape[0])
         return BatchLayout((REPLICA_AXES,) + (None,) * (len(data_shape) - 1), self.device_mesh)
+
+    def check_batch(self, process_rows: int) -> None:
+        """A ``ValueError`` naming the batch sizes that work if ``process_rows`` (this
+        process's rows of a batch; Keras hands each batch of a ``fit`` here before it is
+        sent to the devices) cannot be split over the replica axes: JAX's own error there
+        names neither the axes nor a fix."""
+        import jax
+
+        rows, replicas = process_rows * jax.process_count(), self.num_model_replicas
+        if rows % replicas == 0:
+            return
+        axes = ", ".join(f"{a}={self.mesh_shape[a]}" for a in REPLICA_AXES
+                         if self.mesh_shape[a] > 1)
+        below = rows // replicas * replicas
+        sizes = " or ".join(str(b) for b in (below, below + replicas) if b)
+        raise ValueError(
+            f"A batch of {rows} rows cannot be split over the batch axes ({axes}: "
+            f"{replicas} model replicas, each taking an equal share). Use a batch size that "
+            f"is a multiple of {replicas}, e.g. {sizes} (model.fit's batch_size, or a "
+            f"recipe's --global-batch-size). From numpy arrays the last batch of an epoch "
+            f"holds the remaining samples: make the sample count a multiple of the batch "
+            f"size too, or pass a tf.data.Dataset batched with drop_remainder=True.")
 
     def layout_for(self, path: str, shape: Sequence[int],
                    logical: Sequence[str | None] | None = None) -> TensorLayout:

@@ -104,6 +104,8 @@ def check_compile(model) -> None:
         >>> check_compile(model)  # in Task.compile, before super().compile()  # doctest: +SKIP
     """
     dist = active()
+    if dist is not None:
+        _check_built_under(model, dist)
     for feature in sorted(requested_features()):
         if feature == "context_parallel" and not supports(model, feature):
             raise ValueError(
@@ -132,6 +134,25 @@ def check_compile(model) -> None:
                 f"'{feature}' step feature), so it would silently train with XLA's "
                 f"reductions. Build the distribution with gradient_reduction=None (and "
                 f"without replica groups on a split sequence).")
+
+
+def _check_built_under(model, dist) -> None:
+    """Refuses a model whose weights were all created before ``dist`` was set (under no
+    distribution, or another mesh's devices): Keras lays a weight out when it creates it,
+    so they would stay where they are, and the optimizer's slots, made from them later,
+    would meet the mesh with no layout at all (an error that points at the wrong fix)."""
+    devices = set(dist.device_mesh.backend_mesh.devices.flat)
+    weights = [v for v in model.trainable_variables if hasattr(v.value, "sharding")]
+    if not weights or any(v.value.sharding.device_set == devices for v in weights):
+        return
+    held = len(weights[0].value.sharding.device_set)
+    raise ValueError(
+        f"{type(model).__name__}'s weights were created before the distribution "
+        f"'{dist.spec}' was set: they are on {held} device{'s' * (held > 1)}, the mesh spans "
+        f"{len(devices)}, and Keras lays a weight out only when it creates it. Set the "
+        f"distribution first — keras.distribution.set_distribution(kdist.distribution("
+        f"'{dist.spec}')) — then build or load the model (from_preset, from_pretrained and "
+        f"keras.saving.load_model included), then compile.")
 
 
 def optimizer_for(model, optimizer):

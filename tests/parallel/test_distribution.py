@@ -121,3 +121,25 @@ def test_global_batch_must_divide_by_replicas():
         kdist.data.lm_dataset(global_batch_size=6, sequence_length=16)
 
 
+def test_a_numpy_batch_the_replicas_cannot_split_is_named_before_compiling():
+    keras.distribution.set_distribution(kdist.distribution("data=8"))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((24, 4), "float32"), np.zeros((24, 1), "float32")
+    message = (r"A batch of 12 rows cannot be split over the batch axes \(data=8: 8 model "
+               r"replicas.*multiple of 8, e.g. 8 or 16 \(model.fit's batch_size")
+    with pytest.raises(ValueError, match=message):
+        model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    model.fit(x[:16], y[:16], batch_size=8, epochs=1, verbose=0)  # a multiple trains
+
+
+
+
+def test_a_model_built_before_its_distribution_is_refused_with_the_order_to_follow():
+    model = tiny_gpt(None)  # built on one device, no distribution
+    keras.distribution.set_distribution(kdist.distribution("data=8"))
+    with pytest.raises(ValueError, match=r"GPTCausalLM's weights were created before the "
+                       r"distribution 'data=8' was set: they are on 1 device, the mesh spans "
+                       r"8.*Set the distribution first"):
+        model.compile(optimizer="adamw")
+    tiny_gpt("data=8").compile(optimizer="adamw")  # in that order it compiles
