@@ -236,9 +236,11 @@ def communicate_less(args) -> list[dict]:
                       exchange=not args.no_bytes)
         row.update(variant=variant, mesh=mesh, steps=steps, **{
             k: v for k, v in options.items() if k != "sync_every"})
-        if "sync_every" in options:  # syncs inside the timed window (steps 3 .. 3+steps-1)
+        if "sync_every" in options:  # syncs inside the timed window (steps 3 .. 3+steps-1),
+            # whose last step is fit's (3 + steps batches): it ends a partial round too
             row["sync_every"] = h = options["sync_every"]
-            row["syncs_timed"] = sum((s + 1) % h == 0 for s in range(3, 3 + steps))
+            row["syncs_timed"] = sum((s + 1) % h == 0 or s == steps + 2
+                                     for s in range(3, 3 + steps))
         rows.append(row)
         print(f"{variant} ({mesh}): {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, "
               f"exchange {row.get('exchange_wire_bytes', 0):,.0f} wire B/device/step",

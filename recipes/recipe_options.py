@@ -83,8 +83,9 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sync-every", type=positive_int("--sync-every", 50), default=None,
                    help="DiLoCo over the mesh's replica axis (needs one in --mesh, e.g. "
                         "replica=2,data=4; --mesh auto then searches meshes with one): "
-                        "each group takes this many steps alone, then the "
-                        "groups average their parameter change; None with a replica axis: 50")
+                        "each group takes this many steps alone, then the groups average "
+                        "their parameter change; the last step syncs too (a partial round); "
+                        "at most --steps; None with a replica axis: min(50, --steps)")
     g.add_argument("--outer-learning-rate", type=positive_float("--outer-learning-rate", 0.7),
                    default=0.7, help="DiLoCo's outer SGD learning rate (paper: 0.7)")
     g.add_argument("--outer-momentum", type=probability("--outer-momentum", 0.9), default=0.9,
@@ -275,9 +276,15 @@ def check_together(args: argparse.Namespace) -> None:
         raise ValueError(f"--error-feedback needs --gradient-reduction float8 or int8; got "
                          f"{args.gradient_reduction}.")
     axes = {part.partition("=")[0].strip() for part in args.mesh.lower().split(",")}
-    if getattr(args, "sync_every", None) and "replica" not in axes and axes != {"auto"}:
+    sync_every = getattr(args, "sync_every", None)
+    if sync_every and sync_every > args.steps:  # (the mesh's default is never more)
+        raise ValueError(f"--sync-every {sync_every} is more than --steps {args.steps}: the "
+                         f"DiLoCo groups would synchronise only once, at the last step, as "
+                         f"--sync-every {args.steps} does. Pass --sync-every {args.steps} or "
+                         f"less, or leave it out (then min(50, --steps)).")
+    if sync_every and "replica" not in axes and axes != {"auto"}:
         # (--mesh auto with --sync-every searches meshes with a replica axis)
-        raise ValueError(f"--sync-every {args.sync_every} trains DiLoCo replica groups, which "
+        raise ValueError(f"--sync-every {sync_every} trains DiLoCo replica groups, which "
                          f"need a replica axis in --mesh; --mesh {args.mesh} has none. "
-                         f"Pass e.g. --mesh replica=2,data=4 --sync-every {args.sync_every}, "
+                         f"Pass e.g. --mesh replica=2,data=4 --sync-every {sync_every}, "
                          f"or leave --sync-every out for synchronous training.")

@@ -100,17 +100,20 @@ def mesh_sizes(mesh: str, own: bool = False) -> dict[str, int]:
 def settle_mesh_defaults(args: argparse.Namespace, mesh: str) -> list[str]:
     """The defaults that depend on the mesh: the global batch (a multiple of the batch
     shards: replica x data x fsdp, x the pipeline's microbatches, x --grad-accum) and,
-    with a replica axis, ``--sync-every``. Returns the lines for the log."""
+    with a replica axis, ``--sync-every`` (50, or ``--steps`` when fewer: a run shorter
+    than one round would sync only at its end). Returns the lines for the log."""
     sizes = mesh_sizes(mesh)
     shards = sizes["replica"] * sizes["data"] * sizes["fsdp"] * args.grad_accum
     if sizes["stage"] > 1:
         shards *= args.pipeline_microbatches or sizes["stage"]
     lines = settle_batch(args, shards)
     if sizes["replica"] > 1 and args.sync_every is None:
-        args.sync_every = DEFAULT_SYNC_EVERY
-        lines.append(f"--sync-every {DEFAULT_SYNC_EVERY} (default with a replica axis in "
+        args.sync_every = min(DEFAULT_SYNC_EVERY, args.steps)
+        fewer = f", or every --steps {args.steps} when fewer" * (
+            args.sync_every < DEFAULT_SYNC_EVERY)
+        lines.append(f"--sync-every {args.sync_every} (default with a replica axis in "
                      f"--mesh {mesh}: DiLoCo groups synchronise every {DEFAULT_SYNC_EVERY} "
-                     f"steps)")
+                     f"steps{fewer})")
     return lines
 
 

@@ -290,7 +290,7 @@ def groups(args) -> dict:
     checkpoint per group (``CKPT/group-<g>``) and resumes from it; ``--step-sleep`` per
     batch stretches the run for fault trials. Writes the final weights to
     ``OUT/<tag>-g<group>.npz``, its throughput log to ``OUT/<tag>-run-g<group>/``, and
-    returns the losses and the validation loss."""
+    returns the losses and the validation loss before and after ``fit``."""
     from kdist.callbacks import Checkpoint, Throughput
 
     info = setup(args.mesh, args.sync_every)
@@ -318,6 +318,7 @@ def groups(args) -> dict:
         if job:  # a group rejoining a job that went on: from the job's step
             restored = kdist.groups.skip_to_job(checkpoint, model, args.steps)
         callbacks.append(checkpoint)
+    before = model.evaluate(data.validation, verbose=0, return_dict=True)["loss"]
     history = model.fit(data.train, epochs=args.steps, steps_per_epoch=1, shuffle=False,
                         verbose=0, callbacks=callbacks, initial_epoch=0)
     validation = model.evaluate(data.validation, verbose=0, return_dict=True)["loss"]
@@ -328,7 +329,8 @@ def groups(args) -> dict:
     outer = model.optimizer.groups.outer
     return dict(losses={str(e + 1): float(v) for e, v in
                         zip(history.epoch, history.history["loss"])},
-                validation=float(validation), restored_step=restored,
+                validation=float(validation), validation_before=float(before),
+                restored_step=restored,
                 rounds=[] if outer is None else outer.rounds)
 
 

@@ -118,6 +118,7 @@ class Checkpoint(keras.callbacks.Callback):
         self.step = 0  # training steps done (fit batches since the run began)
         self.data_step = None  # the data position restored, if any
         self.restored_step = None
+        self.epoch_batches = None  # an epoch resumed mid-way: its rest (read by DiLoCo's FitEnd)
         self.committed_step = None  # the newest step announced durable by this run
         self.interrupted_by = None
         self._manager = None
@@ -253,15 +254,14 @@ class Checkpoint(keras.callbacks.Callback):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._batch_base = self.step  # Keras numbers batches from 0 in every epoch
-        self._stop_after = None
+        self._batch_base, self.epoch_batches = self.step, None  # batches from 0 per epoch
         if self._first_epoch and self._steps_per_epoch:
             done = self.step - epoch * self._steps_per_epoch
             if 0 < done < self._steps_per_epoch:
                 # Resumed mid-epoch: continue its running means, run only the rest of it.
                 for key, value in self._restored_metrics.items():
                     self._variables[key].assign(value)
-                self._stop_after = self._steps_per_epoch - done
+                self.epoch_batches = self._steps_per_epoch - done
         self._first_epoch = False
 
     def on_train_batch_end(self, batch, logs=None):
@@ -279,7 +279,7 @@ class Checkpoint(keras.callbacks.Callback):
             self._fit_model.stop_training = True
         elif due:
             self._save(loss, wait=not self.async_save)
-        if self._stop_after is not None and batch + 1 >= self._stop_after:
+        if self.epoch_batches is not None and batch + 1 >= self.epoch_batches:
             # The resumed epoch is complete: end it here; on_epoch_end lets fit go on.
             self._fit_model.stop_training = True
             self._ending_partial_epoch = not interrupted

@@ -2,8 +2,9 @@
 
 Each group runs DiLoCo on its own mesh with one group (:mod:`kdist.parallel.replicas`: its
 inner steps unchanged); :class:`OuterSync` replaces the in-program all-reduce of the
-outer gradient. Every ``sync_every`` inner steps, a round ``r`` (one more than the last
-round this group applied):
+outer gradient. Every ``sync_every`` inner steps, and at the last step of ``fit`` (a
+partial round: :class:`kdist.parallel.replicas.FitEnd`), a round ``r`` (one more than the
+last round this group applied):
 
 1. **Publish** ``Δ_g = θ - θ_g`` (orbax, committed with a checksummed marker).
 2. **Quorum.** Wait until every *running* group (a fresh heartbeat, state training or
@@ -122,8 +123,8 @@ class OuterSync:
     """The host side of one group's DiLoCo in a job of separate groups.
 
     :func:`kdist.parallel.replicas.make_train_function` calls :meth:`join` before the first
-    step and :meth:`round` after each ``sync_every``-th; both take and return Keras' JAX
-    training state ``(trainable, non_trainable, optimizer, metrics)``.
+    step and :meth:`round` after each ``sync_every``-th and after ``fit``'s last; both take
+    and return Keras' JAX training state ``(trainable, non_trainable, optimizer, metrics)``.
     """
 
     def __init__(self, model, job: JobGroups):
@@ -215,7 +216,7 @@ class OuterSync:
             self.heartbeat.info.update(info)
 
     def round(self, state, step: int):
-        """After the ``sync_every``-th inner step: one outer step (see the module)."""
+        """After a round's last inner step: one outer step (see the module)."""
         if self.job.mode == "async":
             return self._async_round(state, step)
         r = self.applied + 1
@@ -226,8 +227,7 @@ class OuterSync:
             state = self._catch_up(state, latest)
             self._record(r, [], began, behind=True)
             say(f"group {self.job.index} was behind: round {r} closed without it; caught up "
-                f"to round {self.applied} (its last {self.model.optimizer.sync_every} inner "
-                f"steps dropped)")
+                f"to round {self.applied} (its inner steps since round {r - 1} dropped)")
             return state
         theta, momenta, params = self._parts(state)
         delta = _deltas(theta, params)

@@ -219,12 +219,12 @@ class Task:
     # === Token id checks ===
 
     def fit(self, x=None, y=None, *args, **kwargs):
+        kwargs = step.fit_arguments(self, args, kwargs)  # by name, with the step's callbacks
         self.check_token_arrays(x, y, "fit")
         validation = kwargs.get("validation_data")
-        if isinstance(validation, (tuple, list)) and validation:
-            self.check_token_arrays(validation[0], validation[1] if len(validation) > 1
-                                    else None, "fit's validation_data")
-        return super().fit(x, y, *args, **self._with_id_check(kwargs))
+        if isinstance(validation, (tuple, list)) and validation:  # (x,), (x, y), (x, y, w)
+            self.check_token_arrays(*[*validation, None][:2], "fit's validation_data")
+        return super().fit(x, y, **self._with_id_check(kwargs))
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         self.check_token_arrays(x, y, "evaluate")

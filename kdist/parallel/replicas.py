@@ -13,7 +13,10 @@ every H steps, against one per step for synchronous data parallelism.
 
 In one SPMD program (:func:`train_step`): the model's weights are the outer parameters
 ``θ`` — what evaluation, generation, ``model.save`` and the checkpoint's ``params.*`` see,
-as of the last sync. :class:`DiLoCo` (the optimizer ``compile`` gets under a DiLoCo
+as of the last sync. The last step of ``fit`` is a sync step too (:class:`FitEnd`), so
+a run shorter than H, or its trailing partial round, is not lost: the same outer step on
+the groups' mean change over the round's fewer steps (docs/communicating-less.md says what
+ends a fit otherwise). :class:`DiLoCo` (the optimizer ``compile`` gets under a DiLoCo
 distribution) holds, with a leading replica dimension sharded over ``replica``, each
 group's parameters and its inner optimizer's state, plus the outer momentum: Keras state,
 so checkpoints hold all of it and resume mid-round exactly. The step is a ``shard_map``
@@ -63,6 +66,7 @@ class GroupState:
         self.params, self.stacked, self.momenta = [], [], []  # indices into .variables
         self.iterations = None  # index of DiLoCo's own step counter
         self.outer = None  # separate group jobs: their kdist.groups.sync.OuterSync
+        self.schedule = None  # the train function's _Schedule (FitEnd marks fit's end there)
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -180,6 +184,16 @@ class DiLoCo(keras.optimizers.Optimizer):
     def kdist_state_optimizer(self):
         return self.groups.inner
 
+    def kdist_fit_callbacks(self, callbacks):
+        return [FitEnd(callbacks)]
+
+    def finalize_variable_values(self, var_list):
+        # Keras calls this when every fit ends (in its `finally`, also on an error): no later
+        # step, of train_on_batch or another fit, is this fit's last.
+        if self.groups.schedule is not None:
+            self.groups.schedule.remaining = None
+        super().finalize_variable_values(var_list)
+
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise TypeError("DiLoCo steps only through kdist's train step "
                         "(kdist.parallel.replicas.train_step), inside each replica group.")
@@ -251,8 +265,9 @@ def train_step(model, state, data, sync: bool, guard: bool = True):
 
     Keras' JAX ``train_step(state, data)`` contract: same state layout (the model's
     weights are ``θ``; the optimizer's variables those of :class:`DiLoCo`), same logs.
-    ``guard``: a step run out of the sync phase logs NaN (off for separate group jobs,
-    whose outer step runs on the host, :mod:`kdist.groups.sync`).
+    ``guard``: an inner step run where a round ends (the host's schedule out of phase)
+    logs NaN (off for separate group jobs, whose outer step runs on the host,
+    :mod:`kdist.groups.sync`). A sync step may end a partial round (``fit``'s last step).
     """
     dist = active()
     optimizer = model.optimizer
@@ -299,10 +314,9 @@ def train_step(model, state, data, sync: bool, guard: bool = True):
     (new_theta, params, inner_state, momenta, non_trainable, metrics, unscaled,
      y_pred) = run(*args)
     theta = new_theta if sync else theta
-    # A step run out of phase (the host's schedule, see make_train_function) shows as NaN.
-    if guard:
-        in_phase = ((count + 1) % period == 0) == sync
-        unscaled = jnp.where(in_phase, unscaled, jnp.nan)
+    # An inner step where a round ends (the host's schedule out of phase) shows as NaN.
+    if guard and not sync:
+        unscaled = jnp.where((count + 1) % period == 0, jnp.nan, unscaled)
     opt = list(opt)
     for indices, values in ((parts.params, params), (parts.stacked, inner_state),
                             (parts.momenta, momenta)):
@@ -316,22 +330,57 @@ def train_step(model, state, data, sync: bool, guard: bool = True):
 
 class _Schedule:
     """Which program the next step runs, counted on the host: the sync step every
-    ``sync_every`` inner updates. The count is read from the state (one transfer) whenever
-    the state is not the one the last step returned (a new ``fit``, ``train_on_batch``, a
-    restore), so it never drifts from the optimizer's."""
+    ``sync_every`` inner updates, and at the last step of ``fit`` (``remaining``, set by
+    :class:`FitEnd`). The count is read from the state (one transfer) whenever the state is
+    not the one the last step returned (a new ``fit``, ``train_on_batch``, a restore), so it
+    never drifts from the optimizer's."""
 
     def __init__(self, model):
         self.model, self.last, self.count = model, None, 0
+        self.remaining = None  # fit's steps left, the next one included; None: not known
+        model.optimizer.groups.schedule = self
 
     def is_sync(self, state) -> bool:
         optimizer = self.model.optimizer
         if state is not self.last:
             self.count = int(jax.device_get(state[2][optimizer.groups.iterations]))
         period = optimizer.sync_every * optimizer.accumulation
-        return (self.count + 1) % period == 0
+        return (self.count + 1) % period == 0 or self.remaining == 1
 
     def returned(self, state) -> None:
         self.last, self.count = state, self.count + 1
+        if self.remaining is not None:
+            self.remaining -= 1
+
+
+class FitEnd(keras.callbacks.Callback):
+    """Tells DiLoCo's schedule, before each step of ``fit``'s last epoch, how many steps
+    ``fit`` has left, so that its last step also runs the outer sync: a partial round's,
+    before any callback, validation or save sees the step. ``Task.fit`` adds it under
+    DiLoCo (:func:`kdist.parallel.step.fit_arguments`); a callback in ``callbacks`` that
+    runs an epoch short (``Checkpoint`` resuming mid-epoch) gives its length in
+    ``epoch_batches``. Without a known epoch length there is no last step to mark.
+
+    Example:
+        >>> model.fit(data, epochs=2, steps_per_epoch=30)  # H=50: syncs at 50, 60  # doctest: +SKIP
+    """
+
+    def __init__(self, callbacks=()):
+        super().__init__()
+        self.shorteners = [c for c in callbacks if hasattr(c, "epoch_batches")]
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        schedule = _keras_compat.callback_model(self).optimizer.groups.schedule
+        epochs, steps = self.params.get("epochs"), self.params.get("steps")
+        if steps is None or self.epoch != epochs - 1:
+            schedule.remaining = None
+            return
+        short = [c.epoch_batches for c in self.shorteners if c.epoch_batches is not None]
+        schedule.remaining = min([steps, *short]) - batch
 
 
 def make_train_function(model, force: bool = False) -> None:

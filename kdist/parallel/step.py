@@ -12,7 +12,10 @@ reordered, before the loss runs either way.
 
 from __future__ import annotations
 
+import inspect
 from typing import Protocol, runtime_checkable
+
+import keras
 
 from kdist import compiled_step
 from kdist.parallel import reduction, replicas, rules
@@ -59,6 +62,10 @@ class StepOwner(Protocol):
     def kdist_state_optimizer(self):
         """The optimizer whose variables the loss sees (a group's slice of its state)."""
 
+    def kdist_fit_callbacks(self, callbacks: list) -> list:
+        """Callbacks ``fit`` runs besides ``callbacks`` (DiLoCo: the one that marks fit's
+        last step, which ends a partial round with a sync)."""
+
 
 def step_owner(model) -> StepOwner | None:
     """The model's optimizer if it owns the training step (:class:`StepOwner`), else None."""
@@ -72,6 +79,22 @@ def state_optimizer(model):
     owner = step_owner(model)
     return owner.kdist_state_optimizer() if owner is not None else getattr(
         model, "optimizer", None)
+
+
+def fit_arguments(model, args: tuple, kwargs: dict) -> dict:
+    """``fit``'s arguments after ``x`` and ``y`` by name (those given by position too), its
+    ``callbacks`` (a list, or None) with those the step owner adds (:class:`StepOwner`).
+
+    Example:
+        >>> kwargs = fit_arguments(model, args, kwargs)  # in Task.fit  # doctest: +SKIP
+    """
+    kwargs = {**dict(zip(tuple(inspect.signature(keras.Model.fit).parameters)[3:], args)),
+              **kwargs}
+    owner = step_owner(model)
+    if owner is not None:
+        callbacks = list(kwargs.get("callbacks") or [])
+        kwargs["callbacks"] = callbacks + owner.kdist_fit_callbacks(callbacks)
+    return kwargs
 
 
 def supports(model, feature: str) -> bool:

@@ -16,9 +16,11 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
+from kdist.checkpointing.state import restore_tree
 from kdist.groups.report import job_lines
 from kdist.groups.store import Store
 from kdist.groups.sync import REFUSED
@@ -103,15 +105,16 @@ def assert_outer_states_intact(store_dir):
 
 def test_two_group_jobs_train_like_one_program(tmp_path, child_env):
     """G = 2 jobs of 4 devices equal DiLoCo on ``replica=2,data=4`` in one program over 3
-    rounds: each step's loss (one program logs the groups' mean) to rtol 2e-6, the final
-    weights to the suite's float32 weight tolerance (atol 2e-6), both groups' weights
-    identical, and the same validation loss."""
-    job = Job(*job_args(tmp_path, 6, sync_every=2))
+    rounds and the partial round of fit's last step (7 steps, H = 2): each step's loss (one
+    program logs the groups' mean) to rtol 2e-6, the final weights to the suite's float32
+    weight tolerance (atol 2e-6), both groups' weights identical, and the same validation
+    loss."""
+    job = Job(*job_args(tmp_path, 7, sync_every=2))
     status, output = job.finish(timeout=400)
     assert status == 0, output
-    reference = in_one_program(tmp_path, 6, 2)
+    reference = in_one_program(tmp_path, 7, 2)
     groups = [json.loads((tmp_path / f"groups-g{g}-rank0.json").read_text()) for g in (0, 1)]
-    for step in map(str, range(1, 7)):
+    for step in map(str, range(1, 8)):
         mean = (groups[0]["losses"][step] + groups[1]["losses"][step]) / 2
         np.testing.assert_allclose(mean, reference["losses"][step], rtol=2e-6, err_msg=step)
     assert groups[0]["losses"] != groups[1]["losses"]  # each group trained its own share
@@ -122,16 +125,41 @@ def test_two_group_jobs_train_like_one_program(tmp_path, child_env):
         np.testing.assert_allclose(sep0[key], one[key], atol=2e-6, rtol=0, err_msg=key)
     for g in groups:
         np.testing.assert_allclose(g["validation"], reference["validation"], rtol=2e-6)
-        assert [r["members"] for r in g["rounds"] if "round" in r] == [[0, 1]] * 3
-    assert output.count("outer state of round") == 4  # rounds 0 (the start), 1, 2, 3
+        assert [r["members"] for r in g["rounds"] if "round" in r] == [[0, 1]] * 4
+    assert output.count("outer state of round") == 5  # rounds 0 (the start), 1, 2, 3, 4
     for g in (0, 1):  # the throughput log's rows show each round; kdist report says so
         rows = read_rows(tmp_path / f"job-run-g{g}")
         shown = [e for r in rows if r.get("kind") == "interval" for e in r.get("rounds", [])]
-        assert [e["round"] for e in shown if "round" in e] == [1, 2, 3]
-        assert "replica rounds: 3 (this group in 3, behind 0 times)" in summarize(rows)
-    assert "2 groups in 3 rounds" in "\n".join(job_lines(tmp_path / "store"))
-    assert "job done: 2 of 2 groups finished every step (round 3)" in output
+        assert [e["round"] for e in shown if "round" in e] == [1, 2, 3, 4]
+        assert "replica rounds: 4 (this group in 4, behind 0 times)" in summarize(rows)
+    assert "2 groups in 4 rounds" in "\n".join(job_lines(tmp_path / "store"))
+    assert "job done: 2 of 2 groups finished every step (round 4)" in output
     assert_outer_states_intact(tmp_path / "store")
+
+
+@pytest.mark.slow
+def test_a_group_job_shorter_than_a_round_saves_what_it_trained(tmp_path, child_env):
+    """3 steps of --sync-every 50: fit's last step ends the one, partial, round through the
+    store, so both groups end with the same trained weights, in their checkpoints too (each
+    group kept its initial weights: no round ever ended)."""
+    job = Job(*job_args(tmp_path, 3, sync_every=50, ckpt=tmp_path / "ckpt", save_every=50))
+    status, output = job.finish(timeout=400)
+    assert status == 0, output
+    final = [weights(tmp_path, f"job-g{g}") for g in (0, 1)]
+    for g in (0, 1):
+        result = json.loads((tmp_path / f"groups-g{g}-rank0.json").read_text())
+        assert [r["members"] for r in result["rounds"] if "round" in r] == [[0, 1]]
+        assert result["validation"] < result["validation_before"] - 0.1
+        # The checkpoint of step 3, saved at fit's end, holds the synchronised weights.
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        saved = restore_tree(tmp_path / "ckpt" / f"group-{g}" / "3", {
+            "params." + k.replace("/", "."): jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                                  sharding=device)
+            for k, v in final[g].items()})
+        for key, value in final[0].items():
+            np.testing.assert_array_equal(final[g][key], value, err_msg=key)
+            np.testing.assert_array_equal(saved["params." + key.replace("/", ".")], value)
+    assert Store(tmp_path / "store", 0).outer_meta(1)["steps"] == [3, 3]
 
 
 @pytest.mark.slow
@@ -249,10 +277,10 @@ def test_asynchronous_groups_never_wait_and_still_learn(tmp_path, child_env):
     """Each group 2 processes x 2 devices (its own JAX cluster of 4 devices): the group's
     decisions (which round, who took part, how stale) are process 0's, and both processes
     act on the same ones."""
-    job = Job(*job_args(tmp_path, 12, "--replica-mode", "async", processes=2, sync_every=2))
+    job = Job(*job_args(tmp_path, 11, "--replica-mode", "async", processes=2, sync_every=2))
     status, output = job.finish(timeout=400)
     assert status == 0, output
-    assert all(f"[g{g}.{r}] step 12 loss" in output for g in (0, 1) for r in (0, 1))
+    assert all(f"[g{g}.{r}] step 11 loss" in output for g in (0, 1) for r in (0, 1))
     groups = [json.loads((tmp_path / f"groups-g{g}-rank0.json").read_text()) for g in (0, 1)]
     for g, rank0 in enumerate(groups):
         rank1 = json.loads((tmp_path / f"groups-g{g}-rank1.json").read_text())
@@ -262,8 +290,9 @@ def test_asynchronous_groups_never_wait_and_still_learn(tmp_path, child_env):
         assert decisions[0] == decisions[1], g
     for g in groups:
         rounds = [r for r in g["rounds"] if "round" in r]  # not the join
+        # 5 rounds of H = 2, and fit's last step ends a partial round of 1
         assert all(r["waited"] == 0.0 for r in rounds) and len(rounds) == 6
-        assert g["losses"]["12"] < g["losses"]["1"] - 0.2  # measured 5.79 -> 5.51
+        assert g["losses"]["11"] < g["losses"]["1"] - 0.2  # measured 5.80 -> 3.55, 5.81 -> 2.68
     for g in groups:
         closed = [r["round"] for r in g["rounds"] if "round" in r]
         assert closed == sorted(set(closed))

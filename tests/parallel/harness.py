@@ -38,6 +38,7 @@ import json
 from collections.abc import Callable
 from unittest import mock
 
+import jax
 import keras
 import numpy as np
 
@@ -335,12 +336,29 @@ def _traces_per_step(model) -> int:
     return 1 if getattr(backbone, "scan_layers", False) else backbone.num_layers
 
 
+class _Batches(keras.utils.PyDataset):
+    """A list of batches for ``fit``, in order."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]
+
+
 def train_run(family: str, mesh: str | None = None, *, config: dict | None = None,
               task: dict | None = None, steps: int = 3, rows: int = 8,
               optimizer: str = "adamw", dtype_policy: str = "float32", seed: int = 0,
-              devices=None, evaluate_first: bool = False, **options) -> Run:
+              devices=None, evaluate_first: bool = False, fit: bool = False,
+              **options) -> Run:
     """Builds ``family`` under ``mesh`` (None: one device) and trains it for ``steps``;
-    ``evaluate_first``: also the first batch's loss before and after training."""
+    ``evaluate_first``: also the first batch's loss before and after training. ``fit``:
+    the steps are one ``model.fit`` of one-step epochs (each epoch's loss is its step's),
+    not a ``train_on_batch`` each."""
     fam = FAMILIES[family]
     keras.utils.clear_session()
     keras.config.set_dtype_policy(dtype_policy)
@@ -360,7 +378,12 @@ def train_run(family: str, mesh: str | None = None, *, config: dict | None = Non
         spies = {name: stack.enter_context(mock.patch.object(owner, attr,
                                                              wraps=getattr(owner, attr)))
                  for name, (owner, attr) in _spies(dist, options).items()}
-        losses = [fam.step(model, batch) for batch in batches]
+        if fit:
+            history = model.fit(_Batches(batches), epochs=steps, steps_per_epoch=1,
+                                shuffle=False, verbose=0)
+            losses = [float(v) for v in history.history["loss"]]
+        else:
+            losses = [fam.step(model, batch) for batch in batches]
         calls = {name: spy.call_count for name, spy in spies.items()}
     if evaluate_first:
         first += (fam.evaluate(model, batches[0]),)
@@ -376,15 +399,64 @@ def _slots(optimizer) -> dict[str, np.ndarray]:
             for v in optimizer.variables if len(v.shape) and tuple(v.shape) in shapes}
 
 
+def diloco_reference(family: str, *, groups: int, sync_every: int,
+                     outer_learning_rate: float = 0.7, outer_momentum: float = 0.9,
+                     config: dict | None = None, task: dict | None = None, steps: int = 3,
+                     rows: int = 8, optimizer: str = "adamw", dtype_policy: str = "float32",
+                     seed: int = 0) -> Run:
+    """DiLoCo on one device, written out as the paper's algorithm: ``groups`` copies of
+    the model (the same initial weights), each stepping its own optimizer on its share of
+    every batch (the ``replica`` axis is the batch's slowest: group g holds the g-th block
+    of rows); after every ``sync_every``-th step and after the last (a partial round), the
+    outer Nesterov SGD on the groups' mean change ``θ - θ_g``, and every copy goes on from
+    the new ``θ``. Its losses are each step's mean over the groups, as DiLoCo logs."""
+    fam = FAMILIES[family]
+    full = {**fam.config, **(config or {})}
+    keras.utils.clear_session()
+    keras.config.set_dtype_policy(dtype_policy)
+    keras.distribution.set_distribution(None)
+    models = []
+    for _ in range(groups):
+        keras.utils.set_random_seed(seed)
+        models.append(fam.build(full, dict(task or {})))
+        models[-1].compile(optimizer=OPTIMIZERS[optimizer](),
+                           **({"loss": fam.loss()} if fam.loss else {}))
+    batches = fam.batches(steps, rows, full)
+    initial, first = weights(models[0]), (fam.evaluate(models[0], batches[0]),)
+    theta = [np.asarray(w.value) for w in models[0].trainable_variables]
+    momenta = [np.zeros_like(t) for t in theta]
+    share = rows // groups
+    losses = []
+    for step, batch in enumerate(batches, 1):
+        losses.append(float(np.mean([
+            fam.step(model, jax.tree.map(lambda a, g=g: a[g * share:(g + 1) * share], batch))
+            for g, model in enumerate(models)])))
+        if step % sync_every and step < steps:
+            continue
+        for i, w in enumerate(theta):  # the paper's PyTorch SGD with Nesterov momentum
+            delta = np.mean([w - np.asarray(m.trainable_variables[i].value) for m in models],
+                            axis=0)
+            momenta[i] = outer_momentum * momenta[i] + delta
+            theta[i] = w - outer_learning_rate * (delta + outer_momentum * momenta[i])
+        for model in models:
+            for variable, value in zip(model.trainable_variables, theta):
+                variable.assign(value)
+    first += (fam.evaluate(models[0], batches[0]),)
+    return Run(models[0], losses, initial, weights(models[0]), batches, first_batch=first)
+
+
 _REFERENCES: dict[str, Run] = {}
 
 
-def reference_run(family: str, mesh: str | None = None, **settings) -> Run:
+def reference_run(family: str, mesh: str | None = None, diloco: dict | None = None,
+                  **settings) -> Run:
     """The run of ``family`` on ``mesh`` (None: one device) with these settings and
-    distribution options, trained once per test session."""
-    key = _freeze([family, mesh, settings])
+    distribution options, trained once per test session; ``diloco``: DiLoCo on one device
+    with these arguments of :func:`diloco_reference` instead."""
+    key = _freeze([family, mesh, diloco, settings])
     if key not in _REFERENCES:
-        run = train_run(family, mesh, evaluate_first=True, **settings)
+        run = (diloco_reference(family, **diloco, **settings) if diloco else
+               train_run(family, mesh, evaluate_first=True, **settings))
         run.model = None  # keep the numbers, not the model
         _REFERENCES[key] = run
         keras.utils.clear_session()
@@ -403,13 +475,15 @@ def assert_trains_like_one_device(family: str, mesh: str, *, tolerance: str = "f
                                   task: dict | None = None, steps: int = 3, rows: int = 8,
                                   optimizer: str = "adamw", dtype_policy: str | None = None,
                                   seed: int = 0, devices=None, like: dict | None = None,
-                                  **options) -> Run:
+                                  fit: bool = False, **options) -> Run:
     """Trains ``family`` on ``mesh`` and on one device and checks they are the same
     training (see the module docstring); returns the sharded :class:`Run`.
 
     ``like={"mesh": ..., **options}`` compares with that run instead of one device: for a
     strategy whose exact equal is not one device (DiLoCo with AdamW inside its groups) but
     another strategy already shown to train like one device in its special case.
+    ``like={"diloco": {"groups": G, "sync_every": H}}`` compares with DiLoCo computed on one
+    device (:func:`diloco_reference`). ``fit``: the run trains with ``model.fit``.
     """
     tol = TOLERANCES[tolerance]
     dtype_policy = dtype_policy or ("mixed_bfloat16" if tolerance == "bfloat16" else "float32")
@@ -426,7 +500,7 @@ def assert_trains_like_one_device(family: str, mesh: str, *, tolerance: str = "f
         f"the reference's loss on its first batch went from {before} to {after}, a fall of "
         f"no more than {floor}")
 
-    run = train_run(family, mesh, devices=devices, **settings, **options)
+    run = train_run(family, mesh, devices=devices, fit=fit, **settings, **options)
     for name, count in run.calls.items():
         traces = _traces_per_step(run.model) if name == "split attention" else 1
         assert count >= traces, f"{name} ran {count} times, not {traces}, under {mesh} {options}"

@@ -12,6 +12,7 @@ import pytest
 
 import kdist
 from kdist import _keras_compat, hlo
+from kdist.checkpointing.state import read_arrays, state_variables
 from kdist.data.lm import LMBatches
 from kdist.models import GPTBackbone, GPTCausalLM
 from kdist.parallel import replicas
@@ -40,6 +41,25 @@ def test_one_group_with_a_plain_average_is_plain_training():
     run = assert_trains_like_one_device("gpt", "replica=1,fsdp=8", sync_every=2, steps=4,
                                         **PLAIN)
     assert int(run.model.optimizer.iterations) == 4
+
+
+def test_the_last_step_of_fit_ends_a_partial_round_with_a_sync():
+    """2H + 1 steps of ``fit`` (H = 2) equal DiLoCo computed on one device whose last step
+    ends its partial round of 1 step with the outer step: the weights, the groups' copies
+    and every step's loss. (The last round was dropped: the model kept step 4's weights.)"""
+    run = assert_trains_like_one_device(
+        "gpt", "replica=2,data=4", sync_every=2, steps=5, fit=True,
+        like={"diloco": {"groups": 2, "sync_every": 2}})
+    optimizer, theta = run.model.optimizer, run.model.trainable_variables
+    for i, t in zip(optimizer.groups.params, theta):  # every group goes on from θ
+        np.testing.assert_array_equal(optimizer.variables[i].value, np.stack([t.value] * 2))
+    assert int(optimizer.iterations) == 5
+    # Outside fit (train_on_batch, as the other parity rows) no step ends a round early:
+    # step 6 syncs (H = 2), step 7 leaves the groups apart from θ.
+    for x, y in run.batches[:2]:
+        run.model.train_on_batch(x, y)
+    assert any(not np.array_equal(t.value, optimizer.variables[i].value[0])
+               for i, t in zip(optimizer.groups.params, theta))
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +126,20 @@ def test_mid_round_resume_is_bit_exact(tmp_path):
         return model, fit_with_checkpoint(model, data, directory, steps_per_epoch=4,
                                           stop_at=stop_at)
 
+    # 8 steps: rounds end at 3, 6 and (fit's last step, a partial round) 8.
     full_model, full = run(tmp_path / "full")
-    _, first = run(tmp_path / "split", stop_at=4)  # step 4: one inner step into round 2
+    # Stopped after step 5, two inner steps into round 2 and mid-epoch: the resumed fit runs
+    # the 3 steps left of its last epoch (Checkpoint.epoch_batches) and syncs at the last.
+    _, first = run(tmp_path / "split", stop_at=5)
     model, second = run(tmp_path / "split")
     assert first + second == full  # bit-exact: groups' weights, inner and outer state
     resumed, reference = weights(model), weights(full_model)
     assert all(np.array_equal(resumed[k], reference[k]) for k in reference)
+    # Step 8's checkpoint, saved as the step ended, holds the synchronised weights.
+    variables = state_variables(full_model)
+    keys = [k for k in variables if k.startswith("params.")]
+    saved = read_arrays(tmp_path / "full" / "8", variables, keys)
+    assert all(np.array_equal(saved[k], variables[k].value) for k in keys)
 
 
 def test_replica_settings_are_checked():

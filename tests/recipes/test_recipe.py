@@ -36,6 +36,18 @@ def test_recipe_runs_and_learns(tmp_path, capsys):
     assert intervals[-1]["tokens"] == summary["tokens"] and intervals[-1]["mfu"] > 0
 
 
+@pytest.mark.slow
+def test_a_diloco_run_shorter_than_a_round_saves_what_it_trained(tmp_path, capsys):
+    """10 steps on replica=2,data=4 with the default --sync-every (50) ended with the initial
+    weights ("validation loss after training: 9.0702 (before: 9.0702)"): no round ended."""
+    summary = gpt_pretrain.main(TINY + ["--steps", "10", "--eval-every", "5", "--mesh",
+                                        "replica=2,data=4", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "default --sync-every 10 (default with a replica axis" in out
+    assert summary["validation_loss_after"] < summary["validation_loss_before"] - 0.5
+    assert (tmp_path / "model.keras").exists()
+
+
 def test_recipe_flags_are_checked_before_work(tmp_path):
     with pytest.raises(ValueError, match="--steps \\(10\\) must be a multiple of --eval-every"):
         gpt_pretrain.main(["--steps", "10", "--eval-every", "4", "--output-dir", str(tmp_path)])

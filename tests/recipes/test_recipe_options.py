@@ -141,6 +141,25 @@ def test_sync_every_without_a_replica_axis_is_refused():
     assert kdist.distribution("replica=1,fsdp=8", sync_every=2).config.replicas.sync_every == 2
 
 
+def test_sync_every_adapts_to_a_short_run_and_a_typed_one_longer_than_it_is_refused():
+    """A run shorter than --sync-every's default 50 saved the untrained model (no round
+    ever ended): the default is now min(50, --steps), and says so; a typed one longer than
+    the run is refused naming both flags, before kdist is needed."""
+    args = parse("gpt_pretrain", ["--mesh", "replica=2,data=4", "--steps", "10"])
+    assert recipe_run.settle_mesh_defaults(args, args.mesh)[-1] == (
+        "--sync-every 10 (default with a replica axis in --mesh replica=2,data=4: DiLoCo "
+        "groups synchronise every 50 steps, or every --steps 10 when fewer)")
+    assert args.sync_every == 10
+    args = parse("gpt_pretrain", ["--mesh", "replica=2,data=4", "--steps", "120"])
+    recipe_run.settle_mesh_defaults(args, args.mesh)
+    assert args.sync_every == 50  # the last 20 steps: a partial round, synced at step 120
+    for mesh in ("replica=2,data=4", "auto"):
+        args = parse("gpt_pretrain", ["--mesh", mesh, "--steps", "2", "--sync-every", "10"])
+        with pytest.raises(ValueError, match=r"^--sync-every 10 is more than --steps 2: .*"
+                                             r"Pass --sync-every 2 or less, or leave it out"):
+            recipe_options.check_together(args)
+
+
 def test_auto_without_a_pipeline_leaves_the_schedule_flags_out():
     """``--mesh auto --pipeline-microbatches 8`` on a model that needs no pipeline: auto
     searches every mesh (the flags used to empty the search of all but pipelines), and the
