@@ -269,6 +269,31 @@ def callback_model(callback):
     return callback._model
 
 
+class _BarFigure(float):
+    """A float that Keras' progress bar prints as :func:`progress_bar_figure` says."""
+
+    def __truediv__(self, other):
+        return _BarFigure(float(self) / other)
+
+    def __format__(self, spec):
+        value = float(self)
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def progress_bar_figure(value: float) -> float:
+    """``value`` for a ``fit`` log that Keras' progress bar prints to 3 significant figures,
+    thousands separated (``1,504``, ``12.3``) instead of ``1503.5000``: ``Progbar.update``
+    (keras 3.15.1) keeps each logged value with a count of 1 and prints ``value / count``
+    with ``:.4f``, whatever it measures. This float divides into its own kind and formats
+    itself; to anything else it is the number.
+
+    Example:
+        >>> f"{progress_bar_figure(1503.5) / 1:.4f}", progress_bar_figure(1503.5) + 1
+        ('1,504', 1504.5)
+    """
+    return _BarFigure(value)
+
+
 def aggregate_additional_loss(model, loss):
     """One of ``model.losses`` (regularisers, ``add_loss``) reduced as Keras' own
     ``compute_loss`` does (``Trainer._aggregate_additional_loss``)."""

@@ -3,6 +3,7 @@
     kdist report RUN_DIR [--output PNG]   plot and summarise a run's throughput.jsonl
     kdist report STORE                    a replica-group job's rounds, failures, rejoins
     kdist inspect CKPT_DIR [--read]       list a checkpoint directory's steps, verify them
+                                          (a run's directory: the checkpoints below it)
     kdist plan --preset P --mesh M ...     per-device memory, FLOPs, collectives; fits or not
     kdist plan --device tpu-v5e --devices 256 ...   the same for a TPU slice, from this CPU
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from kdist import _keras_compat
 from kdist.accelerators import NAMES
 from kdist.parallel.schedules import SCHEDULES
 from kdist.planning.target import COMPILERS
-from kdist.run_report import REPORT_PNG, write_report
+from kdist.run_report import REPORT_PNG, read_rows, trained_tokens, write_report
 
 # === Subcommands ===
 
@@ -38,6 +41,9 @@ def _run_report(args: argparse.Namespace) -> int:
         png, text = write_report(log_dir, args.output if not groups else None)
         print(text)
         print(f"plot: {png}")
+    if groups:  # each group's log counts its share of every batch; the job trained them all
+        total = sum(trained_tokens(read_rows(p.parent))[0] for p in groups)
+        print(f"all {len(groups)} groups: {total:,} tokens")
     return 0
 
 
@@ -66,8 +72,10 @@ def add_inspect_parser(subparsers) -> None:
                               description="Steps, sizes, losses, model config and mesh of a "
                                           "kdist checkpoint directory; checks the size and "
                                           "SHA-256 of every file of every committed step. "
-                                          "Exit status 1 if any is damaged.")
-    p.add_argument("checkpoint_dir", help="the Checkpoint callback's directory")
+                                          "Exit status 1 if any is damaged, 2 if there "
+                                          "are no checkpoints.")
+    p.add_argument("checkpoint_dir", help="the Checkpoint callback's directory, or a "
+                                          "directory above it (a run's OUTPUT_DIR)")
     p.add_argument("--read", action="store_true",
                    help="also read every array back (slower)")
     p.set_defaults(func=_run_inspect)
@@ -175,6 +183,36 @@ def add_plan_parser(subparsers) -> None:
                    help="devices per host: the plan says which axes cross hosts, and auto "
                         "weighs their bytes (default: this process's devices, one host)")
     p.set_defaults(func=_run_plan)
+
+
+def command() -> str:
+    """How to type the ``kdist`` command in this shell, for the hints printed to a user:
+    ``kdist`` where PATH finds this Python's own ``kdist`` script; else that script's path
+    (``.venv/bin/kdist`` from the project, its venv not activated); else this Python with
+    ``-m kdist``.
+
+    Example:
+        >>> command()  # doctest: +SKIP
+        '.venv/bin/kdist'
+    """
+    script = Path(sys.executable).parent / "kdist"
+    return as_typed(script) if script.is_file() else f"{as_typed(Path(sys.executable))} -m kdist"
+
+
+def as_typed(program: Path) -> str:
+    """``program`` as a user types it here: its name where PATH finds this very file, else
+    its path, relative where it lies below the current directory (a venv's programs,
+    links, are never resolved: that would name the system Python).
+
+    Example:
+        >>> as_typed(Path(sys.executable))  # doctest: +SKIP
+        '.venv/bin/python'
+    """
+    found = shutil.which(program.name)
+    if found is not None and os.path.abspath(found) == os.path.abspath(program):
+        return program.name
+    relative = os.path.relpath(program)
+    return relative if not relative.startswith("..") else os.path.abspath(program)
 
 
 def build_parser() -> argparse.ArgumentParser:

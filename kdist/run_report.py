@@ -3,6 +3,13 @@
 ``kdist report RUN_DIR`` (:mod:`kdist.cli`) calls :func:`write_report`; it works on a
 finished or a running run (a half-written last line is skipped).
 
+A resumed or extended run appends to the same file: each ``fit`` (a **session**) starts
+with a ``config`` row at the step it resumed from and ends with an ``end`` row. The report
+spans them all: tokens and time are summed over the sessions (each session's own figures
+from its ``end`` row, or its last interval if it was killed or is still going), and where
+a session restarted from a checkpoint older than the previous session's last step, the
+steps trained again replace the ones lost (they are counted apart, not twice).
+
 Example:
     >>> print(summarize([{"kind": "config", "step": 0, "num_devices": 1}]))  # doctest: +ELLIPSIS
     run : running, step 0, 0 tokens
@@ -11,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import textwrap
@@ -47,16 +55,102 @@ def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+@dataclasses.dataclass
+class Session:
+    """One ``fit`` of a run (one process that trained it): its rows from its ``config`` row
+    on. ``start``: the optimizer step it resumed from; ``last``: the step of its last row
+    that counts tokens (``end``, else its last interval); ``tokens``: its own count there."""
+
+    rows: list[dict[str, Any]]
+
+    @property
+    def start(self) -> int:
+        first = self.rows[0]
+        return first.get("step", 0) if first.get("kind") == "config" else 0
+
+    @property
+    def counted(self) -> dict[str, Any]:
+        return next((r for r in reversed(self.rows) if r.get("tokens") is not None), {})
+
+    @property
+    def last(self) -> int:
+        return self.counted.get("step", self.start)
+
+    @property
+    def tokens(self) -> int:
+        return self.counted.get("tokens", 0)
+
+    def times(self) -> dict[str, Any]:
+        """Its time figures: the ``end`` row's over its last interval's (a killed or
+        running session has no ``end`` row)."""
+        last = next((r for r in reversed(self.rows) if r.get("kind") == "interval"), {})
+        end = next((r for r in self.rows if r.get("kind") == "end"), {})
+        return {**last, **end}
+
+
+def sessions(rows: list[dict[str, Any]]) -> list[Session]:
+    """The run's sessions in order: a new one at every ``config`` row (rows before the
+    first, from a log written before config rows existed, form one of their own).
+
+    Example:
+        >>> [s.start for s in sessions([{"kind": "config", "step": 0},
+        ...                             {"kind": "config", "step": 20}])]
+        [0, 20]
+    """
+    out: list[Session] = []
+    for row in rows:
+        if row.get("kind") == "config" or not out:
+            out.append(Session([]))
+        out[-1].rows.append(row)
+    return out
+
+
+def trained_tokens(rows: list[dict[str, Any]]) -> tuple[int, int]:
+    """``(tokens, retrained)``: the tokens behind the run's newest step, over every session,
+    and the tokens trained then lost to a restart from an older checkpoint (trained again,
+    so counted once in ``tokens``).
+
+    Example:
+        >>> trained_tokens([{"kind": "config", "step": 0}, {"kind": "end", "step": 15,
+        ...     "tokens": 150}, {"kind": "config", "step": 10}, {"kind": "end", "step": 20,
+        ...     "tokens": 100}])
+        (200, 50)
+    """
+    kept: list[tuple[int, int, float]] = []  # (from step, to step, tokens per step)
+    retrained = 0.0
+    for s in sessions(rows):
+        rate = s.tokens / (s.last - s.start) if s.last > s.start else 0.0
+        retrained += sum(r * (b - max(a, s.start)) for a, b, r in kept if b > s.start)
+        kept = [(a, min(b, s.start), r) for a, b, r in kept if a < s.start]
+        kept.append((s.start, s.last, rate))
+    return round(sum(r * (b - a) for a, b, r in kept)), round(retrained)
+
+
 def _series(rows, kind, key):
-    pairs = [(r["step"], r[key]) for r in rows if r.get("kind") == kind and r.get(key) is not None]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
+    """``(steps, values)`` of ``key`` in the rows of ``kind``, over every session: where a
+    session restarted from an older step, the earlier sessions' points past it are dropped
+    (those steps were trained again), and a step logged twice keeps the later value."""
+    return _after_restarts(rows, lambda r: [(r["step"], r[key])] if r.get("kind") == kind
+                           and r.get(key) is not None else [])
+
+
+def _after_restarts(rows, points):
+    found: dict[int, Any] = {}
+    for s in sessions(rows):
+        found = {step: v for step, v in found.items() if step <= s.start}
+        for row in s.rows:
+            found.update(points(row))
+    steps = sorted(found)
+    return steps, [found[step] for step in steps]
 
 
 def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
     """A few lines about a run: where it is, throughput, MFU, goodput, losses, memory.
 
-    Figures are medians over the last (up to) five intervals. Where the intervals report no
-    MFU (its peak was too low to trust), the line says why instead.
+    Throughput figures are medians over the last (up to) five intervals; where they report
+    no MFU (its peak was too low to trust), the line says why instead. Tokens and time span
+    every session of a resumed or extended run (:func:`trained_tokens`); time is what the
+    sessions' ``fit`` calls took, from each one's ``end`` row.
 
     Example:
         >>> text = summarize([{"kind": "config", "step": 0, "num_devices": 1}])
@@ -64,21 +158,24 @@ def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
         run ...: running, step 0, 0 tokens
         ...
     """
-    configs = [i for i, r in enumerate(rows) if r.get("kind") == "config"]
-    config = rows[configs[-1]] if configs else {}
-    current = rows[configs[-1]:] if configs else rows
+    parts = sessions(rows) or [Session([])]
+    current = parts[-1].rows
+    config = current[0] if current and current[0].get("kind") == "config" else {}
     finished = any(r.get("kind") == "end" for r in current)
     intervals = [r for r in rows if r.get("kind") == "interval"]
     recent = [r for r in intervals if r.get("tokens_per_s") is not None][-5:]
     last = intervals[-1] if intervals else {}
-    step = max((r.get("step", 0) for r in rows), default=0)
+    step = max((r.get("step", 0) for r in current), default=0)
+    tokens, retrained = trained_tokens(rows)
 
     def median(key):
         values = [r[key] for r in recent if r.get(key) is not None]
         return statistics.median(values) if values else None
 
     lines = [f"run {run_dir}: {'finished' if finished else 'running'}, step {step}, "
-             f"{last.get('tokens', 0):,} tokens"]
+             f"{tokens:,} tokens"
+             + (f" ({retrained:,} more trained, then lost to a restart from an older "
+                f"checkpoint)" if retrained else "")]
     if config:
         lines.append(f"devices: {config.get('num_devices')} x {config.get('device_kind')}, "
                      f"peak {config.get('peak')}")
@@ -101,10 +198,7 @@ def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
             line += f" ({unreliable})"
         lines.append(line)
     if last:
-        lines.append(f"time: compile {last.get('compile_s') or 0:.1f} s, evaluation "
-                     f"{last.get('eval_s') or 0:.1f} s, stalls {last.get('stall_s') or 0:.1f} s, "
-                     f"goodput {last.get('goodput') or 0:.1%} of "
-                     f"{last.get('elapsed_s') or 0:.0f} s")
+        lines.append(_time_line(parts))
         memory = last.get("memory_peak_bytes")
         compiled = last.get("compiled_peak_bytes")
         if memory is not None or compiled is not None:
@@ -127,6 +221,35 @@ def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
             parts.append(f"validation {val[-1]:.4f} (best {min(val):.4f})")
         lines.append("loss: " + ", ".join(parts))
     return "\n".join(lines)
+
+
+def _time_line(parts: list[Session]) -> str:
+    """Compile, evaluation, stalls and goodput summed over the sessions' ``fit`` calls
+    (time outside ``fit``, such as a recipe's validation before training, is in none).
+
+    Example:
+        >>> print(_time_line(sessions([{"kind": "config", "step": 0}, {"kind": "end",
+        ...     "step": 4, "elapsed_s": 10.0, "compile_s": 2.0, "eval_s": 1.0,
+        ...     "stall_s": 0.0, "productive_s": 7.0, "goodput": 0.7}])))
+        time in fit: compile 2.0 s, evaluation 1.0 s, stalls 0.0 s, goodput 70.0% of 10 s
+    """
+    total = dict.fromkeys(("compile_s", "eval_s", "stall_s", "elapsed_s", "productive_s"), 0.0)
+    spans = 0
+    for s in parts:
+        t = s.times()
+        if t.get("elapsed_s") is None:
+            continue
+        spans += 1
+        for key in ("compile_s", "eval_s", "stall_s", "elapsed_s"):
+            total[key] += t.get(key) or 0.0
+        productive = t.get("productive_s")  # an interval row has the share only
+        total["productive_s"] += (productive if productive is not None
+                                  else (t.get("goodput") or 0.0) * t["elapsed_s"])
+    goodput = total["productive_s"] / total["elapsed_s"] if total["elapsed_s"] else 0.0
+    return (f"time in fit: compile {total['compile_s']:.1f} s, evaluation "
+            f"{total['eval_s']:.1f} s, stalls {total['stall_s']:.1f} s, goodput {goodput:.1%} "
+            f"of {total['elapsed_s']:.0f} s"
+            + (f" ({spans} sessions: a resumed or extended run)" if spans > 1 else ""))
 
 
 def _process_lines(intervals: list[dict[str, Any]]) -> list[str]:
@@ -174,9 +297,10 @@ def loss_series(rows: list[dict[str, Any]]) -> dict[str, tuple[list, list]]:
         ...              {"kind": "validation", "step": 0, "val_loss": 4.2}])["train"]
         ([1, 2], [4.0, 3.0])
     """
-    pairs = [p for r in rows if r.get("kind") == "interval" for p in r.get("step_losses") or ()]
-    out = {"train": ([p[0] for p in pairs], [p[1] for p in pairs])}
-    if not pairs:
+    train = _after_restarts(rows, lambda r: [tuple(p) for p in r.get("step_losses") or ()]
+                            if r.get("kind") == "interval" else [])
+    out = {"train": train}
+    if not train[0]:
         out["train_mean"] = _series(rows, "interval", "loss")
     out["validation"] = _series(rows, "validation", "val_loss")
     return out

@@ -22,6 +22,7 @@ running the same command again resumes exactly; a finished run is left alone.
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -105,6 +106,7 @@ def main(argv=None):
     import recipe_run as run  # the first import of kdist, JAX and Keras
 
     import kdist
+    from kdist.cli import as_typed
 
     # isort: split
     import jax
@@ -195,8 +197,9 @@ def main(argv=None):
     data.tokenizer.save_assets(str(output_dir))  # vocabulary.txt
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     print(f"outputs written to {output_dir.resolve()}: model.keras, vocabulary.txt, log.csv, "
-          f"summary.json, throughput.jsonl, tensorboard/ (fine-tune: python "
-          f"recipes/bert_finetune.py --pretrained {output_dir})")
+          f"summary.json, throughput.jsonl, tensorboard/ (fine-tune: "
+          f"{as_typed(Path(sys.executable))} recipes/bert_finetune.py --pretrained "
+          f"{output_dir})")
     return summary
 
 

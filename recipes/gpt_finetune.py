@@ -96,6 +96,7 @@ def main(argv=None):
     import recipe_run as run  # the first import of kdist, JAX and Keras
 
     import kdist
+    from kdist.cli import command
 
     # isort: split
     import jax
@@ -162,7 +163,7 @@ def main(argv=None):
     if jax.process_index() == 0:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     print(f"fine-tuned Hugging Face checkpoint in {export_dir.resolve()}; logs in "
-          f"{output_dir.resolve()} (plot: kdist report {output_dir})")
+          f"{output_dir.resolve()} (plot: {command()} report {output_dir})")
     return summary
 
 

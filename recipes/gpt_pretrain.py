@@ -116,6 +116,7 @@ def main(argv=None):
     import recipe_run as run  # the first import of kdist, JAX and Keras
 
     import kdist
+    from kdist.cli import command
 
     # isort: split
     import jax
@@ -211,7 +212,7 @@ def main(argv=None):
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     print(f"outputs written to {output_dir.resolve()}: model.keras, vocabulary.json, "
           f"merges.txt, log.csv, summary.json, throughput.jsonl, tensorboard/ "
-          f"(plot: kdist report {output_dir})")
+          f"(plot: {command()} report {output_dir})")
     return summary
 
 

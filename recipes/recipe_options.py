@@ -143,7 +143,8 @@ def add_schedule_flags(p: argparse.ArgumentParser, *, steps: int, learning_rate:
                    type=nonnegative_int("--warmup-steps", warmup_steps),
                    help=f"less than --steps; None: min({warmup_steps}, --steps // 5)")
     g.add_argument("--weight-decay", type=nonnegative_float("--weight-decay", weight_decay),
-                   default=weight_decay)
+                   default=weight_decay, help="AdamW's decoupled weight decay (not on biases, "
+                                              "norms or embeddings: kdist.optim)")
     g.add_argument("--eval-every", type=positive_int("--eval-every", eval_every), default=None,
                    help=f"steps between validations, dividing --steps; None: {eval_every} "
                         f"if it divides --steps, else the nearest divisor below it (at the "
@@ -165,8 +166,10 @@ def add_run_flags(p: argparse.ArgumentParser, output_dir: str, log_every: int) -
                    choices=("auto", "xla", "chunked", "splash"),
                    help="auto = the fastest measured for the device (Pallas splash attention "
                         "on a TPU, XLA's elsewhere; kdist.accelerators)")
-    g.add_argument("--seed", type=nonnegative_int("--seed", 0), default=0)
-    g.add_argument("--output-dir", default=output_dir)
+    g.add_argument("--seed", type=nonnegative_int("--seed", 0), default=0,
+                   help="random seed of the weights, data order, dropout, masking and sampling")
+    g.add_argument("--output-dir", default=output_dir,
+                   help="logs, model.keras, summary.json and (by default) checkpoints")
     g.add_argument("--log-every", type=positive_int("--log-every", log_every),
                    default=log_every, help="optimizer steps per throughput log row")
     g.add_argument("--peak-tflops", type=positive_float("--peak-tflops", 100.0), default=None,

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -72,6 +73,35 @@ def test_make_help_lists_every_target_with_what_it_does():
     targets = set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), flags=re.M))
     assert targets <= set(listed), (targets, listed)
     assert all(len(text) > 10 for text in listed.values())
+
+
+def test_make_keeps_the_recipes_cache_in_the_project_for_clean_to_remove():
+    """`make clean` left ~/.cache/kdist, where the recipes had cached their tokenizers."""
+    env = {k: v for k, v in child_environment().items() if k not in ("MAKEFLAGS", "KDIST_CACHE")}
+    done = subprocess.run(["make", "-n", "run", "bert-pretrain", "bert-finetune", "clean"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    recipes = [line for line in done.stdout.splitlines() if " recipes/" in line]
+    assert len(recipes) == 3, done.stdout
+    for line in recipes:  # the recipe's environment, as the shell gives it
+        prefix = line.split(" .venv/bin/python")[0]
+        cache = subprocess.run(["sh", "-c", f"{prefix} printenv KDIST_CACHE"], env=env,
+                               capture_output=True, text=True, timeout=60).stdout.strip()
+        assert cache and Path(cache).is_relative_to(ROOT / ".cache"), line
+    assert "rm -rf .venv runs .pytest_cache .cache" in done.stdout
+
+
+def test_the_makefile_says_how_large_the_venv_is():
+    """It said "about 3 GB"; `du -sh .venv` measured 4.3 GiB."""
+    venv = ROOT / ".venv" if (ROOT / ".venv").is_dir() else Path(sys.prefix)
+    on_disk = 0  # what du counts: allocated blocks, links not followed
+    for root, dirs, files in os.walk(venv):
+        if Path(root) == venv:
+            dirs[:] = [d for d in dirs if d != ".cache"]  # not the install
+        on_disk += sum(os.lstat(os.path.join(root, n)).st_blocks * 512 for n in dirs + files)
+    said = re.findall(r"about ([\d.]+) GiB", (ROOT / "Makefile").read_text())
+    assert said and all(abs(float(x) - on_disk / 2**30) < 0.2 * on_disk / 2**30 for x in said), (
+        said, f"{on_disk / 2**30:.2f} GiB measured in {venv}")
 
 
 @pytest.fixture(scope="module")

@@ -167,3 +167,14 @@ def test_keras_train_step_is_the_trainers_own_jit():
     assert not any(a.donated for a in jax.tree.leaves(data_info, is_leaf=is_info))
     out_state = lowered.compile().output_shardings[1]
     assert jax.tree.leaves(out_state) == jax.tree.leaves(compat.state_shardings(model))
+
+
+def test_a_progress_bar_figure_prints_without_four_decimals(capsys):
+    """Keras' bar printed `tok/s: 1503.5000`; built as ProgbarLogger builds it."""
+    for verbose in (1, 2):
+        bar = keras.utils.Progbar(target=2, verbose=verbose, stateless_metrics=set())
+        bar.update(1, [("tok/s", compat.progress_bar_figure(1503.5))])
+        bar.update(2, [("tok/s", compat.progress_bar_figure(12.34))], finalize=True)
+    out = capsys.readouterr().out
+    assert "tok/s: 1,504" in out and out.count("tok/s: 12.3") == 2 and "0000" not in out
+    assert "12.34" not in out

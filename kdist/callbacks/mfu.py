@@ -16,6 +16,8 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
+
 from kdist import flops as flops_lib
 from kdist.callbacks.peak import Peak
 
@@ -86,6 +88,29 @@ def utilisation(flops: ModelFlops, peak: Peak, tokens_per_s_per_device: float) -
     elif peak.unreliable:
         out["mfu_unreliable"] = f"{peak.source} peak: {peak.unreliable}"
     return out
+
+
+def interval_rates(flops: ModelFlops, peak: Peak, tokens: int, seconds: float, step_times,
+                   devices: int, sequence_length: int) -> dict[str, Any]:
+    """An interval's rates: tokens/s (global and per device), examples/s, the median and
+    p90 of ``step_times`` (seconds per optimizer step), TFLOP/s per device and
+    :func:`utilisation`, for ``tokens`` trained in ``seconds`` of steps over ``devices``.
+
+    Example:
+        >>> flops = ModelFlops(training=1e9, hardware=1e9, remat=False, convention="given")
+        >>> rates = interval_rates(flops, Peak(1.0, "override", "cpu", "float32"), 1000,
+        ...                        2.0, [1.0, 1.0], devices=2, sequence_length=10)
+        >>> rates["tokens_per_s"], rates["examples_per_s"], rates["mfu"]
+        (500.0, 50.0, 0.25)
+    """
+    tokens_per_s = tokens / seconds
+    per_device = tokens_per_s / devices
+    return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
+            "examples_per_s": tokens_per_s / sequence_length,
+            "step_time_median_s": float(np.median(step_times)),
+            "step_time_p90_s": float(np.percentile(step_times, 90)),
+            "tflops_per_device": per_device * flops.training / 1e12,
+            **utilisation(flops, peak, per_device)}
 
 
 def shown_mfu(row: dict[str, Any]) -> float | None:

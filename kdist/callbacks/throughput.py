@@ -16,7 +16,8 @@ What is measured, and how (all wall-clock, ``time.perf_counter()`` on the host):
   **HFU** too. The peak: the data-sheet table's, the user's, or measured here and kept per
   machine (:mod:`kdist.callbacks.peak`). **An MFU above 1 is never reported**
   (:mod:`kdist.callbacks.mfu`): ``mfu`` is None and ``mfu_unreliable`` says why; a peak
-  measured under load is flagged in every row, and such MFU is kept out of the progress bar.
+  measured under load is flagged in every row, and such MFU is kept out of the progress bar
+  (said once, in a line of its own).
 * **Loss**: ``loss`` is Keras' running epoch mean; ``step_losses`` each step's own
   (:mod:`kdist.callbacks.step_loss`), which ``kdist report`` plots. **Rounds** of separate
   replica group jobs: :mod:`kdist.groups.rounds`.
@@ -32,7 +33,6 @@ import contextlib
 import os
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ import numpy as np
 
 from kdist import _keras_compat
 from kdist.callbacks.devices import fit_devices
-from kdist.callbacks.mfu import ModelFlops, shown_mfu, utilisation
+from kdist.callbacks.mfu import ModelFlops, interval_rates, shown_mfu
 from kdist.callbacks.peak import device_peak
 from kdist.callbacks.run_log import (
     JSONL_NAME,
@@ -160,7 +160,8 @@ class Throughput(keras.callbacks.Callback):
         self._flops = ModelFlops.of(model, self.sequence_length, self.causal_half,
                                     self.flops_per_token)
         self._devices, self._local_devices, process = fit_devices()
-        self._is_writer = process == 0 and self.log_dir is not None
+        self._first_process = process == 0  # the one that prints and writes
+        self._is_writer = self._first_process and self.log_dir is not None
         dtype = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
         self._peak = device_peak(self._local_devices, dtype, self.peak_tflops)
         self._reset_counters()
@@ -211,20 +212,14 @@ class Throughput(keras.callbacks.Callback):
         self._training = True
 
     def _config_row(self, dtype: str) -> dict[str, Any]:
-        return {
-            "kind": "config",
-            "step": self._last_row_step,
-            "time": time.time(),
-            "global_batch_size": self.global_batch_size,
-            "sequence_length": self.sequence_length,
-            "gradient_accumulation_steps": self._accumulation,
-            "steps_per_execution": self._steps_per_execution,
-            "num_devices": len(self._devices),
-            **self._peak.row(),
-            "dtype": dtype,
-            **self._flops.row(),
-            **self._memory.config(),
-        }
+        # "step": where this fit starts (a resumed run's sessions: kdist.run_report).
+        return {"kind": "config", "step": self._last_row_step, "time": time.time(),
+                "global_batch_size": self.global_batch_size,
+                "sequence_length": self.sequence_length,
+                "gradient_accumulation_steps": self._accumulation,
+                "steps_per_execution": self._steps_per_execution,
+                "num_devices": len(self._devices), **self._peak.row(), "dtype": dtype,
+                **self._flops.row(), **self._memory.config()}
 
     # === Hooks (Keras calls them), continued ===
 
@@ -334,6 +329,19 @@ class Throughput(keras.callbacks.Callback):
         with self._lock:
             self._pending.append({"kind": "validation", "step": step, "time": time.time(), **val})
 
+    def resume_epoch_mean(self, epoch: int, total: float, count: float) -> None:
+        """Tells the callback that ``fit`` goes on inside ``epoch`` from Keras' running loss
+        mean as restored (its loss tracker's ``total`` and ``count``, which count examples;
+        kdist's ``Checkpoint`` calls this), so each step's own loss is known there too.
+
+        Example:
+            >>> throughput.resume_epoch_mean(1, total=56.0, count=16.0)  # doctest: +SKIP
+        """
+        batch = self.global_batch_size // self._accumulation  # the examples of a fit step
+        if count % batch == 0:  # else not kdist's equal batches: those steps stay unknown
+            with self._lock:
+                self._step_losses.resume(epoch, int(count // batch), total / batch)
+
     # === Stalls reported by other callbacks ===
 
     def report_stall(self, seconds: float, kind: str = "checkpoint") -> None:
@@ -380,7 +388,6 @@ class Throughput(keras.callbacks.Callback):
 
     def _emit_interval(self, step: int) -> None:
         # With self._lock held, once per interval: arithmetic only; _flush does the rest.
-        n_dev = len(self._devices)
         # The step count the learning-rate schedule saw for the last update: kdist's AdamW
         # counts updates, Keras' own optimizers micro-steps (see kdist.optim).
         lr_at = step - 1 if self._schedule_counts_updates else (
@@ -394,25 +401,17 @@ class Throughput(keras.callbacks.Callback):
                                "input_wait_s": waited / fetched * self._accumulation
                                if fetched else None}
         if self._interval_s > 0 and self._step_times:
-            tokens_per_s = self._interval_tokens / self._interval_s
-            tflops = tokens_per_s * self._flops.training / n_dev / 1e12
             times = np.asarray(self._step_times) * self._accumulation  # per optimizer step
-            row.update(
-                tokens_per_s=tokens_per_s,
-                tokens_per_s_per_device=tokens_per_s / n_dev,
-                examples_per_s=tokens_per_s / self.sequence_length,
-                step_time_median_s=float(np.median(times)),
-                step_time_p90_s=float(np.percentile(times, 90)),
-                tflops_per_device=tflops,
-                **utilisation(self._flops, self._peak, tokens_per_s / n_dev),
-            )
+            row.update(interval_rates(self._flops, self._peak, self._interval_tokens,
+                                      self._interval_s, times, len(self._devices),
+                                      self.sequence_length))
             mfu = shown_mfu(row)
-            self._progress = {"tok/s": round(tokens_per_s, 1),
+            self._progress = {"tok/s": _keras_compat.progress_bar_figure(row["tokens_per_s"]),
                               **({} if mfu is None else {"mfu": mfu})}
             if row.get("mfu_unreliable") and not self._mfu_hidden:
-                self._mfu_hidden = True  # once per fit: said, not shown
-                warnings.warn(f"Throughput: MFU is not shown in the progress bar: "
-                              f"{row['mfu_unreliable']} (see {JSONL_NAME}).", stacklevel=2)
+                self._mfu_hidden = True  # once per fit: said (by _flush), not shown
+                row["_notice"] = (f"Throughput: MFU is not shown in the progress bar: "
+                                  f"{row['mfu_unreliable']} (the rows keep it, and why).")
         wall = time.perf_counter() - self._t0
         c = self._clock
         row.update(compile_s=c.compile_s, eval_s=c.eval_s, stall_s=c.stall_s, elapsed_s=wall,
@@ -438,6 +437,9 @@ class Throughput(keras.callbacks.Callback):
             if stop_trace:
                 self._trace(start=False)
             for row in rows:
+                notice = row.pop("_notice", None)
+                if notice and self._first_process:  # a line of its own ("\n": out of the
+                    print(f"\n{notice}", flush=True)  # bar; a warning printed its source)
                 if row["kind"] == "interval":
                     row["lr"] = self._schedule_value(row.pop("_lr_at"))
                     row.update(self.stragglers.interval(row["step"], row.pop("_figures")),

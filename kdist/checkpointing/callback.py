@@ -33,7 +33,7 @@ from kdist.checkpointing.format import (
 )
 from kdist.checkpointing.metadata import describe, write_commit_marker
 from kdist.checkpointing.restore import load_initial_weights, newest_intact
-from kdist.checkpointing.state import all_finite, state_variables
+from kdist.checkpointing.state import all_finite, loss_mean, state_variables
 
 
 class Checkpoint(keras.callbacks.Callback):
@@ -60,7 +60,7 @@ class Checkpoint(keras.callbacks.Callback):
         exit_on_signal: exit status ``128 + signal`` after that save (else ``fit`` just
             returns, with ``interrupted_by`` set). Put this callback last in the list:
             callbacks after it get no ``on_train_end`` when it exits.
-        throughput: a ``kdist.callbacks.Throughput`` to report blocking waits to.
+        throughput: a ``kdist.callbacks.Throughput`` told of blocking waits and resumed means.
         on_checkpoint: called as ``on_checkpoint(step, step_dir)`` once a step is durable
             (from a background thread, in every process).
         verbose: print one line per restore and per committed save.
@@ -96,10 +96,8 @@ class Checkpoint(keras.callbacks.Callback):
                 f"data position can be restored, or be 'restart'; got {type(data).__name__}."
             )
         self.directory = Path(directory).absolute()
-        self.save_every_steps = save_every_steps
-        self.save_every_seconds = save_every_seconds
-        self.keep = keep
-        self.keep_every = keep_every
+        self.save_every_steps, self.save_every_seconds = save_every_steps, save_every_seconds
+        self.keep, self.keep_every = keep, keep_every
         self.data = data
         self.resume = resume
         self.init_from = init_from
@@ -262,6 +260,8 @@ class Checkpoint(keras.callbacks.Callback):
                 for key, value in self._restored_metrics.items():
                     self._variables[key].assign(value)
                 self.epoch_batches = self._steps_per_epoch - done
+                if self.throughput is not None:  # its per-step losses go on from this mean
+                    self.throughput.resume_epoch_mean(epoch, *loss_mean(self._restored_metrics))
         self._first_epoch = False
 
     def on_train_batch_end(self, batch, logs=None):

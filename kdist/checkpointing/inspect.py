@@ -23,7 +23,9 @@ from kdist.checkpointing.verify import check_files
 
 def inspect_directory(directory: str | os.PathLike, read_arrays: bool = False) -> tuple[str, bool]:
     """A report on a checkpoint directory: steps, sizes, config, integrity. Returns
-    ``(text, ok)``; ``ok`` is False when a committed step is damaged.
+    ``(text, ok)``; ``ok`` is False when a committed step is damaged. Given a directory
+    without steps, such as a run's output directory, it reports the checkpoint directories
+    found below it (:func:`checkpoint_directories`); none found is a ``ValueError``.
 
     Every committed step is verified from its recorded sizes and SHA-256 checksums (steps
     saved without checksums: sizes only). With ``read_arrays``, every array of every step
@@ -39,12 +41,46 @@ def inspect_directory(directory: str | os.PathLike, read_arrays: bool = False) -
     if not directory.is_dir():
         raise ValueError(f"{directory} is not a directory. Pass a checkpoint directory "
                          f"(the recipes' --checkpoint-dir, default OUTPUT_DIR/checkpoints).")
+    found = checkpoint_directories(directory)
+    if not found:
+        raise ValueError(f"No checkpoints in {directory}, nor in the directories below it. "
+                         f"Pass the directory a run saved them to (the recipes' "
+                         f"--checkpoint-dir, default OUTPUT_DIR/checkpoints).")
+    if found == [directory]:
+        return _inspect(directory, read_arrays)
+    reports = [_inspect(d, read_arrays) for d in found]  # e.g. a run's OUTPUT_DIR
+    names = ", ".join(str(d.relative_to(directory)) for d in found)
+    return "\n".join([f"{directory} holds no checkpoints itself; found below it: {names}"]
+                     + [text for text, _ in reports]), all(ok for _, ok in reports)
+
+
+def checkpoint_directories(directory: Path) -> list[Path]:
+    """``directory`` if it holds steps (committed, partial or moved aside as damaged), else
+    the directories one or two levels below it that do: a run's ``OUTPUT_DIR/checkpoints``,
+    separate replica group jobs' ``OUTPUT_DIR/group-*/checkpoints``.
+
+    Example:
+        >>> checkpoint_directories(Path("/nonexistent"))
+        []
+    """
+    def holds_steps(d: Path) -> bool:
+        final, partial = step_dirs(d)
+        return bool(final or partial or damaged_dirs(d))
+
+    if holds_steps(directory):
+        return [directory]
+    for pattern in ("*", "*/*"):
+        found = sorted(d for d in directory.glob(pattern) if d.is_dir() and holds_steps(d))
+        if found:
+            return found
+    return []
+
+
+def _inspect(directory: Path, read_arrays: bool) -> tuple[str, bool]:
+    """:func:`inspect_directory`'s report on one directory that holds steps."""
     final, partial = step_dirs(directory)
     aside = damaged_dirs(directory)
     lines, ok, newest = [f"checkpoint directory {directory}"], True, None
-    if not final and not partial and not aside:
-        lines.append("no checkpoints")
-        return "\n".join(lines), True
     lines.append(f"{'step':>8}  {'size':>10}  {'loss':>9}  {'saved (UTC)':20}  status")
     for s, p in final.items():
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())

@@ -64,6 +64,18 @@ def state_variables(model: keras.Model) -> dict[str, keras.Variable]:
     return out
 
 
+def loss_mean(metrics: dict) -> tuple[float, float]:
+    """``(total, count)`` of Keras' running loss mean among restored ``metrics.*`` values;
+    zeros where there are none (the mean Keras resets at an epoch's start).
+
+    Example:
+        >>> loss_mean({"metrics.loss.total": 7.0, "metrics.loss.count": 2.0})
+        (7.0, 2.0)
+    """
+    return float(metrics.get("metrics.loss.total", 0.0)), float(
+        metrics.get("metrics.loss.count", 0.0))
+
+
 _all_finite = jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))
 
 

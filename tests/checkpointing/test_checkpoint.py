@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kdist
-from kdist.callbacks import Checkpoint, CheckpointError
+from kdist.callbacks import Checkpoint, CheckpointError, Throughput
 from kdist.checkpointing import committed_steps, read_metadata, verify_step
 from kdist.data.lm import LMBatches
 from tests.helpers import (
@@ -47,27 +47,48 @@ class Record(keras.callbacks.Callback):
             self._model.stop_training = True
 
 
-def run(directory, epochs, stop_at=None, mesh=None, steps_per_epoch=4, **ckpt_args):
-    """A fresh tiny GPT (dropout on) trained by fit on LMBatches with a Checkpoint."""
+def run(directory, epochs, stop_at=None, mesh=None, steps_per_epoch=4, throughput=None,
+        **ckpt_args):
+    """A fresh tiny GPT (dropout on) trained by fit on LMBatches with a Checkpoint (and a
+    ``throughput`` callback, if given)."""
     keras.utils.clear_session()
     model = tiny_gpt(mesh, dropout=0.1)
     model.compile(optimizer=parity_optimizer())
     data = LMBatches(TOKENS, sequence_length=16, global_batch_size=8, seed=3)
     record = Record(stop_at)
     ckpt = Checkpoint(directory, data=data, verbose=False, handle_signals=False,
-                      **{"save_every_steps": 3, **ckpt_args})
+                      throughput=throughput, **{"save_every_steps": 3, **ckpt_args})
+    if throughput:  # restored before fit, as the recipes do: Throughput counts from there
+        ckpt.restore(model)
     model.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0,
-              callbacks=[record, ckpt])
+              callbacks=[record, *([throughput] if throughput else []), ckpt])
     return model, record, ckpt, data
 
 
+def throughput():
+    """A Throughput logging every 2 steps to its rows only (no peak measured)."""
+    return Throughput(8, 16, log_every=2, peak_tflops=1.0, tensorboard=False,
+                      progress_bar=False)
+
+
+def step_losses(callback):
+    """{optimizer step: its own loss} of a Throughput's interval rows."""
+    return {s: v for r in callback.rows if r["kind"] == "interval" for s, v in r["step_losses"]}
+
+
 def test_resume_mid_epoch_is_bit_exact(tmp_path):
-    full_model, full, _, _ = run(tmp_path / "full", epochs=3)
+    full_model, full, _, _ = run(tmp_path / "full", epochs=3, throughput=(whole := throughput()))
     # Stop at step 6 (epoch 1, after 2 of its 4 steps); the final save commits step 6.
-    _, first, ckpt, _ = run(tmp_path / "split", epochs=3, stop_at=6)
+    _, first, ckpt, _ = run(tmp_path / "split", epochs=3, stop_at=6,
+                            throughput=(before := throughput()))
     assert committed_steps(tmp_path / "split") == [3, 6]
     assert read_metadata(tmp_path / "split" / "6")["data_step"] == 6
-    model, second, ckpt, data = run(tmp_path / "split", epochs=3)
+    model, second, ckpt, data = run(tmp_path / "split", epochs=3,
+                                    throughput=(after := throughput()))
+    # Each step's own loss, the resumed epoch's too (its running mean holds steps 5-6).
+    assert list(step_losses(after)) == [7, 8, 9, 10, 11, 12]
+    np.testing.assert_allclose([*step_losses(before).values(), *step_losses(after).values()],
+                               list(step_losses(whole).values()), rtol=1e-5)
     assert ckpt.restored_step == 6 and data.start_step == 6  # data resumes at batch 6
     assert second.epochs == [1, 2]  # fit started in the interrupted epoch
     assert len(first.losses) + len(second.losses) == 12  # no batch repeated or skipped
@@ -95,10 +116,14 @@ def test_skip_to_moves_the_step_data_and_optimizer_on_without_training(tmp_path)
     assert ckpt.skip_to(9, model) == 9
     assert data.start_step == 9 and int(model.optimizer._iterations.value) == 9
     assert all(np.array_equal(before[k], v) for k, v in weights(model).items())
-    record = Record()
+    record, logged = Record(), throughput()
+    ckpt.throughput = logged
     model.fit(data, epochs=3, steps_per_epoch=4, shuffle=False, verbose=0,
-              callbacks=[record, ckpt])
+              callbacks=[record, logged, ckpt])
     assert record.epochs == [2] and len(record.losses) == 3  # steps 10-12, mid-epoch 2
+    # No mean restored (it was the old step's): each step's loss from Keras' fresh mean.
+    assert list(step_losses(logged)) == [10, 11, 12]
+    assert step_losses(logged)[10] == pytest.approx(record.losses[0])
     assert committed_steps(tmp_path)[-1] == 12
     assert read_metadata(tmp_path / "12")["data_step"] == 12
 

@@ -1,6 +1,7 @@
 """`kdist inspect` on a real checkpoint directory: listing, integrity, damage."""
 
 import hashlib
+import shutil
 
 from kdist import cli
 from tests.checkpointing.test_checkpoint import run
@@ -29,6 +30,22 @@ def test_inspect_lists_verifies_and_reports_damage(tmp_path, capsys):
 def test_inspect_explains_a_missing_directory(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_inspect_of_a_run_directory_finds_its_checkpoints(tmp_path, capsys):
+    """`kdist inspect RUN_DIR` said "no checkpoints" with exit status 0; they were in
+    RUN_DIR/checkpoints."""
+    (tmp_path / "tensorboard" / "train").mkdir(parents=True)  # beside them, as in a run
+    assert cli.main(["inspect", str(tmp_path)]) == 2
+    assert f"No checkpoints in {tmp_path}, nor in the directories below it" in (
+        capsys.readouterr().err)
+    run(tmp_path / "group-0" / "checkpoints", epochs=1, save_every_steps=2)  # steps 2, 4
+    shutil.copytree(tmp_path / "group-0", tmp_path / "group-1")  # separate group jobs'
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tmp_path} holds no checkpoints itself; found below it: "
+                          f"group-0/checkpoints, group-1/checkpoints\n")
+    assert out.count("checkpoint directory") == 2 and "newest intact: step 4" in out
 
 
 def test_a_relative_path_reads_back_and_lists_what_was_verified(tmp_path, capsys,

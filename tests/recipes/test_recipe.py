@@ -2,10 +2,12 @@
 
 import json
 import math
+import re
 import sys
 
 import pytest
 
+from kdist.cli import command
 from tests.helpers import RECIPES
 
 sys.path.insert(0, str(RECIPES))
@@ -24,7 +26,8 @@ def test_recipe_runs_and_learns(tmp_path, capsys):
     assert summary["validation_loss_after"] < summary["validation_loss_before"] - 0.5
     assert abs(summary["validation_loss_before"] - math.log(1024)) < 0.5
     assert summary["tokens"] == 8 * 8 * 64
-    assert "sample:" in out and "outputs written to" in out
+    assert "sample:" in out and f"(plot: {command()} report {tmp_path})" in out
+    assert re.findall(r"tok/s: [\d,]+", out) and not re.findall(r"tok/s: [\d,]*\.\d{4}", out)
     assert "validation loss on 2 of the validation split's" in out  # --eval-steps 2: strided
     assert "evenly strided over the whole split" in out
     for name in ("model.keras", "vocabulary.json", "merges.txt", "log.csv", "summary.json"):

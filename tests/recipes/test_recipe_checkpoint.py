@@ -7,6 +7,7 @@ import pytest
 
 from kdist.callbacks import CheckpointError
 from kdist.checkpointing import committed_steps, read_metadata
+from kdist.run_report import loss_series, read_rows, summarize
 from tests.helpers import RECIPES
 
 sys.path.insert(0, str(RECIPES))
@@ -34,3 +35,11 @@ def test_recipe_resumes_from_its_checkpoints(tmp_path):
     # The resumed run trained steps 5-6 only: one more epoch of 2 steps in the history.
     assert len(second["history"]["loss"]) == 1
     assert json.loads((tmp_path / "summary.json").read_text())["resumed_from_step"] == 4
+    # The report spans both processes: every step's loss, both fits' tokens and time.
+    rows = read_rows(tmp_path)
+    assert loss_series(rows)["train"][0] == [1, 2, 3, 4, 5, 6]
+    ends = [r for r in rows if r["kind"] == "end"]
+    report = summarize(rows)
+    assert "finished, step 6, 1,536 tokens" in report  # 6 steps x 8 x 32
+    assert (f"of {sum(r['elapsed_s'] for r in ends):.0f} s (2 sessions: a resumed or "
+            f"extended run)") in report

@@ -3,6 +3,7 @@ same ``--remat`` as ``kdist plan``, and defaults that adapt to the flags they de
 checked against every legal value of those flags — while a value the user typed is refused
 when it cannot work."""
 
+import argparse
 import sys
 
 import jax
@@ -48,6 +49,18 @@ def test_every_recipe_has_the_same_mesh_schedule_run_and_checkpoint_flags():
     for name in RECIPE_MODULES:
         missing = [f for f in SHARED if f not in flags(name)]
         assert not missing, f"{name} lacks {missing}"
+
+
+@pytest.mark.parametrize("name", RECIPE_MODULES)
+def test_help_shows_every_default(name):
+    """`--help` gave no default for --weight-decay, --seed or --output-dir: argparse shows
+    one only beside a flag's help text."""
+    parser = RECIPE_MODULES[name].build_parser()
+    text = " ".join(parser.format_help().split())  # one line: defaults wrap
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            shown = f"{action.help} (default: {action.default})" if action.help else None
+            assert shown and " ".join(shown.split()) in text, action.option_strings
 
 
 @pytest.mark.parametrize("name", RECIPE_MODULES)
