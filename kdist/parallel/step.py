@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import keras
 
-from kdist import compiled_step
+from kdist import _keras_compat, compiled_step
 from kdist.parallel import reduction, replicas, rules
 from kdist.parallel import train_step as stateful
 from kdist.parallel.context import step as context_step
@@ -165,16 +165,18 @@ def _check_built_under(model, dist) -> None:
     so they would stay where they are, and the optimizer's slots, made from them later,
     would meet the mesh with no layout at all (an error that points at the wrong fix)."""
     devices = set(dist.device_mesh.backend_mesh.devices.flat)
-    weights = [v for v in model.trainable_variables if hasattr(v.value, "sharding")]
-    if not weights or any(v.value.sharding.device_set == devices for v in weights):
+    placed = [_keras_compat.variable_layout(v) for v in model.trainable_variables]
+    placed = [getattr(layout, "backend_layout", layout) for layout in placed]
+    if not placed or any(p is not None and set(p.device_set) == devices for p in placed):
         return
-    held = len(weights[0].value.sharding.device_set)
+    where = ("under no distribution" if placed[0] is None else
+             f"on {len(placed[0].device_set)} devices of another mesh")
     raise ValueError(
         f"{type(model).__name__}'s weights were created before the distribution "
-        f"'{dist.spec}' was set: they are on {held} device{'s' * (held > 1)}, the mesh spans "
-        f"{len(devices)}, and Keras lays a weight out only when it creates it. Set the "
-        f"distribution first — keras.distribution.set_distribution(kdist.distribution("
-        f"'{dist.spec}')) — then build or load the model (from_preset, from_pretrained and "
+        f"'{dist.spec}' was set ({where}; the mesh spans {len(devices)} devices), and "
+        f"Keras lays a weight out only when it creates it. Set the distribution first — "
+        f"keras.distribution.set_distribution(kdist.distribution('{dist.spec}')) — then "
+        f"build or load the model (from_preset, from_pretrained and "
         f"keras.saving.load_model included), then compile.")
 
 

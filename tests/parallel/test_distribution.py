@@ -139,7 +139,7 @@ def test_a_model_built_before_its_distribution_is_refused_with_the_order_to_foll
     model = tiny_gpt(None)  # built on one device, no distribution
     keras.distribution.set_distribution(kdist.distribution("data=8"))
     with pytest.raises(ValueError, match=r"GPTCausalLM's weights were created before the "
-                       r"distribution 'data=8' was set: they are on 1 device, the mesh spans "
-                       r"8.*Set the distribution first"):
+                       r"distribution 'data=8' was set \(under no distribution; the mesh spans "
+                       r"8 devices\).*Set the distribution first"):
         model.compile(optimizer="adamw")
     tiny_gpt("data=8").compile(optimizer="adamw")  # in that order it compiles
