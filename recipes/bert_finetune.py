@@ -29,6 +29,7 @@ from recipe_flags import (
     check_sequence_length,
     existing_path,
     int_at_least,
+    preset,
     probability,
 )
 
@@ -49,7 +50,8 @@ def build_parser():
                         "vocab.txt): its encoder, a new classifier head")
     g.add_argument("--from-scratch", action="store_true",
                    help="random initialisation (with --preset) instead of pretrained weights")
-    g.add_argument("--preset", default="bert-tiny", help="model shape when from scratch")
+    g.add_argument("--preset", default="bert-tiny", type=preset("BERT_PRESETS"),
+                   help="model shape when from scratch")
     g.add_argument("--vocabulary-size", default=8192,
                    type=int_at_least("--vocabulary-size", 256,
                                      "special tokens and the corpus's characters"),
@@ -243,4 +245,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    options.command(main)

@@ -32,6 +32,7 @@ from recipe_flags import (
     existing_path,
     int_at_least,
     positive_int,
+    preset,
     probability,
     text_encoding,
 )
@@ -41,7 +42,8 @@ def build_parser():
     """Every flag, its type (a bad value fails here, naming the flag) and default."""
     p = options.recipe_parser(__doc__)
     g = p.add_argument_group("model and data")
-    g.add_argument("--preset", default="bert-tiny", help="see kdist.models.BERT_PRESETS")
+    g.add_argument("--preset", default="bert-tiny", type=preset("BERT_PRESETS"),
+                   help="see kdist.models.BERT_PRESETS")
     g.add_argument("--data", default="python-stdlib", help="python-stdlib or a text file/dir/glob")
     g.add_argument("--encoding", type=text_encoding(), default="utf-8",
                    help="of local text files (e.g. latin-1)")
@@ -204,4 +206,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    options.command(main)

@@ -168,4 +168,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    options.command(main)

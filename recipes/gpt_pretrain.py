@@ -40,6 +40,7 @@ from recipe_flags import (
     int_at_least,
     nonnegative_int,
     positive_int,
+    preset,
     probability,
 )
 
@@ -50,7 +51,8 @@ def build_parser():
     """Every flag, its type (a bad value fails here, naming the flag) and default."""
     p = options.recipe_parser(__doc__)
     g = p.add_argument_group("model and data")
-    g.add_argument("--preset", default="gpt-nano", help="see kdist.models.GPT_PRESETS")
+    g.add_argument("--preset", default="gpt-nano", type=preset("GPT_PRESETS"),
+                   help="see kdist.models.GPT_PRESETS")
     options.add_text_flags(g)
     g.add_argument("--sequence-length", type=positive_int("--sequence-length", 256),
                    default=None, help=f"tokens per sequence; None: {SEQUENCE_LENGTH}, or the "
@@ -217,4 +219,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    options.command(main)

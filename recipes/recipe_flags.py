@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import importlib.util
 import math
 from pathlib import Path
 
@@ -136,6 +137,26 @@ def existing_path(flag: str, what: str = "file or directory"):
                 f"{text}: no such file or directory. Pass an existing {what} to {flag}, or "
                 f"leave {flag} out."
             )
+        return text
+
+    return parse
+
+
+def preset(table: str):
+    """A preset name of ``kdist.models.presets``' ``table`` (``"GPT_PRESETS"``,
+    ``"BERT_PRESETS"``), checked by reading that file of kdist's (plain data) alone: no
+    kdist, JAX or Keras is imported for it."""
+
+    def parse(text: str) -> str:
+        kdist = importlib.util.find_spec("kdist")  # where it is; nothing is imported
+        path = Path(kdist.origin).parent / "models" / "presets.py"
+        spec = importlib.util.spec_from_file_location("_kdist_presets", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        names = getattr(module, table)
+        if text not in names:
+            raise argparse.ArgumentTypeError(
+                f"unknown preset {text!r}. Pass one of: {', '.join(names)}.")
         return text
 
     return parse

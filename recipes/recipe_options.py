@@ -10,6 +10,9 @@ Four groups, one spelling in every recipe (``tests/recipes/test_recipe_options.p
 * ``add_run_flags``: precision, remat, seed, logs, output directory.
 * ``add_checkpoint_flags``: checkpoints, resuming, extending a finished run.
 
+:func:`command` runs a recipe's ``main``: what is refused while the run is set up is one
+line naming the flag, as argparse's own errors are.
+
 A default that depends on another flag is ``None`` in the parser and is chosen by
 :func:`settle_defaults` once every flag is known; each choice comes back as a line for the
 log. A value the user typed is never changed, only refused when it cannot work.
@@ -23,6 +26,8 @@ log. A value the user typed is never changed, only refused when it cannot work.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from recipe_flags import (
     nonnegative_float,
@@ -32,6 +37,10 @@ from recipe_flags import (
     probability,
     text_encoding,
 )
+
+# Whether the run is still being set up (flags, devices, mesh, data, model): cleared by
+# recipe_run.fit_callbacks once the checkpoint is restored, just before training.
+setting_up = True
 
 # kdist.models.remat's policies ("none": False); `kdist plan --remat` takes the same.
 REMAT_CHOICES = ("auto", "none", "minimal", "save_dots", "block")
@@ -291,3 +300,18 @@ def check_together(args: argparse.Namespace) -> None:
                          f"need a replica axis in --mesh; --mesh {args.mesh} has none. "
                          f"Pass e.g. --mesh replica=2,data=4 --sync-every {sync_every}, "
                          f"or leave --sync-every out for synchronous training.")
+
+
+def command(main) -> None:
+    """Runs a recipe's ``main`` as a command. A ``ValueError`` (or a missing file) while the
+    run is set up is an input kdist refused, with a message that names the flag and the
+    fix: it is printed as one line, ``<recipe>: error: ...``, exit status 2, without the
+    traceback around it (``KDIST_TRACEBACK=1`` keeps it). Anything raised once training
+    began keeps its traceback."""
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        if not setting_up or os.environ.get("KDIST_TRACEBACK"):
+            raise
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        sys.exit(2)

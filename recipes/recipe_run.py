@@ -23,6 +23,7 @@ import kdist  # before keras: it selects Keras' JAX backend if none is chosen
 # isort: split
 import jax
 import keras
+import recipe_options as options
 from recipe_options import check_together, settle_batch
 
 from kdist.planning.target import running_links
@@ -196,8 +197,27 @@ def prepare(args: argparse.Namespace, state: RunState, cost_model, chosen: list[
     except ValueError as e:
         raise ValueError(f"--mesh {mesh}: {e}") from None
     set_distribution(args, mesh, dtype)
+    check_batch(args, mesh)
     state.output_dir.mkdir(parents=True, exist_ok=True)
     return dtype
+
+
+def check_batch(args: argparse.Namespace, mesh: str) -> None:
+    """A ``--global-batch-size`` (per ``--grad-accum`` micro-batch) the mesh's batch axes
+    cannot split is refused here, naming the flags, before the data is read (the datasets
+    would refuse it later by their arguments' names)."""
+    from kdist.parallel.layout import replica_count
+
+    shards, accum = replica_count(), args.grad_accum
+    if (args.global_batch_size // accum) % shards == 0:
+        return
+    step = shards * accum
+    below = args.global_batch_size // step * step
+    sizes = " or ".join(str(b) for b in (below, below + step) if b)
+    per = f" / --grad-accum {accum}" if accum > 1 else ""
+    raise ValueError(f"--global-batch-size {args.global_batch_size}{per} does not split over "
+                     f"the {shards} batch shards of --mesh {mesh} (replica x data x fsdp). "
+                     f"Use a --global-batch-size that is a multiple of {step}, e.g. {sizes}.")
 
 
 def check_context(args: argparse.Namespace, mesh: str) -> None:
@@ -334,6 +354,7 @@ def fit_callbacks(args: argparse.Namespace, state: RunState, model, train_data,
     if job is not None:  # a group rejoining a job that went on: from the job's step
         start_step = kdist.groups.skip_to_job(checkpoint, model, args.steps * args.grad_accum)
     start_step //= args.grad_accum
+    options.setting_up = False  # what fails from here on keeps its traceback
     log = ([keras.callbacks.CSVLogger(str(state.output_dir / "log.csv"), append=start_step > 0)]
            if jax.process_index() == 0 else [])  # one writer when there are several
     return [throughput, *log, checkpoint], start_step

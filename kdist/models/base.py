@@ -219,7 +219,7 @@ class Task:
     # === Token id checks ===
 
     def fit(self, x=None, y=None, *args, **kwargs):
-        kwargs = step.fit_arguments(self, args, kwargs)  # by name, with the step's callbacks
+        kwargs = step.fit_arguments(self, x, args, kwargs)  # by name, with the step's callbacks
         self.check_token_arrays(x, y, "fit")
         validation = kwargs.get("validation_data")
         if isinstance(validation, (tuple, list)) and validation:  # (x,), (x, y), (x, y, w)

@@ -81,20 +81,36 @@ def state_optimizer(model):
         model, "optimizer", None)
 
 
-def fit_arguments(model, args: tuple, kwargs: dict) -> dict:
+def fit_arguments(model, x, args: tuple, kwargs: dict) -> dict:
     """``fit``'s arguments after ``x`` and ``y`` by name (those given by position too), its
     ``callbacks`` (a list, or None) with those the step owner adds (:class:`StepOwner`).
+    Arrays ``x`` are checked batch by batch against the mesh first (:func:`check_batches`).
 
     Example:
-        >>> kwargs = fit_arguments(model, args, kwargs)  # in Task.fit  # doctest: +SKIP
+        >>> kwargs = fit_arguments(model, x, args, kwargs)  # in Task.fit  # doctest: +SKIP
     """
     kwargs = {**dict(zip(tuple(inspect.signature(keras.Model.fit).parameters)[3:], args)),
               **kwargs}
+    check_batches(x, kwargs.get("batch_size"))
     owner = step_owner(model)
     if owner is not None:
         callbacks = list(kwargs.get("callbacks") or [])
         kwargs["callbacks"] = callbacks + owner.kdist_fit_callbacks(callbacks)
     return kwargs
+
+
+def check_batches(x, batch_size: int | None) -> None:
+    """For arrays ``x`` (or a dict of them), both batch sizes ``fit`` will send — ``batch_size``
+    (Keras' default 32) and the remainder that ends each epoch — must split over the
+    replica axes: refused here, before anything compiles (Keras checks only the first
+    batch's layout, and JAX's error for the last names no fix)."""
+    dist = active()
+    leaves = [v for v in (x.values() if isinstance(x, dict) else [x]) if hasattr(v, "shape")]
+    if dist is None or not leaves or not leaves[0].shape:
+        return
+    rows, batch = leaves[0].shape[0], batch_size or 32
+    for size in {min(batch, rows), rows % batch} - {0}:
+        dist.check_batch(size)
 
 
 def supports(model, feature: str) -> bool:

@@ -131,6 +131,14 @@ def test_a_numpy_batch_the_replicas_cannot_split_is_named_before_compiling():
     with pytest.raises(ValueError, match=message):
         model.fit(x, y, batch_size=12, epochs=1, verbose=0)
     model.fit(x[:16], y[:16], batch_size=8, epochs=1, verbose=0)  # a multiple trains
+    # A kdist model checks every batch size fit will send, the epoch's last one included
+    # (Keras lays out the first batch only): 20 rows in batches of 8 end with 4.
+    gpt = tiny_gpt("data=8")
+    gpt.compile(optimizer="adamw")
+    tokens = np.zeros((20, 16), "int32")
+    with pytest.raises(ValueError, match=r"A batch of 4 rows .*multiple of 8, e.g. 8 \(.*the "
+                                         r"last batch of an epoch holds the remaining samples"):
+        gpt.fit(tokens, tokens, batch_size=8, epochs=1, verbose=0)
 
 
 

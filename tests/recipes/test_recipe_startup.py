@@ -40,3 +40,25 @@ def test_parsing_and_checking_the_flags_imports_nothing_heavy():
     done, _ = run("-c", code)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("recipe", ["gpt_pretrain.py", "bert_pretrain.py", "bert_finetune.py"])
+def test_an_unknown_preset_is_refused_at_parsing(recipe):
+    bad, seconds = run(str(RECIPES / recipe), "--preset", "gpt-nanoo")
+    assert bad.returncode == 2 and seconds < 3, (seconds, bad.stderr[-2000:])
+    assert "argument --preset: unknown preset 'gpt-nanoo'. Pass one of: " in bad.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh", "data=3"], "--mesh data=3: Mesh spec 'data=3' describes 3 devices, but 8 "),
+    (["--mesh", "data=8", "--global-batch-size", "12"],
+     "--global-batch-size 12 does not split over the 8 batch shards of --mesh data=8 "
+     "(replica x data x fsdp). Use a --global-batch-size that is a multiple of 8, e.g. 8 or 16."),
+], ids=["mesh", "batch"])
+def test_a_setting_refused_once_the_devices_are_known_is_one_line(tmp_path, flags, message):
+    done, _ = run(str(RECIPES / "gpt_pretrain.py"), "--host-devices", "8", "--steps", "2",
+                  "--output-dir", str(tmp_path / "run"), *flags)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"gpt_pretrain.py: error: {message}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "validation loss" not in done.stdout  # refused before the data and the model
