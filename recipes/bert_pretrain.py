@@ -34,6 +34,7 @@ from recipe_flags import (
     positive_int,
     preset,
     probability,
+    text_data,
     text_encoding,
 )
 
@@ -44,7 +45,8 @@ def build_parser():
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", default="bert-tiny", type=preset("BERT_PRESETS"),
                    help="see kdist.models.BERT_PRESETS")
-    g.add_argument("--data", default="python-stdlib", help="python-stdlib or a text file/dir/glob")
+    g.add_argument("--data", default="python-stdlib", type=text_data(),
+                   help="python-stdlib or a text file/dir/glob")
     g.add_argument("--encoding", type=text_encoding(), default="utf-8",
                    help="of local text files (e.g. latin-1)")
     g.add_argument("--vocabulary", default=None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import glob
 import importlib.util
 import math
 from pathlib import Path
@@ -158,6 +159,25 @@ def preset(table: str):
             raise argparse.ArgumentTypeError(
                 f"unknown preset {text!r}. Pass one of: {', '.join(names)}.")
         return text
+
+    return parse
+
+
+def text_data(flag: str = "--data"):
+    """``python-stdlib`` (the embedded corpus), ``tfds:NAME``, or local text: an existing
+    file or directory, or a glob that matches something (what kdist.data.text_source
+    takes), checked at parsing."""
+
+    def parse(text: str) -> str:
+        if text == "python-stdlib" or (text.startswith("tfds:") and len(text) > 5):
+            return text
+        path = str(Path(text).expanduser())
+        if Path(path).exists() or glob.glob(path, recursive=True):
+            return text
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no file, directory or glob with matches. Pass local text "
+            f"({flag} corpus.txt, {flag} 'corpus/*.txt'), {flag} python-stdlib (the embedded "
+            f"corpus) or {flag} tfds:NAME.")
 
     return parse
 

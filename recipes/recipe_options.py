@@ -35,6 +35,7 @@ from recipe_flags import (
     positive_float,
     positive_int,
     probability,
+    text_data,
     text_encoding,
 )
 
@@ -122,7 +123,7 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
 
 def add_text_flags(g) -> None:
     """The language-model recipes' text: the embedded corpus, local files or TFDS."""
-    g.add_argument("--data", default="python-stdlib",
+    g.add_argument("--data", default="python-stdlib", type=text_data(),
                    help="python-stdlib, a text file/dir/glob, or tfds:NAME (e.g. tfds:lm1b)")
     g.add_argument("--tfds-data-dir", default=None, help="where TFDS datasets are prepared")
     g.add_argument("--tfds-manual-dir", default=None, help="a TFDS dataset's manual download")

@@ -198,6 +198,8 @@ def prepare(args: argparse.Namespace, state: RunState, cost_model, chosen: list[
         raise ValueError(f"--mesh {mesh}: {e}") from None
     set_distribution(args, mesh, dtype)
     check_batch(args, mesh)
+    for line in pipeline_lines(args, mesh):
+        print(line)
     state.output_dir.mkdir(parents=True, exist_ok=True)
     return dtype
 
@@ -218,6 +220,29 @@ def check_batch(args: argparse.Namespace, mesh: str) -> None:
     raise ValueError(f"--global-batch-size {args.global_batch_size}{per} does not split over "
                      f"the {shards} batch shards of --mesh {mesh} (replica x data x fsdp). "
                      f"Use a --global-batch-size that is a multiple of {step}, e.g. {sizes}.")
+
+
+def pipeline_lines(args: argparse.Namespace, mesh: str) -> list[str]:
+    """What a ``stage`` axis runs, for the log: the schedule, its microbatches and the
+    bubble (the idle share of the devices' time: GPipe's ``(S - 1) / (R M + S - 1)``, a
+    scheduled pipeline's from its table of ticks, as ``kdist plan`` counts it)."""
+    from kdist.parallel import interpreter, schedules
+    from kdist.parallel.layout import replica_count
+    from kdist.parallel.stages import bubble_fraction
+
+    pipe, stages = keras.distribution.distribution().config.pipeline, mesh_sizes(mesh)["stage"]
+    if pipe is None:
+        return []
+    if pipe.schedule == "gpipe":
+        bubble = bubble_fraction(stages, pipe.microbatches, pipe.repeats)
+    else:
+        table = schedules.build(pipe.schedule, stages, pipe.microbatches, pipe.repeats)
+        bubble = interpreter.lockstep_bubble(interpreter.Program(table))
+    rows = args.global_batch_size // args.grad_accum // replica_count() // pipe.microbatches
+    circular = f", {pipe.repeats} stages per device (circular)" if pipe.repeats > 1 else ""
+    return [f"pipeline: {pipe.schedule} over stage={stages}, {pipe.microbatches} microbatches "
+            f"of {rows} sequence{'s' * (rows != 1)} per batch shard{circular}; bubble "
+            f"{bubble:.0%} of the devices' time"]
 
 
 def check_context(args: argparse.Namespace, mesh: str) -> None:

@@ -1,6 +1,7 @@
 """The GPT recipe under a pipeline mesh, alone and composed with context parallelism and
 DiLoCo groups: only --mesh (and --sync-every) changes, and it learns."""
 
+import re
 import sys
 
 import pytest
@@ -21,6 +22,10 @@ def test_recipe_learns_under_stage_4_fsdp_2(tmp_path, capsys):
     assert summary["mesh"] == "stage=4,fsdp=2"
     assert summary["validation_loss_after"] < summary["validation_loss_before"] - 0.5
     assert "sample:" in out and (tmp_path / "model.keras").exists()
+    # The schedule the planner chose, its microbatches (one per stage by default; 8 rows over
+    # fsdp=2) and bubble: GPipe's 3 / (4 + 3); 1F1B's ticks idle 44 % of its cells.
+    assert re.search(r"^pipeline: (gpipe|1f1b) over stage=4, 4 microbatches of 1 sequence per "
+                     r"batch shard; bubble (43|44)% of the devices' time$", out, re.M), out
 
 
 @pytest.mark.slow

@@ -62,3 +62,11 @@ def test_a_setting_refused_once_the_devices_are_known_is_one_line(tmp_path, flag
     assert f"gpt_pretrain.py: error: {message}" in done.stderr
     assert "Traceback" not in done.stderr
     assert "validation loss" not in done.stdout  # refused before the data and the model
+
+
+@pytest.mark.parametrize("recipe", ["gpt_pretrain.py", "bert_pretrain.py", "gpt_finetune.py"])
+def test_text_that_is_not_there_is_refused_at_parsing(recipe):
+    bad, seconds = run(str(RECIPES / recipe), "--data", "/nonexistent/corpus-*.txt")
+    assert bad.returncode == 2 and seconds < 3, (seconds, bad.stderr[-2000:])
+    assert ("argument --data: '/nonexistent/corpus-*.txt' is no file, directory or glob with "
+            "matches. Pass local text (--data corpus.txt") in bad.stderr
