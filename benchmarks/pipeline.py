@@ -25,8 +25,8 @@ schedules (interleaved with 2 chunks per stage).
 ``ticks``: the bubble of the interpreter's schedules (1F1B, interleaved, zero-bubble) from
 their compiled programs: each task's matmul FLOPs (a branch of the tick's ``lax.switch``,
 :func:`kdist.hlo.branch_flops`), every tick as long as its costliest task
-(:func:`kdist.parallel.interpreter.lockstep_bubble`), against the table's idle cells and the
-formula.
+(:func:`kdist.parallel.pipeline.interpreter.lockstep_bubble`), against the table's idle
+cells and the formula.
 
     python benchmarks/pipeline.py compile     # minutes, ~7 GB peak: run on a quiet machine
     python benchmarks/pipeline.py schedules   # ~5 minutes
@@ -198,7 +198,7 @@ def _ticks_child(args) -> dict:
 
     import kdist
     from kdist import _keras_compat, hlo
-    from kdist.parallel import interpreter, schedules
+    from kdist.parallel.pipeline import interpreter, schedules
 
     keras.utils.clear_session()
     dist = kdist.distribution(args.mesh, pipeline_microbatches=args.microbatches,
@@ -235,7 +235,7 @@ TICK_CASES = [(s, m, r) for m in (4, 8, 16) for s, r in
 def ticks_benchmark(args) -> None:
     """The interpreter's bubble from its compiled program: each task's FLOPs (a branch of
     the tick's ``lax.switch``), every tick as long as its costliest task."""
-    from kdist.parallel.stages import bubble_fraction
+    from kdist.parallel.pipeline.settings import bubble_fraction
 
     rows = []
     batch = max(args.batch, 2 * max(m for _, m, _ in TICK_CASES))  # 2 data shards x M
@@ -293,7 +293,7 @@ def bubble_benchmark(args) -> None:
             flops[label] = row["loop_flops"]
             print(f"round {round_} {label}: {statistics.median(row['step_s']):.3f} s/step",
                   flush=True)
-    from kdist.parallel.stages import bubble_fraction
+    from kdist.parallel.pipeline.settings import bubble_fraction
 
     ref_t, ref_f = statistics.median(times["unpipelined"]), flops["unpipelined"]
     rows = []

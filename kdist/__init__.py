@@ -9,6 +9,30 @@ data and the optimizer recipe:
     model = kdist.models.GPTCausalLM.from_preset("gpt-nano", vocabulary_size=data.vocabulary_size)
     model.compile(optimizer=kdist.optim.adamw(3e-4, warmup_steps=100, decay_steps=2000))
     model.fit(data.train, validation_data=data.validation, epochs=1, steps_per_epoch=2000)
+
+The package's map:
+
+=============================  ==============================================================
+``parallel``                   devices and sharding; the training step's transforms
+``models``                     model families (GPT, BERT) as Keras layers and tasks
+``data``                       corpora, tokenizers, deterministic batches
+``optim``                      AdamW, schedules, weight-decay mask, clipping, accumulation
+``callbacks``                  throughput, MFU, memory, run logs (Keras callbacks)
+``checkpointing``              checkpoints: format, integrity, exact resume, the callback
+``groups``                     replica groups as separate jobs (fault-tolerant DiLoCo)
+``planning``                   ``kdist plan``: memory, FLOPs and traffic before running
+``accelerators``, ``kernels``  the device table and its defaults; Pallas kernels
+``hf``                         Hugging Face checkpoints in and out (short names)
+``compiled_step``              the train step compiled ahead of its first call; its memory
+``flops``, ``hlo``             FLOPs-per-token arithmetic; compiled programs' collectives
+``online_softmax``             the online-softmax recurrences attention shares
+``multihost``, ``launch``      ``kdist.initialize()``; the local multi-process launcher
+``local_processes``            a JAX process started here (the launcher's, the groups')
+``cli``, ``__main__``          the ``kdist`` command (``python -m kdist``)
+``run_report``, ``measure``    ``kdist report``; real-run memory for the plan's checks
+``_optional``, ``noise``       extras imported at first use; native start-up lines filtered
+``_keras_compat``              every use of private Keras/JAX API, in one place
+=============================  ==============================================================
 """
 
 import os

@@ -300,6 +300,11 @@ def aggregate_additional_loss(model, loss):
     return model._aggregate_additional_loss(loss)
 
 
+def has_compiled_metrics(model) -> bool:
+    """Whether ``compile`` was given metrics or weighted metrics (``Trainer._compile_metrics``)."""
+    return getattr(model, "_compile_metrics", None) is not None
+
+
 def update_metrics_variables(model, metrics_variables, unscaled_loss, x, y, y_pred,
                              sample_weight):
     """``(logs, new metrics_variables)`` as the JAX trainer's ``train_step`` computes them

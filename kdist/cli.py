@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kdist import _keras_compat
 from kdist.accelerators import NAMES
-from kdist.parallel.schedules import SCHEDULES
+from kdist.parallel.pipeline.schedules import SCHEDULES
 from kdist.planning.target import COMPILERS
 from kdist.run_report import REPORT_PNG, read_rows, trained_tokens, write_report
 

@@ -356,7 +356,7 @@ def _dims(shape: str) -> list[int] | None:
 def branch_flops(hlo_text: str) -> list[float]:
     """The matmul FLOPs of each branch of the module's conditional with the most branches
     (a ``lax.switch``; e.g. the pipeline interpreter's tasks,
-    :mod:`kdist.parallel.interpreter`), in branch order, each per execution of that branch
+    :mod:`kdist.parallel.pipeline.interpreter`), in branch order, each per execution of that branch
     (its loops' trip counts included). ``[]`` without a conditional.
 
     Example:

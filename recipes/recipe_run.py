@@ -226,9 +226,9 @@ def pipeline_lines(args: argparse.Namespace, mesh: str) -> list[str]:
     """What a ``stage`` axis runs, for the log: the schedule, its microbatches and the
     bubble (the idle share of the devices' time: GPipe's ``(S - 1) / (R M + S - 1)``, a
     scheduled pipeline's from its table of ticks, as ``kdist plan`` counts it)."""
-    from kdist.parallel import interpreter, schedules
     from kdist.parallel.layout import replica_count
-    from kdist.parallel.stages import bubble_fraction
+    from kdist.parallel.pipeline import interpreter, schedules
+    from kdist.parallel.pipeline.settings import bubble_fraction
 
     pipe, stages = keras.distribution.distribution().config.pipeline, mesh_sizes(mesh)["stage"]
     if pipe is None:

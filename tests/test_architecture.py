@@ -3,6 +3,7 @@ no import-time side effects."""
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,27 @@ def test_import_kdist_leaves_the_environment_unchanged(xla_flags):
     before, after = json.loads(out.stdout.strip().splitlines()[-1])
     changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
     assert not changed, f"import kdist changed {sorted(changed)}"
+
+
+def test_every_module_is_on_its_packages_map():
+    """A package's ``__init__`` docstring is its map: every module and subpackage in it is
+    named there (as ``name``, ``.name`` or :mod:`...name`), so the map cannot rot."""
+    unnamed = {}
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", doc))
+        parts = [p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py"]
+        parts += [p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()]
+        missing = sorted(set(parts) - named)
+        if missing:
+            unnamed[str(init.relative_to(ROOT))] = missing
+    assert not unnamed, f"modules missing from their package's map: {unnamed}"
+
+
+def test_no_step_state_is_set_on_the_model():
+    """The training step's transforms take what they need from the task's parts: no hidden
+    targets set on a model to run a step, and no loss returned as a prediction."""
+    found = [f"{p.relative_to(ROOT)}: {name}" for p in PACKAGE.rglob("*.py")
+             for name in ("_pipeline_targets", "pipeline_loss_for", "self.in_schedule(")
+             if name in p.read_text()]
+    assert not found, found

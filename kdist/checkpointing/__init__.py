@@ -6,6 +6,10 @@
 * :mod:`~kdist.checkpointing.verify` — sizes and SHA-256 checksums of a step's files.
 * :mod:`~kdist.checkpointing.state` — the training state as checkpoint keys; reading it back.
 * :mod:`~kdist.checkpointing.restore` — the newest intact step to resume from; initial weights.
+* :mod:`~kdist.checkpointing.layer_layout` — restoring across layer layouts (unstacked <->
+  stacked blocks, a pipeline's repeats).
+* :mod:`~kdist.checkpointing.agreement` — decisions every process takes alike (host
+  all-gather).
 * :mod:`~kdist.checkpointing.inspect` — ``kdist inspect``.
 * :mod:`~kdist.checkpointing.callback` — the ``Checkpoint`` Keras callback (also exported as
   ``kdist.callbacks.Checkpoint``).

@@ -1,4 +1,17 @@
-"""Corpora, tokenizers and deterministic batches."""
+"""Corpora, tokenizers and deterministic batches (a pure function of seed, step, process).
+
+==================  =========================================================================
+``corpus``          the embedded corpus (the Python standard library's source), local text
+``sources``         text streamed by document: the corpus, local files, TFDS
+``tokenizer``       byte-pair tokenizers (trained with Hugging Face ``tokenizers``)
+``wordpiece``       BERT's WordPiece vocabulary
+``token_store``     token ids on disk, memory-mapped
+``lm``              language-model batches
+``mlm``             BERT's packing and masking
+``classification``  sequence-classification batches
+``sampling``        which examples a process reads at a global step
+``checks``          token-id range checks
+==================  ========================================================================="""
 
 from kdist.data.checks import check_token_ids, decode_text
 from kdist.data.classification import (

@@ -1,5 +1,21 @@
 """Keras 3 model families (GPT, BERT) on shared base classes, layers and cost models.
 
+==============================  =============================================================
+``base``                        ``Backbone``, ``Task`` (declared step features, the parts a
+                                pipeline schedule runs), ``CostModel``
+``gpt``, ``bert``               the families' backbones and tasks
+``gpt_cost``, ``bert_cost``     their parameters, FLOPs and activation bytes per token
+``layers``, ``attention``       Transformer blocks; attention (XLA, chunked, splash)
+``embeddings``, ``rope``        token and position embeddings; rotary positions
+``losses``                      the fused (chunked) cross-entropy
+``scan``, ``stacking``          ``LayerStack`` (blocks as one scan; a pipeline's stack);
+                                stacked <-> unstacked weights
+``remat``                       rematerialisation policies (``remat="auto"``)
+``generation``                  cached decoding, samplers
+``presets``, ``pretrained``     named shapes; weights from a checkpoint or Hugging Face
+``hf``                          Hugging Face checkpoints in and out
+==============================  =============================================================
+
 Example:
     >>> from kdist.models import task_for_preset
     >>> task_for_preset("gpt-nano").__name__, task_for_preset("bert-base").__name__

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import abc
-import contextlib
 import functools
 import inspect
 from collections.abc import Mapping
@@ -300,23 +299,25 @@ class Task:
         loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
         return self.label_alarm(y, loss)
 
-    _pipeline_targets = None  # (y, sample_weight) while a scheduled loss is traced
-    @contextlib.contextmanager
-    def pipeline_loss_for(self, y, sample_weight):
-        """While entered, the training forward returns ``pipeline_loss(inputs, y, w)``."""
-        self._pipeline_targets = (y, sample_weight)
-        try:
-            yield
-        finally:  # a trace that raised leaves no targets behind
-            self._pipeline_targets = None
+    # === Parts a pipeline schedule runs (the "scheduled_pipeline" step feature) ===
 
-    def in_schedule(self, training) -> bool:
-        return bool(training) and self._pipeline_targets is not None
+    def schedule_parts(self, inputs, y, sample_weight):
+        """The training forward pass cut where a pipeline schedule needs it, for one batch:
+        :class:`kdist.parallel.pipeline.transform.ScheduleParts` (called inside Keras'
+        stateless scope; tasks declaring ``"scheduled_pipeline"`` implement it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose schedule parts.")
 
-    def finish_loss(self, y, loss):
-        """A loss the task computed itself plus the layers' losses and the label alarm."""
+    def head_loss(self, weights, hidden, targets):
+        """The summed (weighted) loss of one microbatch's ``hidden`` ``(b, T, D)`` against its
+        ``targets`` (a slice of ``schedule_parts``'), the head run statelessly on
+        ``weights`` (one list per layer of ``head_layers``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no head loss.")
+
+    def finish_loss(self, y, loss, extra_losses=None):
+        """A loss the task computed itself plus the layers' losses (``extra_losses``, default
+        ``self.losses``) and the label alarm."""
         from kdist import _keras_compat
-        for extra in self.losses:
+        for extra in self.losses if extra_losses is None else extra_losses:
             loss = loss + _keras_compat.aggregate_additional_loss(self, extra)
         return self.label_alarm(y, loss)
 

@@ -16,6 +16,8 @@ next-sentence-prediction head (RoBERTa showed it unnecessary).
 
 from __future__ import annotations
 
+import math
+
 import keras
 import numpy as np  # noqa: F401 (used by the docstring examples)
 from keras import layers, ops
@@ -29,6 +31,7 @@ from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel import pipeline
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import check_divisible
+from kdist.parallel.pipeline.transform import ScheduleParts
 from kdist.parallel.rules import add_weight, build_with_axes
 
 # D x D (pooler, MLM transform) and D x C (classifier) matrices: split over fsdp only.
@@ -258,8 +261,8 @@ class BertMaskedLM(Task, keras.Model):
     slots), as :func:`kdist.data.mlm_dataset` yields them; ``compile()`` defaults to the
     cross-entropy averaged over masked tokens and reports ``masked_accuracy`` — except
     under ``pipeline_schedule='1f1b'``/``'interleaved_1f1b'``, which compute that loss
-    inside the schedule (:func:`kdist.models.bert_scheduled.masked_lm_loss`) and report
-    the loss alone (the logits never leave the schedule).
+    inside the schedule (:meth:`schedule_parts`, :meth:`head_loss`) and report the loss
+    alone unless ``compile`` is given metrics (their logits cost one more forward pass).
     ``check_token_ids``: check token ids and labels in the compiled step (``GPTCausalLM``).
 
     Example:
@@ -309,13 +312,16 @@ class BertMaskedLM(Task, keras.Model):
     def compile(self, optimizer="adamw", loss=None, weighted_metrics=None, **kwargs):
         schedule = pipeline.scheduled_name()
         if schedule != "gpipe":
-            if loss is not None or weighted_metrics or kwargs.get("metrics"):
+            if loss is not None:
                 raise ValueError(
                     f"pipeline_schedule={schedule!r} computes the default loss (cross-entropy "
                     f"averaged over the mask weights) inside the pipeline, microbatch by "
-                    f"microbatch; this compile() asks for another loss or for metrics. Leave "
-                    f"loss and metrics out, or use pipeline_schedule='gpipe'.")
-            super().compile(optimizer=optimizer, loss=_sample_weighted_loss(), **kwargs)
+                    f"microbatch; this compile() asks for another loss. Leave the loss out "
+                    f"(metrics are fine), or use pipeline_schedule='gpipe'.")
+            # No default metric here: its logits would cost one more forward pass a step
+            # (kdist.parallel.pipeline.transform); metrics asked for are computed.
+            super().compile(optimizer=optimizer, loss=_sample_weighted_loss(),
+                            weighted_metrics=weighted_metrics, **kwargs)
             return
         super().compile(
             optimizer=optimizer,
@@ -325,22 +331,40 @@ class BertMaskedLM(Task, keras.Model):
             **kwargs,
         )
 
-    def call(self, inputs, training=None, mask=None):
-        if self.in_schedule(training):
-            return self.input_alarm(inputs, self.pipeline_loss(inputs, *self._pipeline_targets))
-        return super().call(inputs, training=training, mask=mask)  # (B, P, V) float32 logits
+    def schedule_parts(self, inputs, y, sample_weight=None):
+        """The masked LM cut for a pipeline schedule (``Task.schedule_parts``): the
+        embeddings and the padding mask before it, on every stage; the gather at the masked
+        positions, the head (dense + GELU + LayerNorm, the tied table, the output bias) and
+        the cross-entropy of one microbatch's float32 logits at a time inside it, weighted
+        by ``sample_weight`` ``(B, P)``. Divided by the weights' sum (without weights:
+        ``B P``) it is ``compile()``'s default loss (``"mean_with_sample_weight"``)."""
+        backbone = self.backbone
+        # Called outside Keras' functional graph, which would pass `training` on.
+        hidden = backbone.embed(inputs["token_ids"], inputs["segment_ids"], training=True)
+        mask = backbone.get_layer("padding_attention_mask")(inputs["padding_mask"])
+        if sample_weight is None:
+            weights, total = ops.ones(y.shape, "float32"), float(math.prod(y.shape))
+        else:
+            weights = ops.cast(sample_weight, "float32")
+            total = ops.sum(weights)  # over the global batch, before the schedule
+        targets = {"labels": y, "weights": weights,
+                   "positions": ops.cast(inputs["mask_positions"], "int32")}
+        head_layers = (self.transform, self.transform_norm, backbone.token_embedding,
+                       self.output_bias)
+        return ScheduleParts(hidden, {"attention_mask": mask}, backbone.blocks, head_layers,
+                             targets, total)
 
-    def pipeline_loss(self, inputs, y, sample_weight=None):
-        """The default loss of ``inputs`` against ``y``, computed inside the pipeline
-        schedule: :func:`kdist.models.bert_scheduled.masked_lm_loss`."""
-        from kdist.models.bert_scheduled import masked_lm_loss
-
-        return masked_lm_loss(self, inputs, y, sample_weight)
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        if self.in_schedule(training):  # y_pred: the loss already
-            return self.finish_loss(y, y_pred)
-        return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+    def head_loss(self, weights, hidden, targets):
+        """``(b, T, D)`` -> the summed weighted cross-entropy at the masked positions."""
+        x = self.get_layer("masked_positions")(hidden, targets["positions"])  # (b, P, D)
+        x, _ = self.transform.stateless_call(weights[0], [], x)
+        x, _ = self.transform_norm.stateless_call(weights[1], [], x)
+        logits, _ = self.backbone.token_embedding.stateless_call(weights[2], [], x,
+                                                                 reverse=True)  # (b, P, V)
+        logits, _ = self.output_bias.stateless_call(weights[3], [], logits)
+        cross_entropy = keras.losses.sparse_categorical_crossentropy(
+            targets["labels"], ops.cast(logits, "float32"), from_logits=True)
+        return ops.sum(cross_entropy * targets["weights"])
 
     @classmethod
     def cost_model_for(cls, backbone_config, masked_positions: int | None = None,

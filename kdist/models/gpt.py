@@ -8,6 +8,8 @@ model is :class:`~kdist.models.gpt_cost.GPTCostModel`; generation is :mod:`kdist
 
 from __future__ import annotations
 
+import math
+
 import keras
 import numpy as np
 from keras import layers, ops
@@ -28,6 +30,7 @@ from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel import pipeline
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import check_divisible, current_mesh_shape
+from kdist.parallel.pipeline.transform import ScheduleParts
 from kdist.parallel.rules import build_with_axes
 
 
@@ -352,12 +355,12 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
                    and not kwargs.get("weighted_metrics"))
         self._fused_loss = self.loss_chunk_size not in (None, 0) and default
         schedule = pipeline.scheduled_name()
-        if schedule != "gpipe" and not default:
+        if schedule != "gpipe" and not _is_default_loss(loss):
             raise ValueError(
                 f"pipeline_schedule={schedule!r} computes the default loss (sparse categorical "
                 f"cross-entropy on the logits) inside the pipeline, microbatch by microbatch; "
-                f"this compile() asks for another loss or for metrics. Leave loss and metrics "
-                f"out, or use pipeline_schedule='gpipe'.")
+                f"this compile() asks for another loss. Leave the loss out (metrics are "
+                f"fine), or use pipeline_schedule='gpipe'.")
         if loss is None:
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
@@ -380,25 +383,46 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
         return losses.auto_chunk_size(batch, length, embedding.vocabulary_size,
                                       embedding.input_dim, self.backbone.hidden_dim)
 
-    def pipeline_loss(self, inputs, y, sample_weight=None):
-        """The default loss of ``inputs`` against ``y``, computed inside the pipeline
-        schedule: :func:`kdist.models.gpt_scheduled.causal_lm_loss`."""
-        from kdist.models.gpt_scheduled import causal_lm_loss
+    def schedule_parts(self, inputs, y, sample_weight=None):
+        """The causal LM cut for a pipeline schedule (``Task.schedule_parts``): the
+        embedding before it, on every stage; the final norm and the (tied) head with the
+        cross-entropy of one microbatch's float32 logits at a time inside it. Divided by the
+        label count, it is Keras' default loss (the mean over every label of the batch)."""
+        if sample_weight is not None:
+            raise ValueError(
+                f"pipeline_schedule={pipeline.scheduled_name()!r} computes the unweighted "
+                f"default loss inside the pipeline; fit() was given a sample_weight. Leave it "
+                f"out, or use pipeline_schedule='gpipe'.")
+        backbone = self.backbone
+        token_ids = inputs["token_ids"] if isinstance(inputs, dict) else inputs
+        segments = inputs["segment_ids"] if backbone.document_mask else None
+        positions = None if segments is None else backbone.get_layer(
+            "document_positions")(segments)
+        # Called outside Keras' functional graph, which would pass `training` on.
+        hidden = backbone.embed(token_ids, positions=positions, training=True)  # (B, T, D)
+        rotary = backbone.position_embedding is None
+        return ScheduleParts(
+            hidden, {"segment_ids": segments, "positions": positions if rotary else None},
+            backbone.blocks, (backbone.final_norm, backbone.token_embedding), y,
+            math.prod(y.shape))
 
-        return causal_lm_loss(self, inputs, y, sample_weight)
+    def head_loss(self, weights, hidden, labels):
+        """``(b, T, D)``, ``(b, T)`` -> the summed token cross-entropy (``Task.head_loss``)."""
+        norm, embedding = self.backbone.final_norm, self.backbone.token_embedding
+        hidden, _ = norm.stateless_call(weights[0], [], hidden)
+        logits, _ = embedding.stateless_call(weights[1], [], hidden, reverse=True)  # (b,T,V)
+        cross_entropy = keras.losses.sparse_categorical_crossentropy(
+            labels, ops.cast(logits, "float32"), from_logits=True)
+        return ops.sum(cross_entropy)
 
     def call(self, inputs, training=None, mask=None):
         token_ids = inputs["token_ids"] if isinstance(inputs, dict) else inputs
-        if self.in_schedule(training):
-            return self.input_alarm(inputs, self.pipeline_loss(inputs, *self._pipeline_targets))
         if training and self.fused_loss_chunk_size(*token_ids.shape):
             hidden = self.backbone(inputs, training=training)  # (B, T, D): no logits
             return self.input_alarm(inputs, hidden)
         return super().call(inputs, training=training, mask=mask)  # (B, T, V) float32 logits
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        if self.in_schedule(training):  # y_pred: the loss already
-            return self.finish_loss(y, y_pred)
         chunk_size = training and y is not None and self.fused_loss_chunk_size(*y.shape)
         if chunk_size and sample_weight is not None:
             # The fused loss takes no weights: the logits from the hidden states, as the

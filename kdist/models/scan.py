@@ -239,7 +239,7 @@ class LayerStack(layers.Layer):
                        positions=None, segment_ids=None):
         """The training loss of ``x`` through the stack and ``loss_fn`` under a
         ``pipeline_schedule`` that needs the loss inside it (1F1B, interleaved:
-        :func:`kdist.parallel.pipeline.scheduled`); ``loss_fn(loss_weights, y, targets_m)``
+        :func:`kdist.parallel.pipeline.stack.scheduled`); ``loss_fn(loss_weights, y, targets_m)``
         is one microbatch's share on one device's rows. Called in the model's training
         forward pass, inside Keras' stateless scope."""
         weights, seed, kwargs, layer, schedule = self._prepare(

@@ -1,22 +1,38 @@
 """Everything about devices and sharding, one concern a module.
 
-=================  ===========================================================================
-``mesh``           the mesh axes (a registry), mesh specs, device order
-``rules``          logical axes of weights -> mesh axes, as data; layers' declarations
-``layout``         the Keras distribution: a checked layout for every weight and the batch
-``constraints``    activation sharding, gathered weights, the per-device (shard_map) region
-``reduction``      explicit gradient reduction (one collective per weight)
-``pipeline``       the stage axis: a scanned layer stack's GPipe schedule, circular repeats
-``stages``         the pipeline's settings, checks and bubble (no JAX)
-``step``           which step features run, asked of the model's declaration
-``auto``           sharding by structure and shape for models without declarations
-``report``         the coverage report
-``devices``        forcing N host (CPU) devices, explicitly
-=================  ===========================================================================
+Settings and layouts:
 
-Dependencies point one way: mesh, rules, stages <- auto <- layout <- constraints <-
-reduction <- step, and constraints <- pipeline (called by ``kdist.models.scan``); report and
-devices on the side.
+==================  ==========================================================================
+``mesh``            the mesh axes (a registry), mesh specs, device order
+``config``          ``Parallelism``: the one settings object (axis sizes, a record per feature)
+``combinations``    which features combine: one table of rules, as data
+``rules``           logical axes of weights -> mesh axes, as data; layers' declarations
+``auto``            sharding by structure and shape for models without declarations
+``layout``          the Keras distribution: a checked layout for every weight and the batch
+``constraints``     activation sharding, gathered weights
+``region``          the per-device (``shard_map``) regions, nested
+``coverage``        the coverage report (every weight, its layout, how it got it)
+``devices``         forcing N host (CPU) devices, explicitly
+==================  ==========================================================================
+
+The training step, a loop over transforms (outermost first):
+
+==================  ==========================================================================
+``step``            the step: ``check_compile``, ``prepare`` and ``compute_loss_and_updates``
+                    as loops over its ordered ``TRANSFORMS``
+``transform``       what a transform is (``Transform``, ``Step``), the step features tasks
+                    declare, the step-owner interface
+``replicas``        replica groups: DiLoCo's per-group step and sync (``outer``: the outer
+                    optimizer step)
+``context``         the ``seq`` axis: split sequences, ring and all-gather attention
+``reduction``       explicit gradient reduction (one collective per weight), with
+                    ``compression`` (8-bit codes) and ``dropout`` (each device's mask rows)
+``pipeline``        the ``stage`` axis: GPipe, and the schedules run by an interpreter
+``train_step``      Keras' train step with error-feedback residuals carried
+==================  ==========================================================================
+
+Dependencies point one way: mesh, rules <- config <- auto <- layout <- constraints, region
+<- context, reduction, pipeline, replicas <- step (called by ``kdist.models.base.Task``).
 """
 
 from kdist.parallel.devices import force_host_devices

@@ -22,7 +22,7 @@ The convention for 3-D attention kernels: keras-hub writes query/key/value as
 smaller of the first two (hidden = heads x head_dim >= heads).
 
 Use it through the distribution: ``kdist.distribution("fsdp=4,model=2", auto_shard=True)``;
-:func:`kdist.parallel.report.coverage_report` lists every weight with its layout and the
+:func:`kdist.parallel.coverage.coverage_report` lists every weight with its layout and the
 rule that gave it.
 """
 

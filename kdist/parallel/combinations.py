@@ -28,7 +28,7 @@ FEATURES = {
     "replica": "DiLoCo replica groups (sync_every)",
     "reduction": "kdist's gradient reduction (gradient_reduction='float32'/'bfloat16')",
     "8-bit": "8-bit gradient codes (gradient_reduction='float8'/'int8')",
-    "schedule": "a pipeline schedule run by kdist.parallel.interpreter "
+    "schedule": "a pipeline schedule run by kdist.parallel.pipeline.interpreter "
                 "(pipeline_schedule='1f1b'/'interleaved_1f1b'/'zero_bubble')",
 }
 # The README's matrix: these rows against every axis.

@@ -142,7 +142,8 @@ class Parallelism:
         if config.pipeline is not None and config.pipeline.schedule == "zero_bubble" \
                 and config.context is not None and config.context.variant == "ring":
             # Ring attention's collective-permutes over seq need every stage to run the same
-            # code in every tick (kdist.parallel.every_stage): zero-bubble's ticks mix kinds.
+            # code in every tick (kdist.parallel.pipeline.every_stage): zero-bubble's ticks
+            # mix kinds.
             raise ValueError(
                 f"Mesh spec {spec!r}: pipeline_schedule='zero_bubble' runs ticks that mix "
                 f"forwards, input gradients and weight gradients, so its stages cannot all "
@@ -212,8 +213,8 @@ def _replicas(spec, sizes, sync_every, learning_rate, momentum, nesterov) -> Rep
 
 
 def _pipeline(spec, sizes, microbatches, repeats, schedule) -> Pipeline | None:
-    from kdist.parallel import schedules
-    from kdist.parallel.stages import check_settings
+    from kdist.parallel.pipeline import schedules
+    from kdist.parallel.pipeline.settings import check_settings
 
     stages = sizes["stage"]
     if schedule not in schedules.SCHEDULES:

@@ -225,11 +225,11 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     is cut into that many microbatches (default: one per stage; at least one per stage),
     and each device holds ``pipeline_repeats`` non-adjacent stages (circular repeats: the
     bubble falls from ``(S-1)/(M+S-1)`` to ``(S-1)/(R M+S-1)``). ``pipeline_schedule``
-    orders the microbatches' forwards and backwards (:mod:`kdist.parallel.schedules`):
+    orders the microbatches' forwards and backwards (:mod:`kdist.parallel.pipeline.schedules`):
     ``"gpipe"`` (default) every forward first; ``"1f1b"`` and ``"interleaved_1f1b"``
     (with ``pipeline_repeats >= 2`` chunks per stage) a backward as soon as it can run, so a
     stage holds about ``S`` microbatches' inputs instead of ``M`` microbatches' activations
-    (:mod:`kdist.parallel.interpreter`; a causal LM's or BERT's masked-LM default loss,
+    (:mod:`kdist.parallel.pipeline.interpreter`; a causal LM's or BERT's masked-LM default loss,
     ``stage`` with ``data``, ``fsdp`` and ``model``); ``"zero_bubble"`` (ZB-H1) splits
     1F1B's backward into the input gradient and the weight gradient, whose ticks fill the
     bubble: ``(S-1)/(3M+S-1)`` at 1F1B's memory, for one more forward per microbatch.

@@ -46,11 +46,12 @@ from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
 from kdist.parallel import compression, region
-from kdist.parallel.context import step as context_step
+from kdist.parallel.context import transform as context_step
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import BatchLayout, active
 from kdist.parallel.mesh import REPLICA_AXES
 from kdist.parallel.region import varying_axes
+from kdist.parallel.transform import Transform, step_owner, training_only
 
 REDUCTIONS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # summed in that type
 COMPRESSED = tuple(compression.FORMATS)  # 8-bit codes on the wire, summed in float32
@@ -214,8 +215,9 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
                      optimizer_variables, residuals=None):
     """Keras' ``compute_loss_and_updates(..., training=True)`` with kdist's reduction.
 
-    ``compute`` is the model's own ``compute_loss_and_updates``; it runs per device on the
-    device's rows and the gathered weights. Returns what it returns, with the loss combined
+    ``compute`` is the step's compute inside this transform
+    (:mod:`kdist.parallel.transform`); it runs per device on the device's rows and the
+    gathered weights. Returns what it returns, with the loss combined
     over devices; the gradient of that loss arrives reduced and sharded like the weights.
     ``residuals`` (8-bit with error feedback): one per weight, its ``residual_layout``;
     their "gradients" are the new residuals (see :mod:`kdist.parallel.train_step`).
@@ -244,8 +246,7 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
                 r[0] for r in residuals]
             full = [use(w, r, plan) for w, r, plan in zip(trainable, residuals, plans)]
             loss, (unscaled, y_pred, new_non_trainable, new_metrics) = compute(
-                full, non_trainable, metrics, x, y, sample_weight, training=True,
-                optimizer_variables=optimizer_variables)
+                full, non_trainable, metrics, x, y, sample_weight, optimizer_variables)
             if summed:  # this device's loss on its rows (and tokens) -> on all of them
                 loss, unscaled = _combine((loss, unscaled), combine, sample_weight, summed)
             return loss, (unscaled, region.stackable(y_pred), new_non_trainable, new_metrics)
@@ -304,10 +305,26 @@ def use(weight, residual, plan):
     JAX adds no reduction of its own: the backward pass below is the only one. The
     ``residual``'s cotangent is the new error-feedback residual (8-bit), not a gradient.
     """
-    if plan.fsdp_dim is not None:
-        weight = jax.lax.all_gather(weight, "fsdp", axis=plan.fsdp_dim, tiled=True)
+    weight = gather(weight, plan)
     invariant = tuple(a for a in plan.axes if a not in varying_axes(weight))
     return jax.lax.pcast(weight, invariant, to="varying") if invariant else weight
+
+
+def gather(weight, plan):
+    """This device's shard of a weight whole over ``fsdp`` (ZeRO-3's gather), where ``plan``
+    splits it so: :func:`use`'s forward half, for code that differentiates by itself (the
+    pipeline interpreter)."""
+    if plan.fsdp_dim is not None:
+        weight = jax.lax.all_gather(weight, "fsdp", axis=plan.fsdp_dim, tiled=True)
+    return weight
+
+
+def reduce(grad, plan):
+    """A device's gradient summed as ``plan`` says — :func:`use`'s backward half, for code
+    that differentiates by itself (the pipeline interpreter); not 8-bit (no residual)."""
+    if plan.reduction in COMPRESSED:
+        raise ValueError(f"reduce() sums without error feedback; {plan.reduction!r} needs it.")
+    return _reduce(grad, None, plan)[0]
 
 
 def _use_fwd(weight, residual, plan):
@@ -352,3 +369,33 @@ def _reduce(grad, residual, plan):
     if rest:  # over the replicas that hold the same shard: an all-reduce
         grad = jax.lax.psum(grad, rest)
     return grad, None
+
+
+def _refusal(dist, model) -> str:
+    return (f"The distribution asks for {requested_by(dist)}, which {type(model).__name__} "
+            f"does not support (it does not declare the 'gradient_reduction' step feature), "
+            f"so it would silently train with XLA's reductions. Build the distribution with "
+            f"gradient_reduction=None (and without replica groups on a split sequence).")
+
+
+def _prepare(dist, model) -> None:
+    check(dist, model)
+    # A step owner (DiLoCo) adds the residuals to its inner optimizer when it builds.
+    if dist.config.gradients.error_feedback and step_owner(model) is None:
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        add_residuals(dist, model.trainable_variables, model.optimizer)
+
+
+@training_only
+def _wrap(compute, step):
+    def reduced(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_variables):
+        return loss_and_updates(step.model, compute, trainable, non_trainable, metrics, x, y,
+                                sample_weight, optimizer_variables, step.residuals)
+    return reduced
+
+
+# The step's explicit gradient reduction: the loss per device, one collective per weight.
+TRANSFORM = Transform("gradient reduction", wanted=lambda dist: bool(dist.config.step_reduction),
+                      feature="gradient_reduction", refusal=_refusal, prepare=_prepare,
+                      wrap=_wrap)

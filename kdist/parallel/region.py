@@ -199,7 +199,8 @@ def to_varying(x, axes):
 
 def stackable(x):
     """``x`` as a region's per-device output stacked over devices: a scalar (a pipeline
-    schedule's loss, standing in for the predictions: :mod:`kdist.models.gpt_scheduled`)
+    schedule's loss, standing in for predictions no metric reads:
+    :mod:`kdist.parallel.pipeline.transform`)
     as shape ``(1, 1)`` (stacked over rows and, under a split sequence, tokens), anything
     else as it is (its rows are the device's)."""
     return x.reshape((1, 1)) if not x.ndim else x

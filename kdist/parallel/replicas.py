@@ -5,11 +5,10 @@ Models"): the mesh's ``replica`` groups (each its own ``data``/``fsdp``/``model`
 each train on their share of every batch with the optimizer the model was compiled with
 (the *inner* optimizer, AdamW in the paper) and nothing crosses groups; every
 ``sync_every`` (H) inner steps the groups average their parameter change since the last
-sync, ``Δ = mean_r(θ - θ_r)`` (the *outer gradient*), and an outer SGD with Nesterov
-momentum (the paper's lr 0.7, momentum 0.9) moves the shared parameters ``θ``; every
-group then starts the next round from the new ``θ``. Inner optimizer state stays with its
-group, never averaged. Per-group traffic across groups: one all-reduce of the parameters
-every H steps, against one per step for synchronous data parallelism.
+sync, ``Δ = mean_r(θ - θ_r)`` (the *outer gradient*), an outer SGD with Nesterov momentum
+(lr 0.7, momentum 0.9) moves the shared ``θ``, and every group starts the next round there.
+Inner optimizer state stays with its group, never averaged. Traffic across groups: one
+all-reduce of the parameters every H steps (data parallelism: one every step).
 
 In one SPMD program (:func:`train_step`): the model's weights are the outer parameters
 ``θ`` — what evaluation, generation, ``model.save`` and the checkpoint's ``params.*`` see,
@@ -48,6 +47,7 @@ from kdist.parallel import reduction, region
 from kdist.parallel import train_step as stateful
 from kdist.parallel.layout import BatchLayout, active
 from kdist.parallel.outer import outer_settings, outer_update
+from kdist.parallel.transform import Transform, training_only
 
 AXIS = "replica"
 STACKED_PREFIX = "replica_"
@@ -260,6 +260,24 @@ def wrap(dist, optimizer):
                   groups.outer_momentum, groups.outer_nesterov)
 
 
+def _prepare(dist, model) -> None:
+    if not model.optimizer.built:  # DiLoCo's build adds the residuals to its inner one
+        model.optimizer.build(model.trainable_variables)
+
+
+@training_only
+def _wrap(compute, step):  # outermost: the step is DiLoCo's (a StepOwner), per group
+    def group(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_variables):
+        # A group's slice of the inner optimizer's state: nothing for Keras' loss scaling
+        # (which maps it to model.optimizer's variables; DiLoCo scales nothing).
+        return compute(trainable, non_trainable, metrics, x, y, sample_weight, [])
+    return group
+
+
+TRANSFORM = Transform("replica groups", wanted=lambda dist: dist.config.replicas is not None,
+                      prepare=_prepare, wrap=_wrap)
+
+
 def train_step(model, state, data, sync: bool, guard: bool = True):
     """One DiLoCo step: every group's inner step; with ``sync``, the outer step after it.
 
@@ -290,11 +308,11 @@ def train_step(model, state, data, sync: bool, guard: bool = True):
         unscaled, y_pred, params, non_trainable, inner_state, metrics = stateful.apply_step(
             model, inner, residuals, params, non_trainable, inner_state, metrics, x, y, sw)
         if sync:  # the only collective across groups: the outer gradient's mean
-            delta = [mean(t - p) for t, p in zip(theta, params)]  # one all-reduce each
-            theta, momenta = zip(*(outer_update(outer_settings(optimizer), t, m, d)
-                                   for t, m, d in zip(theta, momenta, delta)))
-            params = [jax.lax.pcast(t, AXIS, to="varying") if groups > 1 else t
-                      for t in theta]
+            with jax.named_scope("kdist/outer_sync"):  # (named in profiles and HLO)
+                delta = [mean(t - p) for t, p in zip(theta, params)]  # one all-reduce each
+                theta, momenta = zip(*(outer_update(outer_settings(optimizer), t, m, d)
+                                       for t, m, d in zip(theta, momenta, delta)))
+            params = [jax.lax.pcast(t, AXIS, to="varying") if groups > 1 else t for t in theta]
         unscaled = mean(unscaled)  # Keras' logged loss: the mean over groups
         y_pred = region.stackable(y_pred)
         return (list(theta), [p[None] for p in params], [v[None] for v in inner_state],

@@ -1,76 +1,40 @@
-"""The training step's routing: which step features run, asked of the model's declaration.
+"""The training step: an ordered tuple of transforms, asked of the model's declaration.
 
-A kdist task declares the step features it supports in ``step_features`` (a frozenset of
-names from :data:`STEP_FEATURES`); the distribution says which it wants. The task calls
-:func:`check_compile` from ``compile`` and delegates Keras' ``compute_loss_and_updates``
-to :func:`compute_loss_and_updates`. Nothing here asks for a class by name: a new task
-(or a user's) gets a feature by declaring it, a new feature (a pipeline schedule, ring
-attention) is one more branch here and one more module of :mod:`kdist.parallel`. A ``seq``
-axis (context parallelism) wraps the others: the sequence's layout is set, and its tokens
-reordered, before the loss runs either way.
+A kdist task declares the step features it supports in ``step_features`` (names from
+:data:`kdist.parallel.transform.FEATURES`); the distribution says which transforms it
+wants. :data:`TRANSFORMS` lists them outermost first — replica groups, the split sequence,
+the explicit gradient reduction, the pipeline's stages and its schedule — and the three
+entry points are loops over it: :func:`check_compile` (refusals before anything compiles),
+:func:`prepare` (state kept in the optimizer) and :func:`compute_loss_and_updates` (each
+wanted transform wraps the compute inside it, the task's own Keras compute innermost).
+Nothing here asks for a class by name; a new transform is its module and one entry here.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Protocol, runtime_checkable
 
+import jax
 import keras
 
 from kdist import _keras_compat, compiled_step
-from kdist.parallel import reduction, replicas, rules
+from kdist.parallel import reduction, replicas
 from kdist.parallel import train_step as stateful
-from kdist.parallel.context import step as context_step
+from kdist.parallel.context import transform as context
 from kdist.parallel.layout import active
+from kdist.parallel.pipeline import transform as pipeline
+from kdist.parallel.transform import Step, declares, step_owner
 
-# Name -> what a task declaring it promises.
-STEP_FEATURES = {
-    "gradient_reduction": "its loss can run per device (kdist.parallel.reduction): no "
-                          "cross-device state in the forward pass other than the weights",
-    "fused_loss": "it can train from hidden states through the fused cross-entropy "
-                  "(kdist.models.losses) without materialising logits",
-    "context_parallel": "its attention layers attend across a sequence split over the 'seq' "
-                        "axis and its positions come from the sequence layout "
-                        "(kdist.parallel.context); its token ids are axis 1 of x (or of "
-                        "x[token_id_inputs[0]])",
-    "token_reordering": "every array of x, y and sample_weight whose axis 1 has the sequence "
-                        "length holds one value per token, and the loss does not depend on "
-                        "their order (load balancing reorders them; a causal model's)",
-    "pipeline": "its backbone holds its blocks as a scanned layer stack "
-                "(kdist.models.scan.LayerStack), which a 'stage' mesh axis splits into "
-                "pipeline stages (kdist.parallel.pipeline); nothing else is per layer",
-    "scheduled_pipeline": "its training forward pass computes its loss inside the pipeline "
-                          "schedule while `pipeline_loss_for(y, sample_weight)` is entered "
-                          "(returning the loss, which compute_loss passes on), so 1F1B-like "
-                          "schedules can start a microbatch's backward early "
-                          "(kdist.parallel.interpreter)",
-}
+# Outermost first: each wraps the compute of those after it.
+TRANSFORMS = (replicas.TRANSFORM, context.TRANSFORM, reduction.TRANSFORM, pipeline.STAGES,
+              pipeline.SCHEDULE)
 
 
-@runtime_checkable
-class StepOwner(Protocol):
-    """An optimizer that runs the training step itself, around Keras' (the outermost step
-    wrapper): DiLoCo's replica groups (:class:`kdist.parallel.replicas.DiLoCo`). The
-    routing here asks for these methods, never for a class."""
+def wanted(dist=None) -> tuple:
+    """The transforms the distribution (default: the active one) asks for, outermost first."""
+    dist = dist or active()
+    return () if dist is None else tuple(t for t in TRANSFORMS if t.wanted(dist))
 
-    def kdist_train_step(self, model, state, data):
-        """Keras' JAX ``train_step(state, data)`` contract."""
-
-    def kdist_make_train_function(self, model, force: bool):
-        """Sets ``model.train_function`` (Keras' ``make_train_function`` contract)."""
-
-    def kdist_state_optimizer(self):
-        """The optimizer whose variables the loss sees (a group's slice of its state)."""
-
-    def kdist_fit_callbacks(self, callbacks: list) -> list:
-        """Callbacks ``fit`` runs besides ``callbacks`` (DiLoCo: the one that marks fit's
-        last step, which ends a partial round with a sync)."""
-
-
-def step_owner(model) -> StepOwner | None:
-    """The model's optimizer if it owns the training step (:class:`StepOwner`), else None."""
-    optimizer = getattr(model, "optimizer", None)
-    return optimizer if isinstance(optimizer, StepOwner) else None
 
 
 def state_optimizer(model):
@@ -83,8 +47,9 @@ def state_optimizer(model):
 
 def fit_arguments(model, x, args: tuple, kwargs: dict) -> dict:
     """``fit``'s arguments after ``x`` and ``y`` by name (those given by position too), its
-    ``callbacks`` (a list, or None) with those the step owner adds (:class:`StepOwner`).
-    Arrays ``x`` are checked batch by batch against the mesh first (:func:`check_batches`).
+    ``callbacks`` (a list, or None) with those the step owner adds
+    (:class:`kdist.parallel.transform.StepOwner`). Arrays ``x`` are checked batch by batch
+    against the mesh first (:func:`check_batches`).
 
     Example:
         >>> kwargs = fit_arguments(model, x, args, kwargs)  # in Task.fit  # doctest: +SKIP
@@ -113,66 +78,24 @@ def check_batches(x, batch_size: int | None) -> None:
         dist.check_batch(size)
 
 
-def supports(model, feature: str) -> bool:
-    """Whether ``model`` declares the step ``feature``."""
-    if feature not in STEP_FEATURES:
-        raise ValueError(f"Unknown step feature {feature!r}; known: {sorted(STEP_FEATURES)}.")
-    return feature in getattr(model, "step_features", frozenset())
-
-
-def requested_features() -> frozenset:
-    """The step features the active distribution asks for."""
-    dist = active()
-    features = set()
-    if dist is not None and dist.config.step_reduction:
-        features.add("gradient_reduction")
-    if dist is not None and dist.mesh_shape.get("seq", 1) > 1:
-        features.add("context_parallel")
-    if dist is not None and dist.mesh_shape.get("stage", 1) > 1:
-        features.add("pipeline")
-        if dist.config.pipeline.schedule != "gpipe":
-            features.add("scheduled_pipeline")
-    return frozenset(features)
-
-
 def check_compile(model) -> None:
     """Refuses, before any compilation, what the distribution asks for and the model does
-    not support: an error rather than silently training another way.
+    not support (an error rather than silently training another way), then runs each
+    wanted transform's own checks.
 
     Example:
         >>> check_compile(model)  # in Task.compile, before super().compile()  # doctest: +SKIP
     """
     dist = active()
-    if dist is not None:
-        _check_built_under(model, dist)
-    for feature in sorted(requested_features()):
-        if feature == "context_parallel" and not supports(model, feature):
-            raise ValueError(
-                f"Mesh {dist.spec} splits every sequence over 'seq' (context parallelism), "
-                f"which {type(model).__name__} does not support (it does not declare the "
-                f"'context_parallel' step feature): each device would compute what its "
-                f"'seq' neighbours compute. Put those devices on data, fsdp or model.")
-        if feature == "scheduled_pipeline" and not supports(model, feature):
-            raise ValueError(
-                f"pipeline_schedule={dist.config.pipeline.schedule!r} computes the loss "
-                f"inside the pipeline, which {type(model).__name__} does not support (it does "
-                f"not declare the 'scheduled_pipeline' step feature). Use "
-                f"pipeline_schedule='gpipe', or a kdist GPT task.")
-        if feature == "scheduled_pipeline":
-            continue
-        if feature == "pipeline" and not supports(model, feature):
-            raise ValueError(
-                f"The mesh '{dist.spec}' has a 'stage' axis (a pipeline), which "
-                f"{type(model).__name__} does not support (it does not declare the "
-                f"'pipeline' step feature): its layers would not be split into stages. Use a "
-                f"mesh without 'stage', or a kdist GPT or BERT task.")
-        if not supports(model, feature):
-            raise ValueError(
-                f"The distribution asks for {reduction.requested_by(dist)}, which "
-                f"{type(model).__name__} does not support (it does not declare the "
-                f"'{feature}' step feature), so it would silently train with XLA's "
-                f"reductions. Build the distribution with gradient_reduction=None (and "
-                f"without replica groups on a split sequence).")
+    if dist is None:
+        return
+    _check_built_under(model, dist)
+    for transform in wanted(dist):
+        if transform.feature is not None and not declares(model, transform.feature):
+            raise ValueError(transform.refusal(dist, model))
+    for transform in wanted(dist):
+        if transform.check is not None:
+            transform.check(dist, model)
 
 
 def _check_built_under(model, dist) -> None:
@@ -203,29 +126,14 @@ def optimizer_for(model, optimizer):
 
 
 def prepare(model) -> None:
-    """After Keras' ``compile`` (before anything is compiled by XLA): refuses what the
-    requested features cannot compute for this model and loss, then adds the state they
-    keep (error-feedback residuals, DiLoCo's per-group state) to the optimizer, which is
-    built now so that it exists before ``fit`` or a checkpoint restore looks for it."""
+    """After Keras' ``compile`` (before anything is compiled by XLA): each wanted
+    transform refuses what it cannot compute for this model and loss, and adds the state it
+    keeps (DiLoCo's per-group state, error-feedback residuals) to the optimizer, built now
+    so that it exists before ``fit`` or a checkpoint restore looks for it."""
     dist = active()
-    if dist is None:
-        return
-    if "gradient_reduction" in requested_features():
-        reduction.check(dist, model)
-    if "pipeline" in requested_features() and not any(
-            "layers" in (rules.declared_axes(w) or ()) for w in model.weights):
-        raise ValueError(
-            f"The mesh '{dist.spec}' has a 'stage' axis, but no weight of "
-            f"{type(model).__name__} is stacked over layers, so nothing would be split into "
-            f"stages. Build the model after setting this distribution with scan_layers=True "
-            f"(or the default None, which stacks under a 'stage' axis).")
-    if step_owner(model) is not None:
-        if not model.optimizer.built:  # DiLoCo's build adds the residuals to its inner one
-            model.optimizer.build(model.trainable_variables)
-    elif dist.config.gradients.error_feedback and "gradient_reduction" in requested_features():
-        if not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
-        reduction.add_residuals(dist, model.trainable_variables, model.optimizer)
+    for transform in wanted(dist):
+        if transform.prepare is not None:
+            transform.prepare(dist, model)
 
 
 def _residual_indices(model):
@@ -264,41 +172,34 @@ def make_train_function(model, keras_make, force: bool = False):
     return None
 
 
-def compute_loss_and_updates(model, compute, trainable_variables, non_trainable_variables,
-                             metrics_variables, x, y, sample_weight, training=False,
-                             optimizer_variables=None):
-    """Keras' ``compute_loss_and_updates`` with the requested step features applied.
-
-    ``compute`` is Keras' own (``super().compute_loss_and_updates`` of the task).
-    """
+def compute_loss_and_updates(model, keras_compute, trainable_variables,
+                             non_trainable_variables, metrics_variables, x, y, sample_weight,
+                             training=False, optimizer_variables=None):
+    """Keras' ``compute_loss_and_updates`` under the wanted transforms: ``keras_compute``
+    (the task's own, ``super().compute_loss_and_updates``) innermost, each transform
+    wrapping those after it (:mod:`kdist.parallel.transform`)."""
     indices = _residual_indices(model) if training else None
     residuals = None if indices is None else [optimizer_variables[i] for i in indices]
-    if training and step_owner(model) is not None:
-        # A group's slice of the inner optimizer's state: nothing for Keras' loss scaling
-        # (which maps it to model.optimizer's variables; DiLoCo scales nothing).
-        optimizer_variables = []
-    features = requested_features()
-    if training and "scheduled_pipeline" in features:
-        keras_compute = compute
+    step = Step(model, bool(training), residuals)
 
-        def compute(trainable, non_trainable, metrics, x, y, sample_weight, **kwargs):
-            # The targets where the loss runs: inside kdist's reduction, a device's rows.
-            with model.pipeline_loss_for(y, sample_weight):
-                return keras_compute(trainable, non_trainable, metrics, x, y, sample_weight,
-                                     **kwargs)
+    def compute(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_variables):
+        return keras_compute(trainable, non_trainable, metrics, x, y, sample_weight,
+                             training=training, optimizer_variables=optimizer_variables)
 
-    def loss_and_updates(x, y, sample_weight):
-        if training and "gradient_reduction" in features \
-                and supports(model, "gradient_reduction"):
-            return reduction.loss_and_updates(
-                model, compute, trainable_variables, non_trainable_variables,
-                metrics_variables, x, y, sample_weight, optimizer_variables, residuals)
-        return compute(trainable_variables, non_trainable_variables, metrics_variables, x, y,
-                       sample_weight, training=training,
-                       optimizer_variables=optimizer_variables)
+    for transform in reversed(wanted()):
+        compute = _scoped(transform, transform.wrap(compute, step), compute)
+    return compute(trainable_variables, non_trainable_variables, metrics_variables, x, y,
+                   sample_weight, optimizer_variables)
 
-    if "context_parallel" in features and supports(model, "context_parallel"):
-        return context_step.loss_and_updates(
-            model, loss_and_updates, x, y, sample_weight,
-            reorder=supports(model, "token_reordering"))
-    return loss_and_updates(x, y, sample_weight)
+
+def _scoped(transform, wrapped, inner):
+    """``wrapped`` under ``jax.named_scope("kdist/<transform>")``, so that profiles and the
+    HLO's op names show each transform's region (nested as the transforms are)."""
+    if wrapped is inner:
+        return inner
+    scope = "kdist/" + transform.name.replace(" ", "_")
+
+    def run(*args):
+        with jax.named_scope(scope):
+            return wrapped(*args)
+    return run

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kdist.parallel.mesh import full_mesh, mesh_spec
-from kdist.parallel.stages import bubble_fraction
+from kdist.parallel.pipeline.settings import bubble_fraction
 from kdist.planning import traffic
 from kdist.planning.estimate import (
     SPLIT_BY_MODEL_AXIS,

@@ -35,8 +35,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kdist.parallel import interpreter, schedules
-from kdist.parallel.stages import bubble_fraction
+from kdist.parallel.pipeline import interpreter, schedules
+from kdist.parallel.pipeline.settings import bubble_fraction
 
 TIMELINE_TICKS = 48  # the longest schedule `kdist plan` draws
 
@@ -154,7 +154,7 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
     are summed over ``data x seq``, and every iteration of the stage's blocks exchanges
     one microbatch's keys and values over ``seq`` (bubble iterations too: they compute on
     zeros). GPipe's scan sends one activation each way per iteration; the interpreter of
-    the other schedules (:mod:`kdist.parallel.interpreter`) at every tick of its table."""
+    the other schedules (:mod:`kdist.parallel.pipeline.interpreter`) at every tick of its table."""
     from kdist.planning.traffic import Traffic, context_terms, needs_dimensions
 
     d, s, f, m = _sizes(mesh)
@@ -204,7 +204,7 @@ def summary(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_le
     """The schedule and each stage's share: bubble, blocks per stage, the layers each
     stage holds, per-device training FLOPs of its blocks (useful and in the bubble) and of
     the embedding and head it runs, and the bytes it sends to the next stage per step;
-    the schedule's table (:mod:`kdist.parallel.schedules`): its microbatches in flight and
+    the schedule's table (:mod:`kdist.parallel.pipeline.schedules`): its microbatches in flight and
     its timeline (up to :data:`TIMELINE_TICKS` ticks).
 
     FLOPs are the cost model's (matmuls, training = 3 x forward); a device's share of its
@@ -294,6 +294,6 @@ def report_lines(info: dict[str, Any], format_bytes) -> list[str]:
         lines += ["    " + line for line in info["timeline"].splitlines()]
     elif "ticks" in info:
         lines.append(f"  timeline: {info['ticks']} ticks, longer than the {TIMELINE_TICKS} "
-                     f"drawn: kdist.parallel.schedules.build({name!r}, {info['stages']}, "
+                     f"drawn: kdist.parallel.pipeline.schedules.build({name!r}, {info['stages']}, "
                      f"{info['microbatches']}, {info['repeats']}).timeline()")
     return lines

@@ -115,7 +115,7 @@ TABLE: list[Row] = [
     trains("stage=2,data=4", "llama", config="scanned", rows=16, task={"loss_chunk_size": 8}),
     trains("stage=2,data=4", "bert", config="scanned"),
     trains("stage=4,data=2", "gpt", config="deep", rows=16, tolerance="bfloat16"),
-    # 1F1B and interleaved 1F1B (kdist.parallel.interpreter: the loss inside the schedule)
+    # 1F1B and interleaved 1F1B (kdist.parallel.pipeline.interpreter: the loss inside the schedule)
     trains("stage=4,data=2", "gpt llama", config="deep", rows=16, pipeline_microbatches=8,
            pipeline_schedule="1f1b"),
     trains("stage=4,data=2", "gpt", config="deep", rows=16, pipeline_microbatches=8,

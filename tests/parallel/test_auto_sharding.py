@@ -7,7 +7,7 @@ import pytest
 
 import kdist
 from kdist.parallel.auto import ShardingError, infer_axes
-from kdist.parallel.report import coverage_report
+from kdist.parallel.coverage import coverage_report
 
 MESH = {"data": 1, "fsdp": 4, "model": 2}
 SMALL = dict(vocabulary_size=256, num_layers=2, num_heads=4, hidden_dim=128,

@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kdist.parallel import every_stage, interpreter, schedules
+from kdist.parallel.pipeline import every_stage, interpreter, schedules
+from kdist.parallel.pipeline.settings import bubble_fraction
 from kdist.parallel.region import to_varying
-from kdist.parallel.stages import bubble_fraction
 
 LAYERS_PER_CHUNK, WIDTH, ROWS, LENGTH = 2, 8, 32, 4
 

@@ -7,6 +7,7 @@ rows of tests/parallel/combinations.py.)"""
 
 import collections
 import functools
+import re
 
 import jax
 import numpy as np
@@ -68,9 +69,28 @@ def diloco_pipeline_ring():
                     sync_every=2, **DEEP)
     state = _keras_compat.jax_state(run.model)
     x, y = run.batches[0][:2]
-    texts = {sync: jax.jit(functools.partial(replicas.train_step, run.model, sync=sync))
-             .lower(state, (x, y)).compile().as_text() for sync in (False, True)}
+    lowered = {sync: jax.jit(functools.partial(replicas.train_step, run.model, sync=sync))
+               .lower(state, (x, y)) for sync in (False, True)}
+    # The step's transforms and DiLoCo's sync are named in the program (jax.named_scope;
+    # in the lowered text: a compiled program from the cache keeps its first op names).
+    names = {sync: _scopes(program) for sync, program in lowered.items()}
+    assert {"kdist/split_sequence", "kdist/outer_sync"} <= names[True]
+    assert "kdist/split_sequence" in names[False] and "kdist/outer_sync" not in names[False]
+    texts = {sync: program.compile().as_text() for sync, program in lowered.items()}
     return run, {sync: _by_axes(t, run.distribution.mesh_shape) for sync, t in texts.items()}
+
+
+def test_the_schedule_and_the_reduction_are_named_in_the_program():
+    """Profiles and the HLO show each transform's region: jax.named_scope("kdist/<name>")."""
+    run = train_run("gpt", "stage=2,data=4", steps=1, pipeline_schedule="1f1b",
+                    gradient_reduction="bfloat16", **DEEP)
+    x, y = run.batches[0][:2]
+    lowered = jax.jit(run.model.train_step).lower(_keras_compat.jax_state(run.model), (x, y))
+    assert {"kdist/gradient_reduction", "kdist/pipeline_schedule"} <= _scopes(lowered)
+
+
+def _scopes(lowered) -> set:
+    return set(re.findall(r"kdist/\w+", lowered.as_text(debug_info=True)))
 
 
 def test_nothing_crosses_replica_outside_the_sync_step(diloco_pipeline_ring):

@@ -1,5 +1,5 @@
 """pipeline_schedule='1f1b' / 'interleaved_1f1b' / 'zero_bubble' in the training step (the
-loss inside the schedule: kdist.parallel.pipeline.scheduled). Parity with one device and
+loss inside the schedule: kdist.parallel.pipeline.stack.scheduled). Parity with one device and
 GPipe is in the combination table (tests/parallel/combinations.py); here: what is refused
 and where, evaluation, generation and a resumed checkpoint of a model trained so, the
 plan's memory and timeline, and pipeline_schedule="auto"."""
@@ -56,18 +56,18 @@ def test_a_model_that_cannot_put_its_loss_in_the_schedule_is_refused_at_compile(
         classifier.compile(optimizer="adam")
 
 
-def test_bert_under_1f1b_refuses_metrics_and_evaluates_with_gpipes_forward_pass():
+def test_bert_under_1f1b_refuses_another_loss_and_evaluates_with_gpipes_forward_pass():
     """The masked LM's loss (weighted by the mask weights) inside the schedule; parity with
-    one device is a row of the combination table. A loss or metrics of the user's are
-    refused at compile; evaluation runs the stack unpipelined, on the same weights."""
+    one device is a row of the combination table. A loss of the user's is refused at
+    compile; evaluation runs the stack unpipelined, on the same weights."""
     from tests.bert_helpers import mlm_batches
 
     keras.distribution.set_distribution(
         kdist.distribution("stage=2,data=4", pipeline_schedule="1f1b"))
     keras.utils.set_random_seed(0)
     bert = BertMaskedLM(BertBackbone(**dict(TINY_BERT, scan_layers=True)))
-    with pytest.raises(ValueError, match="asks for another loss or for metrics"):
-        bert.compile(optimizer="adam", weighted_metrics=["accuracy"])
+    with pytest.raises(ValueError, match="asks for another loss. Leave the loss out"):
+        bert.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy())
     bert.compile(optimizer=parity_optimizer())
     x, y, w = mlm_batches(1)[0]
     evaluated = bert.evaluate(x, y, sample_weight=w, verbose=0)
@@ -91,13 +91,41 @@ def test_targets_not_per_token_are_refused_under_a_split_sequence():
         bert.train_on_batch(x, y, sample_weight=w)
 
 
-def test_metrics_or_another_loss_are_refused_at_compile():
+def test_another_loss_is_refused_at_compile():
     lm = _gpt(pipeline_schedule="1f1b")
-    with pytest.raises(ValueError, match="computes the default loss .* asks for another loss "
-                                         "or for metrics"):
-        lm.compile(optimizer="adam", metrics=["accuracy"])
-    with pytest.raises(ValueError, match="asks for another loss"):
+    with pytest.raises(ValueError, match="computes the default loss .* asks for another "
+                                         "loss"):
         lm.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy())
+
+
+@pytest.mark.parametrize("model", ["gpt", "bert"])
+def test_metrics_under_1f1b_equal_gpipes(model):
+    """The task's parts run in the schedule, its call() still returns logits: accuracy under
+    1F1B (from GPipe's forward pass of the same weights) equals GPipe's (from its training
+    forward pass), step after step, and so do the losses (float32, no dropout; GPipe's
+    parity with one device is the combination table's)."""
+    from tests.bert_helpers import mlm_batches
+
+    results = {}
+    for schedule in ("gpipe", "1f1b"):
+        if model == "gpt":
+            lm = _gpt("stage=2,data=4", pipeline_schedule=schedule)
+            lm.compile(optimizer=parity_optimizer(), metrics=["accuracy"])
+            ids = np.random.default_rng(0).integers(0, 256, (2, 8, 17)).astype("int32")
+            batches = [(b[:, :-1], b[:, 1:], None) for b in ids]
+        else:
+            keras.distribution.set_distribution(
+                kdist.distribution("stage=2,data=4", pipeline_schedule=schedule))
+            keras.utils.set_random_seed(0)
+            lm = BertMaskedLM(BertBackbone(**dict(TINY_BERT, scan_layers=True)))
+            lm.compile(optimizer=parity_optimizer(), weighted_metrics=[
+                keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+            batches = mlm_batches(2)
+        results[schedule] = [lm.train_on_batch(x, y, sample_weight=w, return_dict=True)
+                             for x, y, w in batches]
+    for gpipe, scheduled in zip(results["gpipe"], results["1f1b"]):
+        assert scheduled["accuracy"] == pytest.approx(gpipe["accuracy"], abs=1e-7)
+        np.testing.assert_allclose(scheduled["loss"], gpipe["loss"], rtol=2e-6)
 
 
 def test_a_sample_weight_is_refused_by_name():
@@ -204,7 +232,7 @@ def test_under_model_tensor_parallelism_runs_inside_each_stage():
     all-reduces the stages' activations over ``model`` inside the schedule's loop (once per
     tick and layer, every branch counted), as GPipe's stages do inside theirs."""
     from kdist import hlo
-    from kdist.parallel import schedules
+    from kdist.parallel.pipeline import schedules
     from kdist.planning.compile import compile_train_step
 
     mesh = "stage=2,fsdp=2,model=2"

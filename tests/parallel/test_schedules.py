@@ -6,8 +6,8 @@ Pure Python: no compilation."""
 
 import pytest
 
-from kdist.parallel import schedules
-from kdist.parallel.stages import bubble_fraction
+from kdist.parallel.pipeline import schedules
+from kdist.parallel.pipeline.settings import bubble_fraction
 
 SHAPES = [(2, 2, 1), (2, 5, 1), (4, 8, 1), (4, 16, 1), (8, 32, 1), (2, 4, 2), (4, 8, 3),
           (4, 16, 2), (8, 16, 2), (4, 8, 4)]

@@ -11,7 +11,8 @@
 
 Each family is one small module of config fields and tensor maps (:mod:`.gpt2`,
 :mod:`.llama`, :mod:`.bert`); :mod:`.tensors` is the exact re-indexing they are written in,
-:mod:`.checkpoint` the directory reader.
+:mod:`.checkpoint` the directory reader, :mod:`.stacked` a stacked weight from its layers'
+tensors, :mod:`.exported_config` the ``config.json`` an export writes.
 
 Example:
     >>> lm = kdist.models.GPTCausalLM.from_pretrained("path/to/gpt2")  # doctest: +SKIP

@@ -12,8 +12,8 @@ MLPs and projections run on each device's tokens unchanged. What needs the whole
 * the loss and the gradients — partial over ``seq``, summed over it like over a replica
   axis: by XLA, or by kdist's explicit reduction (:mod:`kdist.parallel.reduction`), and
   by the fused loss (:mod:`kdist.models.losses`);
-* the step (:mod:`.step`) — the layout, the load-balancing reorder of the tokens and its
-  undoing, and the checks of the sequence length before anything compiles.
+* the step's transform (:mod:`.transform`) — the layout, the load-balancing reorder of the
+  tokens and its undoing, and the checks of the sequence length before anything compiles.
 
 :mod:`.cost` counts each device's attention tiles and the bytes the ring sends.
 

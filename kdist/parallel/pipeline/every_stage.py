@@ -1,13 +1,13 @@
 """Ticks that every stage runs alike: how ring attention runs inside a pipeline schedule.
 
-The interpreter (:mod:`kdist.parallel.interpreter`) normally runs each stage's task of a
+The interpreter (:mod:`kdist.parallel.pipeline.interpreter`) normally runs each stage's task of a
 tick in its own branch of a ``lax.switch``: a stage that idles computes nothing. A
 collective inside a stage's layers then runs on the devices of the stages that took that
 branch only. All-gather attention's collectives involve one ``seq`` group at a time, whose
 devices always share a stage, so that works; ring attention's collective-permutes do not
 (XLA:CPU's permutes rendezvous with every device of the program: the process aborts).
 
-The lockstep tables (:data:`kdist.parallel.schedules.LOCKSTEP`) run forwards only or
+The lockstep tables (:data:`kdist.parallel.pipeline.schedules.LOCKSTEP`) run forwards only or
 backwards only in each tick, so every stage can run the same code in every tick, as
 GPipe's scan does: a forward tick runs every stage's layers (an idle stage's on zeros,
 its output dropped), a backward tick every stage's ``jax.vjp`` of its layers, the last
@@ -19,7 +19,7 @@ lengthens no tick; the loss's gradient stays on the last stage. Zero-bubble's ti
 kinds: they cannot run this way.
 
 Example:
-    >>> from kdist.parallel import interpreter, schedules
+    >>> from kdist.parallel.pipeline import interpreter, schedules
     >>> forward_ticks(interpreter.Program(schedules.build("1f1b", 2, 2))).tolist()
     [True, False, True, False, False]
 """
@@ -30,11 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORWARD, BACKWARD, LAST_BACKWARD = 1, 2, 3  # kdist.parallel.interpreter's action codes
+FORWARD, BACKWARD, LAST_BACKWARD = 1, 2, 3  # kdist.parallel.pipeline.interpreter's action codes
 
 
 def forward_ticks(program) -> np.ndarray:
-    """Per tick of ``program`` (an :class:`kdist.parallel.interpreter.Program`), True for
+    """Per tick of ``program`` (an :class:`kdist.parallel.pipeline.interpreter.Program`), True for
     a tick of forwards, False for one of backwards. Raises ``ValueError`` naming the
     schedule if a tick mixes kinds or splits a backward (zero-bubble)."""
     action = program.action

@@ -25,6 +25,7 @@ from kdist.parallel.constraints import shard_batch
 from kdist.parallel.context.layout import AXIS, SequenceLayout, sequence_layout, step_layout
 from kdist.parallel.layout import active
 from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.transform import Transform, declares
 
 
 def sequence_length(model, x) -> int | None:
@@ -119,3 +120,26 @@ def summed_axes() -> tuple[str, ...]:
     """Mesh axes besides the replicas over which a per-device loss and its gradients are
     partial: ``("seq",)`` while a split sequence is traced, else ``()``."""
     return (AXIS,) if step_layout() is not None else ()
+
+
+def _refusal(dist, model) -> str:
+    return (f"Mesh {dist.spec} splits every sequence over 'seq' (context parallelism), which "
+            f"{type(model).__name__} does not support (it does not declare the "
+            f"'context_parallel' step feature): each device would compute what its 'seq' "
+            f"neighbours compute. Put those devices on data, fsdp or model.")
+
+
+def _wrap(compute, step):
+    reorder = declares(step.model, "token_reordering")
+
+    def split(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_variables):
+        def inner(x, y, sample_weight):
+            return compute(trainable, non_trainable, metrics, x, y, sample_weight,
+                           optimizer_variables)
+        return loss_and_updates(step.model, inner, x, y, sample_weight, reorder=reorder)
+    return split
+
+
+# The step over a sequence split on 'seq' (training and evaluation alike).
+TRANSFORM = Transform("split sequence", wanted=lambda dist: dist.mesh_shape.get(AXIS, 1) > 1,
+                      feature="context_parallel", refusal=_refusal, wrap=_wrap)

@@ -42,8 +42,8 @@ from jax.sharding import PartitionSpec as P
 from kdist.parallel import region, rules
 from kdist.parallel.layout import active, divisors
 from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.pipeline.settings import Schedule
 from kdist.parallel.region import to_varying
-from kdist.parallel.stages import Schedule, bubble_fraction, check_settings  # noqa: F401
 
 AXIS = "stage"
 
@@ -321,7 +321,7 @@ def scheduled_name() -> str:
 def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss_weights,
               targets, layouts=None):
     """The loss of ``x`` ``(B, T, D)`` through the stacked layers and ``loss_fn``, with the
-    distribution's ``pipeline_schedule`` run by :mod:`kdist.parallel.interpreter` (the loss
+    distribution's ``pipeline_schedule`` run by :mod:`kdist.parallel.pipeline.interpreter` (the loss
     joins the schedule, so a microbatch's backward starts as soon as its forward is done).
 
     ``layer``, ``weights``, ``kwargs`` and ``seed`` as in :func:`pipelined`;
@@ -333,7 +333,7 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     ``weights``, ``loss_weights`` and ``x``. Each device folds the dropout seed with its
     row shard, as :func:`pipelined` does.
     """
-    from kdist.parallel import interpreter, schedules
+    from kdist.parallel.pipeline import interpreter, schedules
 
     dist = active()
     sizes = dist.mesh_shape

@@ -11,7 +11,7 @@ The table is built by simulating the pipeline tick by tick: each device has its 
 fixed order (:func:`order`) and runs the next one as soon as what it needs finished at an
 earlier tick (its input crosses one collective-permute per tick), else idles. The order is
 what bounds the microbatches in flight (forward done, backward not yet), and with them the
-activation memory. Tables the interpreter runs (:mod:`kdist.parallel.interpreter`) give the
+activation memory. Tables the interpreter runs (:mod:`kdist.parallel.pipeline.interpreter`) give the
 last virtual stage no ``F``: its ``B`` (or ``I``) computes its forward with the loss.
 
 **Ticks of one kind.** The interpreter runs a table in lockstep — every tick ends in a
@@ -40,7 +40,7 @@ forwards to keep busy, and holds ``2 (S - s) - 2 + (v - 1) S`` chunk inputs (at 
   stage runs its next ``F`` or ``I`` when it is ready, and a pending ``W`` when it is not
   (or when one more ``F`` would hold more than ``S`` microbatches): the weight gradients
   fill idle cells, ``3 M + S - 2`` ticks. Its ticks mix kinds, and here ``I`` and ``W``
-  each recompute (``I`` ~ 2 forwards, ``W`` 3: :mod:`kdist.parallel.interpreter`): in
+  each recompute (``I`` ~ 2 forwards, ``W`` 3: :mod:`kdist.parallel.pipeline.interpreter`): in
   time it is the slowest schedule until ``W`` reuses ``I``'s activation gradients.
 
 This module is pure Python (no JAX): the planner, ``kdist plan``'s timeline and the tests
@@ -95,7 +95,7 @@ class Table:
     @property
     def bubble(self) -> float:
         """Idle share of the stage-ticks (every task counted as one tick; for the time,
-        :func:`kdist.parallel.interpreter.lockstep_bubble`)."""
+        :func:`kdist.parallel.pipeline.interpreter.lockstep_bubble`)."""
         idle = sum(task is None for row in self.cells for task in row)
         return idle / (self.ticks * self.stages)
 

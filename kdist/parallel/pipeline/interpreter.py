@@ -1,4 +1,4 @@
-"""One SPMD program that runs any schedule table (:mod:`kdist.parallel.schedules`):
+"""One SPMD program that runs any schedule table (:mod:`kdist.parallel.pipeline.schedules`):
 forwards and backwards interleaved per the table, so 1F1B keeps about ``S`` microbatches'
 inputs on a stage where GPipe's scan keeps ``M`` microbatches' residuals.
 
@@ -27,10 +27,10 @@ table's ticks in which every stage runs its tick's task:
 
 Every tick lasts as long as its costliest task (:func:`lockstep_bubble`), so 1F1B's and
 interleaved's tables run forwards-only and backwards-only ticks
-(:data:`kdist.parallel.schedules.LOCKSTEP`): their step lasts GPipe's
+(:data:`kdist.parallel.pipeline.schedules.LOCKSTEP`): their step lasts GPipe's
 ``(v M + S - 1) (F + B)`` less one forward. So every stage can also run each tick's kind
 of task, idle ones on zeros, when the layers hold collectives among all devices (ring
-attention's permutes over ``seq``): :mod:`kdist.parallel.every_stage`.
+attention's permutes over ``seq``): :mod:`kdist.parallel.pipeline.every_stage`.
 
 At the end of every tick each stage sends its ``F`` output forward and its input cotangent
 backward (one collective-permute each, zeros when it had none) and writes what arrived into
@@ -45,7 +45,7 @@ copies of the stage's weights, where recomputing costs one extra forward per mic
 and stage (the compute of full rematerialisation, which a pipeline pays at scale anyway).
 
 Example:
-    >>> from kdist.parallel import schedules
+    >>> from kdist.parallel.pipeline import schedules
     >>> program = Program(schedules.build("1f1b", stages=4, microbatches=8))
     >>> program.input_slots, program.cotangent_slots  # buffer entries per stage
     (5, 1)
@@ -59,8 +59,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdist.parallel import every_stage as alike
-from kdist.parallel import region, stage_weights
+from kdist.parallel import reduction, region
+from kdist.parallel.pipeline import every_stage as alike
 from kdist.parallel.region import to_varying
 
 AXIS = "stage"
@@ -144,7 +144,7 @@ def step_forwards(program: Program, cost=TASK_COSTS) -> float:
     as long as its costliest task; ``cost`` per action code in forwards of one chunk.
 
     Example:
-        >>> from kdist.parallel import schedules
+        >>> from kdist.parallel.pipeline import schedules
         >>> step_forwards(Program(schedules.build("1f1b", stages=4, microbatches=8)))
         43.0
     """
@@ -160,10 +160,10 @@ def lockstep_bubble(program: Program, cost=TASK_COSTS) -> float:
     (:func:`kdist.hlo.branch_flops`). With every task costing the same it is the share of
     idle cells; with a backward costing more than a forward, more where a tick mixes
     kinds (a forward idles beside a backward): zero-bubble's, not 1F1B's or
-    interleaved's, whose ticks run one kind (:data:`kdist.parallel.schedules.LOCKSTEP`).
+    interleaved's, whose ticks run one kind (:data:`kdist.parallel.pipeline.schedules.LOCKSTEP`).
 
     Example:
-        >>> from kdist.parallel import schedules
+        >>> from kdist.parallel.pipeline import schedules
         >>> p = Program(schedules.build("1f1b", stages=4, microbatches=8))
         >>> round(lockstep_bubble(p, [0, 1, 1, 1, 1, 1, 1, 1]), 12) == round(
         ...     float((p.action == IDLE).mean()), 12)
@@ -205,7 +205,7 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
     into ``data_m`` (then a dict). Returns ``(loss, d_weights, d_loss_weights, d_xm)``, each this
     device's part: the loss and ``d_loss_weights`` on the last stage, ``d_xm`` on stage 0,
     zeros elsewhere. ``every_stage``: every stage runs each tick's kind of task, idle ones
-    on zeros (:mod:`kdist.parallel.every_stage`: collectives among all devices inside the
+    on zeros (:mod:`kdist.parallel.pipeline.every_stage`: collectives among all devices inside the
     layers, as ring attention's).
     """
     table = program.table
@@ -348,7 +348,7 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     is the sum over devices). ``weight_axes``: per weight, its mesh axes per dimension
     (default: ``(None, "stage")``); a dimension over ``fsdp`` (a batch axis too: ZeRO-3)
     is all-gathered once before the schedule and its gradient reduce-scattered once after
-    it, as GPipe's stages do (:func:`kdist.parallel.pipeline.pipelined`).
+    it, as GPipe's stages do (:func:`kdist.parallel.pipeline.stack.pipelined`).
     ``token_axes``: axes that split every sequence's tokens (``seq``): the loss and every
     gradient are partial over them too, and summed over them like over the batch axes.
     ``specs``: ``(xm_spec, data_specs)`` where arrays are split over more than their rows
@@ -379,12 +379,18 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
             return jax.lax.psum(g.astype(jnp.float32), AXIS).astype(g.dtype)
         return jax.lax.psum(g, AXIS)
 
+    # kdist's one gradient reduction (float32 here: under gradient_reduction's own region
+    # the weights arrive gathered and their gradients leave for its collective instead).
+    sizes = dict(mesh.shape)
+    plans = [reduction.gradient_plan(a, set(partial), partial, sizes, automatic=())
+             for a in axes]
+
     def device(weights, loss_weights, xm, data, shared):
-        weights = [stage_weights.gather(w, a, partial) for w, a in zip(weights, axes)]
+        weights = [reduction.gather(w, plan) for w, plan in zip(weights, plans)]
         loss, d_w, d_lw, d_xm = interpret(program, stage_fn, loss_fn, weights,
                                           loss_weights, xm, data, shared, every_stage)
         loss = jax.lax.psum(loss, everything)
-        d_w = [stage_weights.reduce(g, a, partial) for g, a in zip(d_w, axes)]
+        d_w = [reduction.reduce(g, plan) for g, plan in zip(d_w, plans)]
         d_lw = jax.tree.map(lambda g: jax.lax.psum(g, everything), d_lw)
         return loss, d_w, d_lw, sum_over_stage(d_xm)
 
