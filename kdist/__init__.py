@@ -25,7 +25,6 @@ The package's map:
 ``hf``                         Hugging Face checkpoints in and out (short names)
 ``compiled_step``              the train step compiled ahead of its first call; its memory
 ``flops``, ``hlo``             FLOPs-per-token arithmetic; compiled programs' collectives
-``online_softmax``             the online-softmax recurrences attention shares
 ``multihost``, ``launch``      ``kdist.initialize()``; the local multi-process launcher
 ``local_processes``            a JAX process started here (the launcher's, the groups')
 ``cli``, ``__main__``          the ``kdist`` command (``python -m kdist``)

@@ -31,7 +31,8 @@ from kdist import _keras_compat, accelerators
 from kdist.kernels import splash
 from kdist.models import remat
 from kdist.models.rope import RotaryEmbedding, ScaledRotaryEmbedding, check_rope_scaling
-from kdist.online_softmax import (
+from kdist.parallel import context
+from kdist.parallel.online_softmax import (
     chunk_gradients,
     online_finish,
     online_init,
@@ -39,7 +40,6 @@ from kdist.online_softmax import (
     softmax_delta,
     varying_union,
 )
-from kdist.parallel import context
 from kdist.parallel.region import to_varying
 from kdist.parallel.rules import build_with_axes
 

@@ -13,6 +13,7 @@ Settings and layouts:
 ``region``          the per-device (``shard_map``) regions, nested
 ``coverage``        the coverage report (every weight, its layout, how it got it)
 ``devices``         forcing N host (CPU) devices, explicitly
+``online_softmax``  the online-softmax recurrences chunked and context-parallel attention share
 ==================  ==========================================================================
 
 The training step, a loop over transforms (outermost first):

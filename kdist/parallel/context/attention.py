@@ -2,7 +2,7 @@
 
 Each device holds the queries, keys and values of its own tokens (``SequenceLayout``) and
 computes its queries' attention over every key, as an online softmax over key chunks
-(:mod:`kdist.online_softmax`, the math of one-device chunked attention), so no ``T x T``
+(:mod:`kdist.parallel.online_softmax`, the math of one-device chunked attention), so no ``T x T``
 probabilities exist anywhere and nothing but the outputs and each query's softmax
 statistics is kept for the backward pass.
 
@@ -39,7 +39,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kdist.online_softmax import (
+from kdist.parallel.config import CONTEXT_PARALLEL
+from kdist.parallel.context.layout import AXIS, SequenceLayout
+from kdist.parallel.online_softmax import (
     chunk_gradients,
     online_finish,
     online_init,
@@ -47,8 +49,6 @@ from kdist.online_softmax import (
     softmax_delta,
     varying_union,
 )
-from kdist.parallel.config import CONTEXT_PARALLEL
-from kdist.parallel.context.layout import AXIS, SequenceLayout
 from kdist.parallel.region import to_varying
 
 # Queries and keys per tile when the model sets no attention_chunk_size: (B, N, 256, 256)
