@@ -23,9 +23,9 @@ against GPipe at the same M and against ``fsdp=8``, beside the analytic estimate
 schedules (interleaved with 2 chunks per stage).
 
 ``ticks``: the bubble of the interpreter's schedules (1F1B, interleaved, zero-bubble) from
-their compiled programs: each task's matmul FLOPs (a branch of the tick's ``lax.switch``,
-:func:`kdist.hlo.branch_flops`), every tick as long as its costliest task
-(:func:`kdist.parallel.pipeline.interpreter.lockstep_bubble`), against the table's idle
+their compiled programs: each task's matmul FLOPs (a branch of the tick's ``lax.switch``),
+every tick as long as its costliest task (:func:`kdist.planning.executed.tick_costs`, which
+``kdist plan`` also counts a scheduled step's executed work with), against the table's idle
 cells and the formula.
 
     python benchmarks/pipeline.py compile     # minutes, ~7 GB peak: run on a quiet machine
@@ -197,8 +197,8 @@ def _ticks_child(args) -> dict:
     import numpy as np
 
     import kdist
-    from kdist import _keras_compat, hlo
-    from kdist.parallel.pipeline import interpreter, schedules
+    from kdist import _keras_compat
+    from kdist.parallel.pipeline import schedules
 
     keras.utils.clear_session()
     dist = kdist.distribution(args.mesh, pipeline_microbatches=args.microbatches,
@@ -214,17 +214,16 @@ def _ticks_child(args) -> dict:
               for a in (tokens[:, :-1], tokens[:, 1:])]
     text = jax.jit(model.train_step).lower(_keras_compat.jax_state(model),
                                            tuple(placed)).compile().as_text()
-    cost = hlo.branch_flops(text)  # per action code: idle, F, B, last B, I, last I, W, last W
+    from kdist.planning import executed
+
     stages = dist.mesh_shape["stage"]
-    out = {"branch_flops": cost}
+    out = {}
     for mixed in (False, True):  # kdist's table, and Megatron-LM's of the same schedule
-        program = interpreter.Program(schedules.build(
+        costs = executed.tick_costs(text, schedules.build(
             args.schedule, stages, args.microbatches, args.repeats, mixed=mixed))
-        step = np.asarray(cost, np.float64)[program.action].max(axis=1).sum()
-        out["mixed_" * mixed + "table"] = {
-            "table_bubble": program.table.bubble, "ticks": program.table.ticks,
-            "lockstep_bubble": interpreter.lockstep_bubble(program, cost),
-            "step_forwards": step / (args.repeats * cost[1])}  # in forwards of a stage
+        # per action code: idle, F, B, last B, I, last I, W, last W
+        out["branch_flops"] = costs.pop("branch_flops")
+        out["mixed_" * mixed + "table"] = costs
     return out
 
 

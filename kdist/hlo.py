@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                     "collective-permute")
@@ -64,7 +64,9 @@ class Collective:
     group_size: int  # devices taking part in each replica group
     wire_bytes: float  # sent per device by a ring implementation
     op_name: str = ""  # the JAX operation it came from (HLO metadata), if printed
-    executions: int = 1  # per run of the program: the trip counts of the loops around it
+    # per run of the program: the trip counts of the loops around it (an average over the
+    # devices, so fractional, inside a branch that only some devices take: branch_weights)
+    executions: float = 1
     groups: tuple | None = None  # the devices of each replica group, when printed
 
     def axes(self, mesh_shape) -> frozenset:
@@ -176,10 +178,12 @@ def replica_groups(line: str, num_devices: int | None = None) -> tuple | None:
     return None
 
 
-def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
+def parse_collectives(hlo_text: str, num_devices: int | None = None,
+                      branch_weights: Mapping[str, float] | None = None) -> list[Collective]:
     """Every collective instruction in optimized HLO text, with its bytes per device.
 
-    ``num_devices`` is the group size assumed for ``replica_groups={}`` (all devices).
+    ``num_devices`` is the group size assumed for ``replica_groups={}`` (all devices);
+    ``branch_weights``: how often a conditional's branch runs, as in :func:`executions`.
 
     Example:
         >>> text = "%ag = f32[8,4]{1,0} all-gather(%p), replica_groups=[1,4]<=[4], dimensions={0}"
@@ -188,7 +192,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         ('all-gather', 128.0, 4, 96.0)
     """
     found = []
-    runs, headers = executions(hlo_text), _headers(hlo_text)
+    runs, headers = executions(hlo_text, branch_weights=branch_weights), _headers(hlo_text)
     for m in _INSTRUCTION.finditer(hlo_text):
         line_end = hlo_text.find("\n", m.end())
         line = hlo_text[m.start(): line_end if line_end >= 0 else len(hlo_text)]
@@ -269,12 +273,15 @@ def _bodies(text: str, headers) -> dict[str, str]:
     return {name: text[start:end] for (start, name, _), end in zip(headers, ends)}
 
 
-def executions(hlo_text: str, root: str | None = None) -> dict[str, int]:
+def executions(hlo_text: str, root: str | None = None,
+               branch_weights: Mapping[str, float] | None = None) -> dict[str, float]:
     """How many times each computation of an HLO module runs per execution of its entry:
     a ``while`` body its trip count (``known_trip_count``, which XLA records for ``scan``
     loops; 1 if unknown) times its caller's; fusions, reductions and branches their
-    caller's count (a branch as if taken: an upper bound). ``root``: per execution of that
-    computation instead (those it does not reach: 0).
+    caller's count (a branch as if taken: an upper bound). ``branch_weights``: for the
+    branches named there, the share of their conditional's runs that take them instead
+    (e.g. a pipeline schedule's tasks, from its table: ``kdist.planning.executed``).
+    ``root``: per execution of that computation instead (those it does not reach: 0).
 
     Example:
         >>> text = ('ENTRY %main (p: f32[]) -> f32[] {\\n  %w = (s32[]) while(%t), condition=%c, '
@@ -294,7 +301,8 @@ def executions(hlo_text: str, root: str | None = None) -> dict[str, int]:
                 callers.setdefault(m.group("name"), []).append((caller, weight))
             for m in _BRANCHES.finditer(line):
                 for name in re.findall(r"%?([\w.\-]+)", m.group("names")):
-                    callers.setdefault(name, []).append((caller, 1))
+                    weight = (branch_weights or {}).get(name, 1)
+                    callers.setdefault(name, []).append((caller, weight))
     entry = root or next((name for _, name, is_entry in headers if is_entry), None)
     memo: dict[str, int] = {}
 
@@ -311,14 +319,16 @@ def executions(hlo_text: str, root: str | None = None) -> dict[str, int]:
 
 
 def matmul_flops(hlo_text: str, in_loops_only: bool = False, per_iteration: bool = True,
-                 root: str | None = None) -> float:
+                 root: str | None = None,
+                 branch_weights: Mapping[str, float] | None = None) -> float:
     """The matmul FLOPs of an optimized HLO module (``dot`` instructions: ``2 x result
     elements x contracted size``), each counted as often as it runs (:func:`executions`).
     On a CPU-compiled program this is every matmul; a GPU program's cuBLAS calls are
     ``custom-call``\\ s, not counted here. ``in_loops_only``: only those in computations
     that run more than once (a scanned layer stack, a pipeline's schedule);
     ``per_iteration=False``: each counted once, as XLA's ``cost_analysis()`` does;
-    ``root``: per execution of that computation (e.g. one branch of a conditional).
+    ``root``: per execution of that computation (e.g. one branch of a conditional);
+    ``branch_weights``: how often a conditional's branches run (:func:`executions`).
 
     Example:
         >>> text = ("ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {\\n"
@@ -328,7 +338,7 @@ def matmul_flops(hlo_text: str, in_loops_only: bool = False, per_iteration: bool
         128.0
     """
     headers = _headers(hlo_text)
-    runs = executions(hlo_text, root)
+    runs = executions(hlo_text, root, branch_weights)
     total = 0.0
     for name, body in _bodies(hlo_text, headers).items():
         if (in_loops_only and runs.get(name, 1) <= 1) or not runs.get(name, 1):
@@ -369,8 +379,17 @@ def branch_flops(hlo_text: str) -> list[float]:
         >>> branch_flops(text)
         [0.0, 128.0]
     """
+    return [matmul_flops(hlo_text, root=name) for name in switch_branches(hlo_text)]
+
+
+def switch_branches(hlo_text: str) -> list[str]:
+    """The branch computations of the module's conditional with the most branches (a
+    ``lax.switch``), in branch order; ``[]`` without a conditional.
+
+    Example:
+        >>> switch_branches("%c = f32[] conditional(%i, %a, %a), branch_computations={%x, %y}")
+        ['x', 'y']
+    """
     found = [re.findall(r"%?([\w.\-]+)", m.group("names"))
              for m in _BRANCHES.finditer(hlo_text)]
-    if not found:
-        return []
-    return [matmul_flops(hlo_text, root=name) for name in max(found, key=len)]
+    return max(found, key=len) if found else []

@@ -15,6 +15,10 @@ directory: a local disk, NFS, a mounted bucket), never through a server of kdist
   for the quorum, average in a fixed order, step; join and catch up.
 * :mod:`kdist.groups.rejoin` — where a restarted group resumes: the job's step, not its
   own checkpoint's.
+* :mod:`kdist.groups.fingerprints` — what must be the same in every group of a job, and
+  the words for what differs.
+* :mod:`kdist.groups.rounds`, :mod:`kdist.groups.report` — what each outer round cost a
+  group (from its throughput log); the groups' part of ``kdist report``.
 * :mod:`kdist.groups.supervisor` — the launcher's group mode: starts G groups, restarts a
   failed one or starts a spare in its place, ends the job when fewer than a minimum remain.
 

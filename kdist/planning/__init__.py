@@ -1,20 +1,25 @@
 """Plan before you pay: per-device memory, FLOPs and collectives of a train step, compiled
 on abstract inputs, with a verdict and the smallest change that fits.
 
-=============  ==========================================================================
-``units``      memory sizes: parse, print, a device's memory, the usable share
-``estimate``   analytic per-device memory and minimum collective bytes, from the model's
-               cost model (``kdist.models.base.CostModel``) — any family
-``search``     candidate meshes and ``--mesh auto`` (:func:`choose_mesh`)
-``compile``    abstract build, the real train step compiled on abstract inputs, XLA's
-               memory and FLOP counts
-``report``     the :class:`Plan` record, its text, suggestions
-``target``     what a plan is for (this machine, or ``--device tpu-v5e`` x N) and how
-               its figures are obtained: compiled here, by the TPU compiler ahead of
-               time, or estimated
-``analytic``   the plan from the cost model alone; the theory every plan carries
-``traffic``    bytes per mesh axis, and the axes that cross the slow link
-=============  ==========================================================================
+===================  ======================================================================
+``units``            memory sizes: parse, print, a device's memory, the usable share
+``estimate``         analytic per-device memory and minimum collective bytes, from the model's
+                     cost model (``kdist.models.base.CostModel``) — any family
+``search``           candidate meshes and ``--mesh auto`` (:func:`choose_mesh`)
+``compile``          abstract build, the real train step compiled on abstract inputs, XLA's
+                     memory and FLOP counts
+``report``           the :class:`Plan` record, its text, suggestions
+``target``           what a plan is for (this machine, or ``--device tpu-v5e`` x N) and how
+                     its figures are obtained: compiled here, by the TPU compiler ahead of
+                     time, or estimated
+``analytic``         the plan from the cost model alone; the theory every plan carries
+``traffic``          bytes per mesh axis, and the axes that cross the slow link
+``model``            the model a plan is of (a preset or a function) and its cost model
+``stages``           a pipeline's memory, bytes between stages, bubble and timeline
+``schedule_memory``  the memory of a step run by the pipeline interpreter
+``executed``         what a scheduled pipeline's program runs: each branch of its tick's
+                     switch counted as often as the schedule's table takes it
+===================  ======================================================================
 
 :func:`plan` builds the model with **no weights materialised**, compiles the model's own
 train step (what ``fit`` runs) for the mesh, and reads XLA's ``memory_analysis()``,
@@ -40,8 +45,8 @@ import keras
 
 from kdist import hlo
 from kdist.parallel.mesh import mesh_spec, parse_mesh
+from kdist.planning import executed, stages, traffic
 from kdist.planning import report as _report
-from kdist.planning import stages, traffic
 from kdist.planning.analytic import (
     axis_links,
     estimated_plan,
@@ -68,6 +73,7 @@ from kdist.planning.estimate import (
     preset_backbone_config,
     theoretical_collective_bytes,
 )
+from kdist.planning.model import cost_of_function, resolve_model, task_cost_model
 from kdist.planning.report import Plan
 from kdist.planning.search import (
     candidate_meshes,
@@ -222,10 +228,10 @@ def plan(
                      devices_per_host=devices_per_host, device_memory=device_memory,
                      devices=devices)
     device_memory, devices = target.device_memory, list(target.devices or ())
-    model_name, model_fn, cost, sequence_length = _resolve_model(
+    model_name, model_fn, cost, sequence_length = resolve_model(
         model, model_overrides, batch, sequence_length)
     if not target.compiled and cost is None:
-        cost = _cost_of_function(model_fn)
+        cost = cost_of_function(model_fn)
         if cost is None:
             raise ValueError(f"{target.how}; an estimate needs the model's cost model (a "
                              f"kdist preset, or a model with a cost_model() method).")
@@ -233,7 +239,7 @@ def plan(
     mesh_choice = None
     if mesh.strip().lower() == "auto":
         if cost is None:
-            cost = _cost_of_function(model_fn)
+            cost = cost_of_function(model_fn)
         if cost is None:
             raise ValueError("mesh='auto' needs the model's cost model (a kdist preset, or a "
                              "model with a cost_model() method); for other models pass an "
@@ -259,7 +265,7 @@ def plan(
         SequenceLayout(sequence_length, sizes["seq"], balanced=causal and load_balance)
 
     if pipeline_schedule == "auto" and cost is None:
-        cost = _cost_of_function(model_fn)
+        cost = cost_of_function(model_fn)
         if cost is None and sizes["stage"] > 1:
             raise ValueError("pipeline_schedule='auto' needs the model's cost model (a kdist "
                              "preset, or a model with a cost_model() method); for other "
@@ -301,7 +307,7 @@ def plan(
             device_memory, devices, global_batch_size, grad_accum, run, remat)
     seconds = time.perf_counter() - start
     if cost is None:
-        cost = _task_cost_model(model_obj)
+        cost = task_cost_model(model_obj)
     num = math.prod(sizes.values())
     schedule = (pipeline_microbatches, pipeline_repeats)
     pipeline_schedule, schedule_choice = schedule_for(sizes, remat, grad_accum)
@@ -312,7 +318,14 @@ def plan(
     # kdist.hlo reads XLA:CPU's collectives; a TPU program's are asynchronous, decomposed
     # and looped (collective matmuls), which it does not count right yet: the theoretical
     # figures stand alone there, and the report says so.
-    found = (hlo.parse_collectives(compiled.as_text(), num) if target.method == "host"
+    summary = (dict(stages.summary(cost, sizes, global_batch_size, sequence_length, *schedule,
+                                   compute_bytes(policy), grad_accum, pipeline_schedule),
+                    choice=schedule_choice)
+               if sizes.get("stage", 1) > 1 and cost is not None else None)
+    # An interpreted schedule's branches counted as often as the table runs them
+    # (kdist.planning.executed), not each at every tick.
+    table = executed.table_of(summary)
+    found = (executed.collectives(compiled.as_text(), table, num) if target.method == "host"
              else [])
     result = Plan(
         config=dict(model=model_name, mesh=mesh, global_batch_size=global_batch_size,
@@ -323,10 +336,9 @@ def plan(
         memory=memory_breakdown(compiled, state),
         xla_memory=xla_memory(compiled),
         device_memory=device_memory,
-        flops={"xla": xla_flops(compiled) * num * grad_accum,
-               "program": (hlo.matmul_flops(compiled.as_text()) * num * grad_accum
-                           if target.method == "host" else float("nan")),
-               "formula": formula_flops(cost, global_batch_size, sequence_length, remat)},
+        flops=executed.plan_flops(compiled, table, num * grad_accum, target.method == "host",
+                                  formula_flops(cost, global_batch_size, sequence_length,
+                                                remat), cost, sequence_length),
         collectives=_collectives(found, grad_accum),
         theoretical_collectives=traffic.by_kind(terms),
         axis_bytes={"compiled": {a: b * grad_accum for a, b in
@@ -338,10 +350,7 @@ def plan(
         mesh_choice=mesh_choice,
         device_memory_source=target.memory_source,
         target=target.describe(), method=target.method, links=axis_links(target, sizes),
-        pipeline=(dict(stages.summary(cost, sizes, global_batch_size, sequence_length,
-                                      *schedule, compute_bytes(policy), grad_accum,
-                                      pipeline_schedule), choice=schedule_choice)
-                  if sizes.get("stage", 1) > 1 and cost is not None else None),
+        pipeline=summary,
     )
     if suggest and not result.fits:
         result.suggestion = _report.suggest(
@@ -383,32 +392,6 @@ def _verified_auto(candidates, first, why, device_memory, devices, global_batch_
     return mesh, sizes, compiled, state, model_obj, why
 
 
-def _resolve_model(model, overrides, batch, sequence_length):
-    """``(name, model_fn, cost model or None, sequence_length)``; for a preset, ``model_fn``
-    takes ``remat`` and returns the builder."""
-    if isinstance(model, str):
-        from kdist.models import task_for_preset
-
-        task = task_for_preset(model)
-        config = preset_backbone_config(model, **(overrides or {}))
-        sequence_length = sequence_length or config["max_sequence_length"]
-        if sequence_length > config["max_sequence_length"]:
-            raise ValueError(f"sequence_length={sequence_length} exceeds {model}'s "
-                             f"max_sequence_length {config['max_sequence_length']}.")
-
-        def builder(remat):
-            return lambda: task.from_preset(model, remat=remat, **(overrides or {}))
-
-        return model, builder, task.cost_model_for(config), sequence_length
-    if callable(model):
-        if batch is None and sequence_length is None:
-            raise ValueError("For a model function, pass batch=(x, y) of one micro-batch or "
-                             "sequence_length (token-id inputs and targets).")
-        return getattr(model, "__name__", "model"), model, None, sequence_length
-    raise TypeError(f"model must be a preset name or a function returning a Keras model; "
-                    f"got {type(model).__name__}.")
-
-
 def _check_mesh(mesh: str, num_devices: int, global_batch_size: int,
                 grad_accum: int) -> dict[str, int]:
     sizes = parse_mesh(mesh, mesh_devices(mesh, num_devices))
@@ -425,25 +408,6 @@ def _check_mesh(mesh: str, num_devices: int, global_batch_size: int,
             f"The micro-batch ({global_batch_size} / {grad_accum} = {micro}) must divide by the "
             f"replica x data x fsdp batch shards ({shards}) of mesh {mesh!r}.")
     return sizes
-
-
-def _task_cost_model(model_obj) -> Any:
-    """The built model's cost model, or None if it has none (e.g. a keras-hub model)."""
-    return model_obj.cost_model() if callable(getattr(model_obj, "cost_model", None)) else None
-
-
-def _cost_of_function(model_fn) -> Any:
-    """Builds ``model_fn()`` abstractly (nothing allocated) to ask it for its cost model."""
-    previous_policy = keras.config.dtype_policy()
-    previous_dist = keras.distribution.distribution()
-    keras.utils.clear_session()
-    try:
-        keras.distribution.set_distribution(None)
-        return _task_cost_model(build_abstract(model_fn, None))
-    finally:
-        keras.utils.clear_session()
-        keras.config.set_dtype_policy(previous_policy)
-        keras.distribution.set_distribution(previous_dist)
 
 
 def _collectives(found, grad_accum) -> dict:

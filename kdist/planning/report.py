@@ -116,26 +116,43 @@ class Plan:
         if self.method == "estimate":
             return [f"FLOPs per optimizer step: formula {f['formula']:.4g} (estimated; no "
                     f"compiled program to count)"]
+        if "schedule_formula" in f:
+            return self._scheduled_flops_lines()
         lines = [f"FLOPs per optimizer step: XLA {f['xla']:.4g}, formula {f['formula']:.4g} "
                  f"(XLA / formula {f['xla'] / f['formula']:.3f}; loop bodies' matmuls counted "
                  f"per iteration)"]
         if f.get("program") and self.mesh.get("stage", 1) > 1:
-            gpipe = (self.pipeline or {}).get("schedule", "gpipe") == "gpipe"
-            why = ("the bubble computes on zeros" if gpipe else
-                   "every branch of each tick's switch is counted, and a backward "
-                   "recomputes its forward")
             lines.append(
                 f"  the pipelined program's matmuls: {f['program']:.4g} "
-                f"({f['program'] / f['formula']:.3f} x formula: {why}). "
-                f"MFU uses the formula, the model's FLOPs")
+                f"({f['program'] / f['formula']:.3f} x formula: the bubble computes on "
+                f"zeros). MFU uses the formula, the model's FLOPs")
         return lines
+
+    def _scheduled_flops_lines(self) -> list[str]:
+        """A pipeline interpreter's program (kdist.planning.executed): what it executes,
+        each branch of the tick's switch as often as the schedule's table runs it."""
+        f = self.flops
+        recompute = f["schedule_formula"] / f["formula"] - 1
+        return [
+            f"FLOPs per optimizer step: XLA {f['xla']:.4g} executed (each task of the tick's "
+            f"switch as often as the schedule runs it), formula {f['formula']:.4g} "
+            f"(XLA / formula {f['xla'] / f['formula']:.3f})",
+            f"  the schedule's backwards recompute their forwards: formula + recomputation "
+            f"{f['schedule_formula']:.4g} (+{recompute:.1%}); XLA / that "
+            f"{f['xla'] / f['schedule_formula']:.3f} (the rest: XLA's full T x T attention "
+            f"and its non-matmul ops). MFU uses the formula, the model's FLOPs",
+            f"  the program contains {f['contained']:.4g} matmul FLOPs with every branch "
+            f"at every tick ({f['contained'] / f['formula']:.1f} x formula): what XLA's "
+            f"counters read, not what runs"]
 
     def _collective_lines(self) -> list[str]:
         if self.method != "host":
             return self._theory_lines()
         if not self.collectives:
             return ["collectives: none (one device, or nothing sharded)"]
-        lines = ["collectives per step (per device; wire = ring bytes sent):"]
+        lines = ["collectives per step (per device; wire = ring bytes sent" + (
+            "; those inside the tick's switch as often as the schedule runs their task, "
+            "on average over the stages):" if "schedule_formula" in self.flops else "):")]
         empty = {"count": 0, "bytes": 0.0, "wire_bytes": 0.0}
         for kind in hlo.COLLECTIVE_KINDS:
             if kind not in self.collectives and kind not in self.theoretical_collectives:
@@ -143,7 +160,7 @@ class Plan:
             row = self.collectives.get(kind, empty)
             theory = self.theoretical_collectives.get(kind)
             extra = f", theoretical min {format_bytes(theory)}" if theory else ""
-            lines.append(f"  {kind:<20}{int(row['count']):>5} x, {format_bytes(row['bytes'])}"
+            lines.append(f"  {kind:<20}{round(row['count']):>5} x, {format_bytes(row['bytes'])}"
                          f" logical, {format_bytes(row['wire_bytes'])} wire{extra}")
         lines += self._axis_lines()
         actual = sum(r["wire_bytes"] for r in self.collectives.values())

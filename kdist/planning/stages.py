@@ -110,26 +110,28 @@ def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_len
     rows = global_batch_size / grad_accum / (d * f)
     tokens = rows * sequence_length / seq
     stretch = (repeats * micro + s - 1) / (repeats * micro)
+    gathered = 2 * 4 * parts["block_parameters"] / (s * m) if f > 1 else 0.0
     if schedule == "gpipe":  # every iteration's activations, kept for the backward scan
         activations = (parts["block_activations"] / s * stretch
                        + parts["other_activations"] / v) * tokens / m
-    else:  # one microbatch's chunk (recomputed) or head at a time, the inputs in flight
-        table = schedules.build(schedule, s, micro, repeats)  # inputs, and zero-bubble's
-        kept = table.max_in_flight() + table.max_deferred()  # cotangents kept for W
-        activations = ((parts["block_activations"] / (s * repeats) + parts["other_activations"])
-                       * tokens / micro / m
-                       # the embedding's output and its gradient, for the whole batch
-                       + (kept / micro + 2) * tokens * (dims.get("hidden_dim") or 0)
-                       * value_bytes)
-    if seq > 1 and context_parallel == "all_gather":
-        layers = 1 if remat else dims["num_layers"] / s * stretch
-        activations += gathered_kv_bytes(dims, rows, sequence_length, m, value_bytes, layers)
-    gathered = 2 * 4 * parts["block_parameters"] / (s * m) if f > 1 else 0.0
-    buffers = (3 if repeats > 1 else 2) * tokens * (dims.get("hidden_dim") or 0) * 4
+        if seq > 1 and context_parallel == "all_gather":
+            layers = 1 if remat else dims["num_layers"] / s * stretch
+            activations += gathered_kv_bytes(dims, rows, sequence_length, m, value_bytes,
+                                             layers)
+        pipeline = gathered + (3 if repeats > 1 else 2) * tokens * (
+            dims.get("hidden_dim") or 0) * 4
+    else:  # one microbatch's chunk (recomputed) and head at a time, the inputs in flight
+        from kdist.planning import schedule_memory
+
+        interpreted = schedule_memory.memory(cost, mesh, rows, sequence_length, value_bytes,
+                                             schedule, micro, repeats, dims,
+                                             context_parallel, remat)
+        activations = interpreted["activations"]
+        pipeline = gathered + interpreted["pipeline"]
     out = {"parameters": weights,
            "optimizer_state": 2 * weights + (weights if grad_accum > 1 else 0),
            "gradients": weights, "activations": activations,
-           "pipeline": gathered + buffers}
+           "pipeline": pipeline}
     out["total"] = sum(out.values())
     return out
 
@@ -177,8 +179,10 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
         Traffic("all-gather", ("fsdp",), _ring(f) * parameter_bytes * (pb / (s * m)
                                                                          + 2 * po / m)),
         Traffic("reduce-scatter", ("fsdp",), _ring(f) * g * (pb / (s * m) + po / m)),
+        # (the interpreter's head: below)
         Traffic("all-reduce", ("data", "seq"),
-                2 * _ring(d * seq) * g * (pb / (s * f * m) + po / (f * m))),
+                2 * _ring(d * seq) * g * (pb / (s * f * m)
+                                          + (po / (f * m) if schedule == "gpipe" else 0))),
         # GPipe: the stages' output (and, vocabulary over stages, the embedding's output and
         # the head's input gradient) summed over stages; the interpreter: only the
         # embedding's gradient, from stage 0 (the head runs inside, on the last stage).
@@ -187,14 +191,33 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
         Traffic("collective-permute", ("stage",), 2 * _sends(schedule, s, micro, repeats)
                 * activation),
     ]
+    if schedule != "gpipe":  # the head's weights enter the region whole (its loss runs
+        # inside, on the last stage): their gradient summed over every axis of the region
+        head = parts["other_parameters"] + parts["table_parameters"]
+        terms.append(Traffic("all-reduce", ("stage", "data", "fsdp", "seq"),
+                             2 * _ring(s * d * f * seq) * g * head / m))
     needs_dimensions(dims, mesh, activations)
+    # Layer passes of a stage's blocks: GPipe's scan, a forward and a backward at every
+    # iteration (the bubble's too, on zeros); the interpreter, those its tasks run.
+    forwards = backwards = iterations
+    if schedule != "gpipe":
+        from kdist.planning.executed import passes
+
+        forwards, backwards = passes(schedules.build(schedule, s, micro, repeats))
     if activations and m > 1:  # tensor parallel inside each stage, as the estimate counts
         terms.append(Traffic("all-reduce", ("model",),
-                             4 * 2 * _ring(m) * activation * iterations * per_stage
+                             2 * 2 * _ring(m) * activation * (forwards + backwards) * per_stage
                              + 2 * 2 * _ring(m) * tokens * hidden_dim * value_bytes))
     if activations and seq > 1:
-        terms += context_terms(dims, seq, m, rows / micro, sequence_length, value_bytes,
-                               context_parallel, layers=iterations * per_stage)
+        if context_parallel == "all_gather":  # gathered in a forward, reduced in a backward
+            def kv(layer_passes):
+                return context_terms(dims, seq, m, rows / micro, sequence_length, value_bytes,
+                                     context_parallel, layers=layer_passes * per_stage)
+
+            terms += [kv(forwards)[0], kv(backwards)[1]]
+        else:  # ring: every stage runs every tick's kind (kdist.parallel.pipeline.every_stage)
+            terms += context_terms(dims, seq, m, rows / micro, sequence_length, value_bytes,
+                                   context_parallel, layers=iterations * per_stage)
     return [t for t in terms if t.bytes > 0]
 
 
