@@ -308,9 +308,8 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} does not expose schedule parts.")
 
     def head_loss(self, weights, hidden, targets):
-        """The summed (weighted) loss of one microbatch's ``hidden`` ``(b, T, D)`` against its
-        ``targets`` (a slice of ``schedule_parts``'), the head run statelessly on
-        ``weights`` (one list per layer of ``head_layers``)."""
+        """One microbatch's summed (weighted) loss of ``hidden`` ``(b, T, D)`` against its
+        ``targets``, the head run statelessly on ``weights`` (a list per head layer)."""
         raise NotImplementedError(f"{type(self).__name__} has no head loss.")
 
     def finish_loss(self, y, loss, extra_losses=None):

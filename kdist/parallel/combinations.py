@@ -30,7 +30,12 @@ FEATURES = {
     "8-bit": "8-bit gradient codes (gradient_reduction='float8'/'int8')",
     "schedule": "a pipeline schedule run by kdist.parallel.pipeline.interpreter "
                 "(pipeline_schedule='1f1b'/'interleaved_1f1b'/'zero_bubble')",
+    "zero_bubble": "the zero-bubble schedule, whose ticks mix kinds of task",
+    "ring": "ring attention over 'seq' (context_parallel='ring')",
 }
+# Variants of a feature: a pair holding one takes its feature's rule unless the table has a
+# rule of its own for it (and a variant is built with its own feature).
+VARIANTS = {"zero_bubble": "schedule", "ring": "seq"}
 # The README's matrix: these rows against every axis.
 MATRIX_ROWS = ("stage", "seq", "replica", "reduction", "8-bit", "schedule")
 MATRIX_COLUMNS = ("data", "fsdp", "model", "stage", "seq", "replica")
@@ -81,20 +86,48 @@ RULES: tuple[Rule, ...] = (
     _built("schedule", "replica", "a schedule per group"),
     _built("schedule", "reduction", "nested"), _built("schedule", "8-bit", "nested"),
     _built("schedule", "seq", "causal LMs; ring attention not with zero-bubble"),
+    # Ring attention's collective-permutes over seq need every stage to run the same code
+    # in every tick (kdist.parallel.pipeline.every_stage).
+    refused("zero_bubble", "ring",
+            "runs ticks that mix forwards, input gradients and weight gradients, so its "
+            "stages cannot all run the exchanges of {b} between 'seq' neighbours in every "
+            "tick. "
+            "Use pipeline_schedule='1f1b' or 'interleaved_1f1b' with ring attention, or "
+            "context_parallel='all_gather' with zero_bubble."),
 )
-_BY_PAIR = {frozenset((r.a, r.b)): r for r in RULES}
-assert len(_BY_PAIR) == len(RULES), "a pair of features is in the table twice"
-assert all({r.a, r.b} <= set(FEATURES) for r in RULES)
+
+
+def _by_pair(rules) -> dict[frozenset, Rule]:
+    """The table by pair; a pair twice, or a feature not in :data:`FEATURES`, is an error
+    naming it (the table is data: checked where it is read, not with ``assert``)."""
+    table = {}
+    for r in rules:
+        unknown = {r.a, r.b} - set(FEATURES)
+        if unknown:
+            raise RuntimeError(f"The combination table's rule {r.a} x {r.b} names unknown "
+                               f"features {sorted(unknown)}; known: {sorted(FEATURES)}.")
+        pair = frozenset((r.a, r.b))
+        if pair in table:
+            raise RuntimeError(f"The combination table has {r.a} x {r.b} twice.")
+        table[pair] = r
+    return table
+
+
+_BY_PAIR = _by_pair(RULES)
 
 
 def rule(a: str, b: str, rules: tuple[Rule, ...] | None = None) -> Rule:
     """The rule for two features (``reduction`` and ``8-bit`` exclude each other: they are
-    one setting, never a pair), from :data:`RULES` (or ``rules``)."""
+    one setting, never a pair), from :data:`RULES` (or ``rules``); a variant's
+    (:data:`VARIANTS`) is its feature's unless the table has its own."""
     for f in (a, b):
         if f not in FEATURES:
             raise ValueError(f"Unknown feature {f!r}; known: {sorted(FEATURES)}.")
-    table = _BY_PAIR if rules is None else {frozenset((r.a, r.b)): r for r in rules}
+    table = _BY_PAIR if rules is None else _by_pair(rules)
     found = table.get(frozenset((a, b)))
+    if found is None and (a in VARIANTS or b in VARIANTS):
+        a, b = VARIANTS.get(a, a), VARIANTS.get(b, b)
+        found = Rule(a, b, True) if a == b else table.get(frozenset((a, b)))
     if found is None:
         raise ValueError(f"The combination table has no rule for {a} x {b}.")
     return found
@@ -104,6 +137,8 @@ def _describe(feature: str) -> str:
     return {"reduction": "gradient_reduction='float32'/'bfloat16'",
             "8-bit": "gradient_reduction='float8'/'int8'",
             "schedule": "pipeline_schedule='1f1b'/'interleaved_1f1b'/'zero_bubble'",
+            "zero_bubble": "pipeline_schedule='zero_bubble'",
+            "ring": "ring attention (context_parallel='ring')",
             "replica": "DiLoCo replica groups (sync_every)"}.get(feature, f"the '{feature}' axis")
 
 

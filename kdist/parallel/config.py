@@ -118,6 +118,10 @@ class Parallelism:
             found.add("8-bit" if self.gradients.compressed else "reduction")
         if self.pipeline is not None and self.pipeline.schedule != "gpipe":
             found.add("schedule")
+            if self.pipeline.schedule == "zero_bubble":
+                found.add("zero_bubble")
+        if self.context is not None and self.context.variant == "ring":
+            found.add("ring")
         return frozenset(found)
 
     @classmethod
@@ -139,17 +143,6 @@ class Parallelism:
             gradients=_gradients(gradient_reduction, error_feedback),
         )
         combinations.check(config.features, spec)
-        if config.pipeline is not None and config.pipeline.schedule == "zero_bubble" \
-                and config.context is not None and config.context.variant == "ring":
-            # Ring attention's collective-permutes over seq need every stage to run the same
-            # code in every tick (kdist.parallel.pipeline.every_stage): zero-bubble's ticks
-            # mix kinds.
-            raise ValueError(
-                f"Mesh spec {spec!r}: pipeline_schedule='zero_bubble' runs ticks that mix "
-                f"forwards, input gradients and weight gradients, so its stages cannot all "
-                f"run ring attention's exchanges between 'seq' neighbours in every tick. Use "
-                f"pipeline_schedule='1f1b' or 'interleaved_1f1b' with ring attention, or "
-                f"context_parallel='all_gather' with zero_bubble.")
         return config
 
 

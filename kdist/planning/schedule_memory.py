@@ -28,7 +28,9 @@ loss, then the vjp of both, for one microbatch:
 
 Example:
     >>> from kdist.planning.estimate import cost_model_of
-    >>> m = memory(cost_model_of("gpt-nano"), {"stage": 4}, 16, 256, 4, "1f1b", 8)
+    >>> from kdist.planning.stages import split
+    >>> cost = cost_model_of("gpt-nano")
+    >>> m = memory(cost, split(cost, 256, 4, False), {"stage": 4}, 16, 256, 4, "1f1b", 8)
     >>> sorted(m)
     ['activations', 'pipeline']
 """
@@ -45,21 +47,21 @@ SCAN_EXTRA = {"hidden_dim": 2, "intermediate_dim": 4}
 HEAD_COPIES = 1  # logits-sized buffers beyond the cost model's two (the log-softmax)
 
 
-def memory(cost: Any, mesh: dict[str, int], rows: float, sequence_length: int,
-           value_bytes: int, schedule: str, microbatches: int, repeats: int = 1,
-           dims: dict | None = None, context_parallel: str = "all_gather",
+def memory(cost: Any, parts: dict[str, float], mesh: dict[str, int], rows: float,
+           sequence_length: int, value_bytes: int, schedule: str, microbatches: int,
+           repeats: int = 1, dims: dict | None = None, context_parallel: str = "all_gather",
            remat: bool = False) -> dict[str, float]:
     """``{"activations", "pipeline"}`` bytes per device of the interpreter's step for
     ``rows`` sequences per device (one replica group's batch over ``data x fsdp``, per
-    micro-step); the weights, optimizer state and gradients are the caller's."""
-    from kdist.planning.stages import split  # here: stages imports this module
+    micro-step); ``parts``: the model's parameters and activations split into blocks and
+    the rest (:func:`kdist.planning.stages.split`, at the length each device holds); the
+    weights, optimizer state and gradients are the caller's."""
     from kdist.planning.traffic import gathered_kv_bytes
 
     s, m, seq = mesh.get("stage", 1), mesh.get("model", 1), mesh.get("seq", 1)
     dims = dims or {}
     hidden = dims.get("hidden_dim") or 0
     config = getattr(cost, "config", {}) or {}
-    parts = split(cost, sequence_length if seq == 1 else 1, value_bytes, remat)
     tokens = rows * sequence_length / seq  # per device, the whole micro-step
     per_micro = tokens / microbatches
     layers = (dims.get("num_layers") or 0) / (s * repeats)  # one chunk's blocks

@@ -123,8 +123,10 @@ def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_len
     else:  # one microbatch's chunk (recomputed) and head at a time, the inputs in flight
         from kdist.planning import schedule_memory
 
-        interpreted = schedule_memory.memory(cost, mesh, rows, sequence_length, value_bytes,
-                                             schedule, micro, repeats, dims,
+        parts = split(cost, sequence_length if mesh.get("seq", 1) == 1 else 1, value_bytes,
+                      remat)
+        interpreted = schedule_memory.memory(cost, parts, mesh, rows, sequence_length,
+                                             value_bytes, schedule, micro, repeats, dims,
                                              context_parallel, remat)
         activations = interpreted["activations"]
         pipeline = gathered + interpreted["pipeline"]

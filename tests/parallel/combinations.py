@@ -263,4 +263,9 @@ TABLE: list[Row] = [
            **DILOCO_LIKE),
     trains("replica=2,stage=2,seq=2", "gpt", config="deep", rows=16, **DILOCO_LIKE),
     trains("replica=2,stage=2,seq=2", "gpt", config="deep", rows=16, **EXACT_DILOCO),
+    # --- a variant's own rule: zero-bubble's mixed ticks x ring attention's permutes ----
+    refused("stage=2,seq=2,data=2", "zero_bubble x ring",
+            "pipeline_schedule='zero_bubble' runs ticks that mix .* Use "
+            "pipeline_schedule='1f1b' or 'interleaved_1f1b' with ring attention",
+            pipeline_schedule="zero_bubble", context_parallel="ring"),
 ]

@@ -80,6 +80,10 @@ def _refused_concepts(row: Row) -> set[str]:
         found.add("8-bit" if reduction in ("float8", "int8") else "reduction")
     if row.options.get("pipeline_schedule", "gpipe") != "gpipe":
         found.add("schedule")
+    if row.options.get("pipeline_schedule") == "zero_bubble":
+        found.add("zero_bubble")
+    if row.options.get("context_parallel") == "ring":
+        found.add("ring")
     return found
 
 
