@@ -35,6 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kdist  # noqa: E402
+from kdist import durable  # noqa: E402
 from kdist.checkpointing import metadata, restore, verify  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def build(preset: str):
 
 def hashing(on: bool) -> None:
     """Switches the checksums of saves (recorded as absent) and of restores on or off."""
-    metadata.file_checksum = verify.file_checksum if on else (lambda path: None)
+    metadata.file_checksum = durable.file_checksum if on else (lambda path: None)
     restore.verify_step = (verify.verify_step if on else
                            functools.partial(verify.verify_step, checksums=False))
 

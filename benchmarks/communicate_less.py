@@ -84,7 +84,7 @@ def bytes_part() -> dict:
 
     import jax
 
-    from kdist.parallel import replicas
+    from kdist.groups import diloco
 
     out = {"reduction": [], "diloco": []}
     for mesh in ("data=8", "fsdp=8"):
@@ -123,7 +123,7 @@ def bytes_part() -> dict:
             per_step = inner = sync = _crossing_bytes(model.train_step, state, batch, block)
             synchronous = per_step  # the second: kdist's float32 reduction, the ring minimum
         else:
-            inner, sync = (_crossing_bytes(functools.partial(replicas.train_step, model,
+            inner, sync = (_crossing_bytes(functools.partial(diloco.train_step, model,
                                                              sync=s), state, batch, block)
                            for s in (False, True))
             per_step = (sync + (h - 1) * inner) / h

@@ -179,7 +179,7 @@ def exchange_bytes(model, x, y) -> dict:
     import keras
 
     from kdist import _keras_compat, hlo
-    from kdist.parallel import replicas
+    from kdist.groups import diloco
 
     distribution = keras.distribution.distribution()
     batch = tuple(jax.device_put(a, distribution.get_data_layout(a.shape).backend_layout)
@@ -199,7 +199,7 @@ def exchange_bytes(model, x, y) -> dict:
 
     h = distribution.sync_every
     if h:
-        inner, sync = (count(functools.partial(replicas.train_step, model, sync=s), True)
+        inner, sync = (count(functools.partial(diloco.train_step, model, sync=s), True)
                        for s in (False, True))
         return {**{k: (sync[k] + (h - 1) * inner[k]) / h for k in inner},
                 "inner_program": inner, "sync_program": sync}

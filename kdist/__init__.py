@@ -19,7 +19,8 @@ The package's map:
 ``optim``                      AdamW, schedules, weight-decay mask, clipping, accumulation
 ``callbacks``                  throughput, MFU, memory, run logs (Keras callbacks)
 ``checkpointing``              checkpoints: format, integrity, exact resume, the callback
-``groups``                     replica groups as separate jobs (fault-tolerant DiLoCo)
+``groups``                     DiLoCo replica groups: in one program, or as jobs that survive
+                               each other
 ``planning``                   ``kdist plan``: memory, FLOPs and traffic before running
 ``accelerators``, ``kernels``  the device table and its defaults; Pallas kernels
 ``hf``                         Hugging Face checkpoints in and out (short names)
@@ -27,6 +28,7 @@ The package's map:
 ``flops``, ``hlo``             FLOPs-per-token arithmetic; compiled programs' collectives
 ``multihost``, ``launch``      ``kdist.initialize()``; the local multi-process launcher
 ``local_processes``            a JAX process started here (the launcher's, the groups')
+``durable``                    fsync, checksums, the writability probe (checkpoints, stores)
 ``cli``, ``__main__``          the ``kdist`` command (``python -m kdist``)
 ``run_report``, ``measure``    ``kdist report``; real-run memory for the plan's checks
 ``_optional``, ``noise``       extras imported at first use; native start-up lines filtered

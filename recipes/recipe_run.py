@@ -90,7 +90,7 @@ def mesh_sizes(mesh: str, own: bool = False) -> dict[str, int]:
     """The mesh's axis sizes over the whole job (``own``: this job's devices alone, which
     differ for one of separate replica group jobs: ``replica=1`` there)."""
     try:
-        whole, this = kdist.groups.job.job_mesh(mesh, jax.device_count())
+        whole, this = kdist.parallel.group_jobs.job_mesh(mesh, jax.device_count())
     except ValueError as e:
         hint = (" On a CPU, --host-devices N presents it as N devices."
                 if jax.default_backend() == "cpu" else "")

@@ -194,3 +194,37 @@ def test_no_step_state_is_set_on_the_model():
              for name in ("_pipeline_targets", "pipeline_loss_for", "self.in_schedule(")
              if name in p.read_text()]
     assert not found, found
+
+
+def test_the_packages_import_one_way():
+    """No cycle between kdist's packages (a top-level module counts as its own): e.g.
+    ``parallel`` never imports ``groups``, which builds DiLoCo on it."""
+    known = modules()
+
+    def package(name):
+        parts = name.split(".")
+        return ".".join(parts[:2])
+
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        graph.setdefault(package(name), set()).update(
+            package(m) for m in imported_modules(name, path, known) if package(m) != package(name)
+            and package(m) != "kdist")
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("package cycle: " + " -> ".join(stack[stack.index(nxt):]
+                                                                     + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)

@@ -67,7 +67,7 @@ def test_abstract_variables_and_layouts():
         layer = keras.layers.Dense(4)
         layer.build((None, 3))
     compat.forget_pending_variables()
-    assert not compat.variable_initialized(layer.kernel)  # kdist.parallel.replicas' templates
+    assert not compat.variable_initialized(layer.kernel)  # kdist.groups.diloco' templates
     assert compat.deferred_initializer(layer.kernel)((3, 4)).shape == (3, 4)
     assert compat.variable_initialized(keras.Variable(np.zeros(2)))
     assert compat.variable_layout(layer.kernel) is None

@@ -213,9 +213,8 @@ def compiled_fit(model, length: int) -> int | None:
     """The batch per device :data:`COMPILED_FITS` holds for ``model`` (a task or its cost
     model) at ``length`` on the target device, or None (no entry: another device, shape or
     option)."""
-    from kdist.models.presets import GPT_PRESETS
-
-    config = getattr(_cost(model), "config", None) or {}
+    cost = _cost(model)
+    config = getattr(cost, "config", None) or {}
     neutral = {"remat": "auto", "attention_implementation": "auto", "attention_chunk_size": None,
                "scan_layers": False, "dropout": 0.0, "document_mask": False}
     if not config or any(config.get(k, v) != v and not (k == "scan_layers" and
@@ -223,11 +222,9 @@ def compiled_fit(model, length: int) -> int | None:
                          for k, v in neutral.items()):
         return None
     kind = target().device_kind.lower()
-    for name, preset in GPT_PRESETS.items():
-        if all(config.get(k) == v for k, v in preset.items() if k != "max_sequence_length"):
-            return next((batch for (k, p, t), batch in COMPILED_FITS.items()
-                         if (k.lower(), p, t) == (kind, name, length)), None)
-    return None
+    name = cost.preset() if hasattr(cost, "preset") else None  # (a GPT cost model's)
+    return next((batch for (k, p, t), batch in COMPILED_FITS.items()
+                 if (k.lower(), p, t) == (kind, name, length)), None)
 
 
 def remat_for(model, batch: int, length: int):

@@ -28,12 +28,12 @@ from kdist.checkpointing.format import (
     CheckpointError,
     clean_partial,
     committed_steps,
-    fsync_tree,
     listing,
 )
 from kdist.checkpointing.metadata import describe, write_commit_marker
 from kdist.checkpointing.restore import load_initial_weights, newest_intact
 from kdist.checkpointing.state import all_finite, loss_mean, state_variables
+from kdist.durable import fsync_tree
 
 
 class Checkpoint(keras.callbacks.Callback):

@@ -21,10 +21,11 @@ import json
 import os
 import shutil
 import time
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
+
+from kdist.durable import fsync_dir, probe_writable
 
 METADATA_NAME = "kdist.json"
 ITEM_DIR = "default"  # orbax's directory for a single-item checkpoint
@@ -151,29 +152,6 @@ def move_aside(step_dir: Path) -> Path:
     return target
 
 
-def fsync_dir(path: Path) -> None:
-    """Makes a directory's entries (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsyncs every file and directory under ``root``, then ``root``'s parent (which holds the
-    rename that made ``root`` final): after this the step survives a power loss too."""
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
-    fsync_dir(root.parent)
-
-
 def check_writable(directory: Path) -> None:
     """Creates ``directory`` if needed and writes (then removes) a probe file in it; raises
     ``CheckpointError`` naming the path and the fix when it cannot.
@@ -183,11 +161,8 @@ def check_writable(directory: Path) -> None:
         Traceback (most recent call last):
         CheckpointError: The checkpoint directory /proc/kdist is not writable ...
     """
-    probe = directory / f".kdist-write-test-{uuid.uuid4().hex}"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        probe_writable(directory)
     except OSError as e:
         raise CheckpointError(
             f"The checkpoint directory {directory} is not writable ({type(e).__name__}: "

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from kdist.checkpointing.format import METADATA_NAME, array_files
-from kdist.checkpointing.verify import CHECKSUM, file_checksum
+from kdist.durable import CHECKSUM, file_checksum
 
 
 def _jsonable(x):

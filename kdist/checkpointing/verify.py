@@ -8,28 +8,11 @@ to a save and a restore).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 from kdist.checkpointing.format import METADATA_NAME, CheckpointError, read_metadata
-
-CHECKSUM = "sha256"
-_CHUNK = 8 * 2**20
-
-
-def file_checksum(path: Path) -> str:
-    """The hex SHA-256 of a file, read in 8 MiB chunks.
-
-    Example:
-        >>> file_checksum(Path("/dev/null"))
-        'e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855'
-    """
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+from kdist.durable import CHECKSUM, file_checksum
 
 
 def verify_step(step_dir: str | os.PathLike, checksums: bool = True) -> list[str]:

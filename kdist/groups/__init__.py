@@ -1,13 +1,19 @@
-"""Replica groups as separate JAX jobs that survive each other (fault-tolerant DiLoCo).
+"""DiLoCo's replica groups: in one SPMD program, or as separate JAX jobs that survive each
+other (fault-tolerant DiLoCo).
 
-DiLoCo's ``replica`` groups (:mod:`kdist.parallel.replicas`) need to talk only once every
+* :mod:`kdist.groups.diloco` — the ``DiLoCo`` optimizer (per-group state; it owns the
+  training step through :class:`kdist.parallel.transform.StepOwner`), the per-group step,
+  the sync program every ``sync_every`` steps and at ``fit``'s last; :mod:`kdist.groups.outer`
+  the outer optimizer step both forms share.
+
+DiLoCo's ``replica`` groups need to talk only once every
 ``sync_every`` steps, so each group can be its own JAX job — its own processes and, with
 several, its own ``jax.distributed`` cluster — and a group that dies cannot hang another's
 collectives. The groups exchange their outer gradients through storage (orbax on a shared
 directory: a local disk, NFS, a mounted bucket), never through a server of kdist's:
 
-* :mod:`kdist.groups.job` — what a group knows of the job (its index, the group count, the
-  store, the quorum rule), read from the environment ``python -m kdist.launch
+* :mod:`kdist.parallel.group_jobs` — what a group knows of the job (its index, the group
+  count, the store, the quorum rule), read from the environment ``python -m kdist.launch
   --replica-groups G`` (or a cluster scheduler) gives each group's processes.
 * :mod:`kdist.groups.store` — the store's layout: a round's published outer gradients, its
   quorum record, the outer state, each group's heartbeat, every commit atomic.
@@ -28,7 +34,7 @@ sync_every=50)`` trains the two groups in one program on 8 devices, or — launc
 4 devices each, computing the same function when no group fails.
 """
 
-from kdist.groups.job import JobGroups, from_environment
 from kdist.groups.rejoin import skip_to_job
+from kdist.parallel.group_jobs import JobGroups, from_environment
 
 __all__ = ["JobGroups", "from_environment", "skip_to_job"]

@@ -12,8 +12,8 @@ recovering replica, too, takes the step from its healthy peers).
 
 from __future__ import annotations
 
-from kdist.groups.job import from_environment
 from kdist.groups.store import Store
+from kdist.parallel.group_jobs import from_environment
 
 
 def job_step(job) -> int:

@@ -37,8 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kdist.checkpointing.format import CheckpointError, check_writable, fsync_dir, fsync_tree
-from kdist.checkpointing.verify import CHECKSUM, file_checksum
+from kdist.durable import CHECKSUM, file_checksum, fsync_dir, fsync_tree, probe_writable
 
 HEARTBEAT_EVERY = 1.0  # seconds between heartbeats (a thread; see kdist.groups.sync)
 STALE_AFTER = 6.0  # a heartbeat older than this: the group is not running
@@ -101,11 +100,15 @@ class Store:
 
     def check_writable(self) -> None:
         """Creates the layout; a store no group can write is an error naming the path."""
-        try:
-            for sub in ("live", "rounds", "outer"):
-                check_writable(self.root / sub)
-        except CheckpointError as e:
-            raise StoreError(str(e).replace("checkpoint directory", "replica store")) from None
+        for sub in ("live", "rounds", "outer"):
+            try:
+                probe_writable(self.root / sub)
+            except OSError as e:
+                raise StoreError(
+                    f"The replica store {self.root / sub} is not writable ({type(e).__name__}: "
+                    f"{e.strerror or e}); it is checked before training and before every "
+                    f"save. Fix its permissions (e.g. 'chmod u+w {self.root / sub}'), free "
+                    f"space, or pass another directory.") from None
 
     def beat(self, **info) -> None:
         """This group's heartbeat (``state``: starting, training, waiting (a quorum round's

@@ -5,7 +5,7 @@
 
 Starts G groups, each ``--processes-per-group`` processes (its own JAX cluster when more
 than one) with ``KDIST_REPLICA_GROUP=<index>`` and the other variables of
-:mod:`kdist.groups.job` in their environment. When a process of a group fails, the
+:mod:`kdist.parallel.group_jobs` in their environment. When a process of a group fails, the
 group's other processes are stopped (SIGTERM, SIGKILL after ``--grace``), its heartbeat is
 marked dead (so no round waits for it) and a spare starts in its place — with the failed
 group's index, so its data share and its own checkpoints — or, with no spare left, the group
@@ -34,10 +34,10 @@ import threading
 import time
 from pathlib import Path
 
-from kdist.groups import job as groups_job
 from kdist.groups.store import Store, StoreError
 from kdist.groups.sync import REFUSED
 from kdist.local_processes import copy_output, free_port, process_env, start
+from kdist.parallel import group_jobs as groups_job
 
 POLL = 0.05
 

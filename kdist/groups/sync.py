@@ -1,9 +1,9 @@
 """DiLoCo's outer step between separate group jobs, on the host, through the store.
 
-Each group runs DiLoCo on its own mesh with one group (:mod:`kdist.parallel.replicas`: its
+Each group runs DiLoCo on its own mesh with one group (:mod:`kdist.groups.diloco`: its
 inner steps unchanged); :class:`OuterSync` replaces the in-program all-reduce of the
 outer gradient. Every ``sync_every`` inner steps, and at the last step of ``fit`` (a
-partial round: :class:`kdist.parallel.replicas.FitEnd`), a round ``r`` (one more than the
+partial round: :class:`kdist.groups.diloco.FitEnd`), a round ``r`` (one more than the
 last round this group applied):
 
 1. **Publish** ``Δ_g = θ - θ_g`` (orbax, committed with a checksummed marker).
@@ -48,9 +48,9 @@ import jax
 import numpy as np
 
 from kdist.groups import fingerprints
-from kdist.groups.job import JobGroups
+from kdist.groups.outer import outer_settings, outer_update
 from kdist.groups.store import HEARTBEAT_EVERY, STALE_AFTER, Store, StoreError
-from kdist.parallel.outer import outer_settings, outer_update
+from kdist.parallel.group_jobs import JobGroups
 
 POLL = 0.05  # seconds between looks at the store while waiting
 REFUSED = 78  # exit status of a group the job refuses (sysexits' EX_CONFIG): not restarted
@@ -122,7 +122,7 @@ def agree(value: int) -> int:
 class OuterSync:
     """The host side of one group's DiLoCo in a job of separate groups.
 
-    :func:`kdist.parallel.replicas.make_train_function` calls :meth:`join` before the first
+    :func:`kdist.groups.diloco.make_train_function` calls :meth:`join` before the first
     step and :meth:`round` after each ``sync_every``-th and after ``fit``'s last; both take
     and return Keras' JAX training state ``(trainable, non_trainable, optimizer, metrics)``.
     """

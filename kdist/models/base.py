@@ -24,8 +24,9 @@ import keras
 import numpy as np
 from keras import ops
 
-from kdist import accelerators
+from kdist import _keras_compat, accelerators
 from kdist.data.checks import check_id_range, check_token_ids
+from kdist.groups import diloco
 from kdist.models import remat
 from kdist.models.presets import preset_config
 from kdist.parallel import step
@@ -191,7 +192,7 @@ class Task:
 
     def compile(self, optimizer="adamw", loss=None, **kwargs):
         step.check_compile(self)  # before any compilation
-        super().compile(optimizer=step.optimizer_for(self, optimizer), loss=loss, **kwargs)
+        super().compile(optimizer=diloco.wrap(optimizer), loss=loss, **kwargs)
         step.prepare(self)  # state the step features keep (residuals, replica groups)
 
     def train_step(self, state, data):
@@ -315,7 +316,6 @@ class Task:
     def finish_loss(self, y, loss, extra_losses=None):
         """A loss the task computed itself plus the layers' losses (``extra_losses``, default
         ``self.losses``) and the label alarm."""
-        from kdist import _keras_compat
         for extra in self.losses if extra_losses is None else extra_losses:
             loss = loss + _keras_compat.aggregate_additional_loss(self, extra)
         return self.label_alarm(y, loss)

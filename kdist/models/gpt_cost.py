@@ -30,6 +30,14 @@ class GPTCostModel(CostModel):
         """``backbone_config``: every ``GPTBackbone`` argument (``GPTBackbone.full_config``)."""
         self.config = dict(backbone_config)
 
+    def preset(self) -> str | None:
+        """The name of the GPT preset of this shape (its length aside), or None."""
+        from kdist.models.presets import GPT_PRESETS
+
+        return next((name for name, preset in GPT_PRESETS.items()
+                     if all(self.config.get(k) == v for k, v in preset.items()
+                            if k != "max_sequence_length")), None)
+
     @property
     def parameters(self) -> int:
         """Trainable parameters (exact), padding rows of the token table included."""

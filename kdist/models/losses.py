@@ -161,7 +161,7 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int, length: int | None 
         return None  # every axis already manual: per device
     if manual and all(a in manual for a in (*REPLICA_AXES, "seq") if shape[a] > 1):
         return None  # already per device (kdist.parallel.reduction): model left to XLA
-    # In a replica group's region (kdist.parallel.replicas) the others axes are its own.
+    # In a replica group's region (kdist.groups.diloco) the others axes are its own.
     replicas = tuple(a for a in REPLICA_AXES if shape[a] > 1 and a not in manual)
     model = dist.mesh_axis_for("vocab")  # the table's vocabulary axis: model (or stage)
     if model == "stage" and vocabulary % shape["stage"]:

@@ -13,6 +13,7 @@ Settings and layouts:
 ``region``          the per-device (``shard_map``) regions, nested
 ``coverage``        the coverage report (every weight, its layout, how it got it)
 ``devices``         forcing N host (CPU) devices, explicitly
+``group_jobs``      replica groups as separate jobs: what a group reads from its environment
 ``online_softmax``  the online-softmax recurrences chunked and context-parallel attention share
 ==================  ==========================================================================
 
@@ -22,9 +23,8 @@ The training step, a loop over transforms (outermost first):
 ``step``            the step: ``check_compile``, ``prepare`` and ``compute_loss_and_updates``
                     as loops over its ordered ``TRANSFORMS``
 ``transform``       what a transform is (``Transform``, ``Step``), the step features tasks
-                    declare, the step-owner interface
-``replicas``        replica groups: DiLoCo's per-group step and sync (``outer``: the outer
-                    optimizer step)
+                    declare, the step-owner interface (DiLoCo's replica groups,
+                    :mod:`kdist.groups.diloco`, are reached through it only)
 ``context``         the ``seq`` axis: split sequences, ring and all-gather attention
 ``reduction``       explicit gradient reduction (one collective per weight), with
                     ``compression`` (8-bit codes) and ``dropout`` (each device's mask rows)
@@ -33,7 +33,8 @@ The training step, a loop over transforms (outermost first):
 ==================  ==========================================================================
 
 Dependencies point one way: mesh, rules <- config <- auto <- layout <- constraints, region
-<- context, reduction, pipeline, replicas <- step (called by ``kdist.models.base.Task``).
+<- context, reduction, pipeline <- step (called by ``kdist.models.base.Task``); nothing
+here imports :mod:`kdist.groups`, which builds DiLoCo on this package.
 """
 
 from kdist.parallel.devices import force_host_devices

@@ -18,8 +18,8 @@ import dataclasses
 import math
 import numbers
 
-from kdist.groups.job import JobGroups
 from kdist.parallel import combinations
+from kdist.parallel.group_jobs import JobGroups
 from kdist.parallel.mesh import MESH_AXES, mesh_spec, parse_mesh
 
 GRADIENT_REDUCTIONS = (None, "float32", "bfloat16", "float8", "int8")

@@ -5,7 +5,7 @@ region ``x`` is the global batch and, since JAX's threefry is *partitionable*
 (``jax_threefry_partitionable``, the default since 0.5), element ``i`` of the mask depends
 only on the seed and ``i``'s position in the flattened global array: every mesh draws the
 mask one device draws. Inside a ``shard_map`` (``kdist.parallel.reduction``,
-``kdist.parallel.replicas``) ``x`` is one device's block of rows, and Keras would draw the
+``kdist.groups.diloco``) ``x`` is one device's block of rows, and Keras would draw the
 same block-shaped mask on every device: one mask for all rows blocks, not the global one.
 
 :class:`Dropout` (what kdist's models use) draws, inside a manual region, the device's

@@ -23,8 +23,8 @@ import numpy as np
 from keras.distribution import DeviceMesh, LayoutMap, ModelParallel, TensorLayout
 
 from kdist import _keras_compat
-from kdist.groups import job as groups_job
 from kdist.parallel import auto, rules
+from kdist.parallel import group_jobs as groups_job
 from kdist.parallel.config import Parallelism
 from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, device_grid, mesh_spec
 
@@ -214,7 +214,7 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     the optimizer state); None leaves the reductions to XLA.
 
     ``sync_every=H`` trains the ``replica`` axis' groups with DiLoCo
-    (:mod:`kdist.parallel.replicas`): each group (its own ``data``/``fsdp``/``model``
+    (:mod:`kdist.groups.diloco`): each group (its own ``data``/``fsdp``/``model``
     sub-mesh) takes H steps of the compiled optimizer on its share of every batch without
     communicating, then the groups average their parameter change and an outer SGD
     (``outer_learning_rate``, ``outer_momentum``, ``outer_nesterov``; the paper's 0.7, 0.9,

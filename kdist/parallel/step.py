@@ -18,15 +18,15 @@ import jax
 import keras
 
 from kdist import _keras_compat, compiled_step
-from kdist.parallel import reduction, replicas
+from kdist.parallel import reduction
 from kdist.parallel import train_step as stateful
 from kdist.parallel.context import transform as context
 from kdist.parallel.layout import active
 from kdist.parallel.pipeline import transform as pipeline
-from kdist.parallel.transform import Step, declares, step_owner
+from kdist.parallel.transform import STEP_OWNER, Step, declares, step_owner
 
 # Outermost first: each wraps the compute of those after it.
-TRANSFORMS = (replicas.TRANSFORM, context.TRANSFORM, reduction.TRANSFORM, pipeline.STAGES,
+TRANSFORMS = (STEP_OWNER, context.TRANSFORM, reduction.TRANSFORM, pipeline.STAGES,
               pipeline.SCHEDULE)
 
 
@@ -117,12 +117,6 @@ def _check_built_under(model, dist) -> None:
         f"keras.distribution.set_distribution(kdist.distribution('{dist.spec}')) — then "
         f"build or load the model (from_preset, from_pretrained and "
         f"keras.saving.load_model included), then compile.")
-
-
-def optimizer_for(model, optimizer):
-    """The optimizer ``compile`` gives Keras: under ``sync_every`` (DiLoCo) the given one
-    wrapped in :class:`kdist.parallel.replicas.DiLoCo`."""
-    return replicas.wrap(active(), optimizer)
 
 
 def prepare(model) -> None:

@@ -6,7 +6,7 @@ lets the optimizer update its variables. Two of kdist's step features keep more 
 * error feedback of 8-bit gradients (:mod:`kdist.parallel.reduction`): each weight's
   residual is an optimizer variable; the step differentiates with respect to it as well,
   and its "gradient" (``custom_vjp``) is the next residual, written back after the update;
-* DiLoCo (:mod:`kdist.parallel.replicas`) runs this step per replica group.
+* DiLoCo (:mod:`kdist.groups.diloco`) runs this step per replica group.
 
 :func:`train_step` is Keras' ``train_step`` otherwise unchanged (same loss, metrics, logs),
 so its state is Keras' state and checkpoints hold the residuals like the Adam moments.

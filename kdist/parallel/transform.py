@@ -4,7 +4,7 @@ distribution wants it, what it checks and prepares, and how it wraps the loss.
 The step (:mod:`kdist.parallel.step`) is an ordered tuple of these, outermost first; its
 ``check_compile``, ``prepare`` and ``compute_loss_and_updates`` are loops over it. Each
 transform's module owns its ``TRANSFORM`` (replica groups in
-:mod:`kdist.parallel.replicas`, the split sequence in :mod:`kdist.parallel.context`, the
+:mod:`kdist.groups.diloco`, the split sequence in :mod:`kdist.parallel.context`, the
 explicit reduction in :mod:`kdist.parallel.reduction`, the pipeline's stages and schedule
 in :mod:`kdist.parallel.pipeline`): a new one is its module and one entry in the tuple.
 
@@ -59,8 +59,14 @@ def declares(model, feature: str) -> bool:
 @runtime_checkable
 class StepOwner(Protocol):
     """An optimizer that runs the training step itself, around Keras' (the outermost
-    transform): DiLoCo's replica groups (:class:`kdist.parallel.replicas.DiLoCo`). The
+    transform): DiLoCo's replica groups (:class:`kdist.groups.diloco.DiLoCo`). The
     step asks for these methods, never for a class."""
+
+    def kdist_prepare(self, model):
+        """After ``compile``: builds the state it keeps (before ``fit`` or a restore)."""
+
+    def kdist_wrap_compute(self, compute, step):
+        """The step's compute inside its own (the outermost transform, in training)."""
 
     def kdist_train_step(self, model, state, data):
         """Keras' JAX ``train_step(state, data)`` contract."""
@@ -126,3 +132,21 @@ class Transform:
         if self.feature is not None and self.feature not in FEATURES:
             raise ValueError(f"Transform {self.name!r}: unknown step feature "
                              f"{self.feature!r}; known: {sorted(FEATURES)}.")
+
+
+def _owner_prepare(dist, model) -> None:
+    owner = step_owner(model)
+    if owner is not None:
+        owner.kdist_prepare(model)
+
+
+@training_only
+def _owner_wrap(compute, step):
+    owner = step_owner(step.model)
+    return compute if owner is None else owner.kdist_wrap_compute(compute, step)
+
+
+# The outermost transform: an optimizer that owns the step (DiLoCo's replica groups,
+# kdist.groups.diloco), reached through the StepOwner interface only.
+STEP_OWNER = Transform("replica groups", wanted=lambda dist: dist.config.replicas is not None,
+                       prepare=_owner_prepare, wrap=_owner_wrap)

@@ -14,7 +14,7 @@ on abstract inputs, with a verdict and the smallest change that fits.
                      time, or estimated
 ``analytic``         the plan from the cost model alone; the theory every plan carries
 ``traffic``          bytes per mesh axis, and the axes that cross the slow link
-``model``            the model a plan is of (a preset or a function) and its cost model
+``planned_model``    the model a plan is of (a preset or a function) and its cost model
 ``stages``           a pipeline's memory, bytes between stages, bubble and timeline
 ``schedule_memory``  the memory of a step run by the pipeline interpreter
 ``executed``         what a scheduled pipeline's program runs: each branch of its tick's
@@ -73,7 +73,7 @@ from kdist.planning.estimate import (
     preset_backbone_config,
     theoretical_collective_bytes,
 )
-from kdist.planning.model import cost_of_function, resolve_model, task_cost_model
+from kdist.planning.planned_model import cost_of_function, resolve_model, task_cost_model
 from kdist.planning.report import Plan
 from kdist.planning.search import (
     candidate_meshes,

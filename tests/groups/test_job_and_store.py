@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from kdist.groups import job as groups_job
 from kdist.groups.store import STALE_AFTER, Store, StoreError, describe
 from kdist.groups.supervisor import supervise
+from kdist.parallel import group_jobs as groups_job
 from tests.helpers import ROOT
 
 ENV = {"KDIST_REPLICA_GROUP": "1", "KDIST_REPLICA_GROUPS": "2", "KDIST_REPLICA_STORE": "/s"}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kdist import _keras_compat, hlo
-from kdist.parallel import replicas
+from kdist.groups import diloco
 from tests.parallel.combinations import CONFIGS
 from tests.parallel.harness import train_run
 
@@ -69,7 +69,7 @@ def diloco_pipeline_ring():
                     sync_every=2, **DEEP)
     state = _keras_compat.jax_state(run.model)
     x, y = run.batches[0][:2]
-    lowered = {sync: jax.jit(functools.partial(replicas.train_step, run.model, sync=sync))
+    lowered = {sync: jax.jit(functools.partial(diloco.train_step, run.model, sync=sync))
                .lower(state, (x, y)) for sync in (False, True)}
     # The step's transforms and DiLoCo's sync are named in the program (jax.named_scope;
     # in the lowered text: a compiled program from the cache keeps its first op names).

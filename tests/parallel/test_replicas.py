@@ -1,4 +1,4 @@
-"""DiLoCo over the replica axis (kdist.parallel.replicas): groups drift and meet, what
+"""DiLoCo over the replica axis (kdist.groups.diloco): groups drift and meet, what
 crosses replica groups, mid-round resume, settings. (The exact special cases — inner SGD
 synced every step is synchronous SGD; 8-bit exchange inside groups — are the ``replica``
 rows of tests/parallel/combinations.py.)"""
@@ -14,8 +14,8 @@ import kdist
 from kdist import _keras_compat, hlo
 from kdist.checkpointing.state import read_arrays, state_variables
 from kdist.data.lm import LMBatches
+from kdist.groups import diloco
 from kdist.models import GPTBackbone, GPTCausalLM
-from kdist.parallel import replicas
 from tests.helpers import (
     TINY_GPT,
     fit_with_checkpoint,
@@ -95,7 +95,7 @@ def test_groups_drift_between_syncs_and_meet_at_them(diloco_run):
 def _cross_group_bytes(model, sync, groups=2):
     x, y = token_batches(1)[0]
     state = _keras_compat.jax_state(model)
-    step = jax.jit(functools.partial(replicas.train_step, model, sync=sync))
+    step = jax.jit(functools.partial(diloco.train_step, model, sync=sync))
     text = step.lower(state, (x, y)).compile().as_text()
     block = jax.device_count() // groups
     return sum(c.bytes for c in hlo.parse_collectives(text, jax.device_count())

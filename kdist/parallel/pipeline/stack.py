@@ -245,7 +245,7 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
     zeros = jnp.zeros(xm.shape[1:], xm.dtype)
     # The inputs reach only stage 0: typed varying over stages once here, so the backward
     # pass sums their cotangent over stages once, not in every iteration.
-    wire = _wire_dtype(xm.dtype)
+    wire = _wire_dtype(xm.dtype, schedule.mesh)
     xm = to_varying(xm.astype(wire), {AXIS}).astype(xm.dtype)
 
     def apply_layers(r, h, kw):
@@ -302,13 +302,12 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
     return jax.lax.psum(out, AXIS).astype(xm.dtype)
 
 
-def _wire_dtype(dtype):
+def _wire_dtype(dtype, mesh):
     """The type of the two cross-stage sums (outputs, and the inputs' cotangent): float32
     on XLA:CPU, whose all-reduce promotion pass aborts on these bfloat16 all-reduces (jax
-    0.10.2; it would promote them to float32 anyway), else the activations' own."""
-    from kdist import accelerators
-
-    return jnp.float32 if accelerators.target().platform == "cpu" else dtype
+    0.10.2; it would promote them to float32 anyway), else the activations' own. The
+    mesh's devices are the ones XLA compiles for (a TPU topology's ahead of time)."""
+    return jnp.float32 if mesh.devices.flat[0].platform == "cpu" else dtype
 
 
 def scheduled_name() -> str:

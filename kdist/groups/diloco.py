@@ -43,11 +43,10 @@ from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
 from kdist.compiled_step import CompiledStep, attach
+from kdist.groups.outer import outer_settings, outer_update
 from kdist.parallel import reduction, region
 from kdist.parallel import train_step as stateful
 from kdist.parallel.layout import BatchLayout, active
-from kdist.parallel.outer import outer_settings, outer_update
-from kdist.parallel.transform import Transform, training_only
 
 AXIS = "replica"
 STACKED_PREFIX = "replica_"
@@ -174,7 +173,18 @@ class DiLoCo(keras.optimizers.Optimizer):
         # inner updates, and kdist.callbacks.Throughput finds the micro-batches per update.
         self.gradient_accumulation_steps = parts.inner.gradient_accumulation_steps
 
-    # kdist.parallel.step.StepOwner: DiLoCo runs the training step itself.
+    # kdist.parallel.transform.StepOwner: DiLoCo runs the training step itself.
+    def kdist_prepare(self, model):
+        if not self.built:  # the build adds the residuals to the inner optimizer
+            self.build(model.trainable_variables)
+
+    def kdist_wrap_compute(self, compute, step):
+        def group(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_variables):
+            # A group's slice of the inner optimizer's state: nothing for Keras' loss scaling
+            # (which maps it to model.optimizer's variables; DiLoCo scales nothing).
+            return compute(trainable, non_trainable, metrics, x, y, sample_weight, [])
+        return group
+
     def kdist_train_step(self, model, state, data):
         return train_step(model, state, data, sync=True)
 
@@ -196,11 +206,11 @@ class DiLoCo(keras.optimizers.Optimizer):
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise TypeError("DiLoCo steps only through kdist's train step "
-                        "(kdist.parallel.replicas.train_step), inside each replica group.")
+                        "(kdist.groups.diloco.train_step), inside each replica group.")
 
     def apply(self, grads, trainable_variables=None):
         raise TypeError("DiLoCo steps only through kdist's train step "
-                        "(kdist.parallel.replicas.train_step), inside each replica group.")
+                        "(kdist.groups.diloco.train_step), inside each replica group.")
 
     def get_config(self):
         return {"name": self.name, "sync_every": self.sync_every,
@@ -246,10 +256,11 @@ def check_inner(inner) -> None:
                          "weights per group is not built. Use use_ema=False.")
 
 
-def wrap(dist, optimizer):
-    """The optimizer ``compile`` uses under ``dist``: wrapped in :class:`DiLoCo` when
-    ``dist`` has ``sync_every``; a DiLoCo optimizer (e.g. reloaded) is unwrapped or
-    rewrapped to the distribution's settings."""
+def wrap(optimizer):
+    """The optimizer ``compile`` uses under the active distribution: wrapped in
+    :class:`DiLoCo` when it has ``sync_every`` (DiLoCo then owns the step); a DiLoCo
+    optimizer (e.g. reloaded) is unwrapped or rewrapped to the distribution's settings."""
+    dist = active()
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, DiLoCo):
         optimizer = optimizer.inner()
@@ -258,24 +269,6 @@ def wrap(dist, optimizer):
         return optimizer
     return DiLoCo(optimizer, groups.sync_every, groups.outer_learning_rate,
                   groups.outer_momentum, groups.outer_nesterov)
-
-
-def _prepare(dist, model) -> None:
-    if not model.optimizer.built:  # DiLoCo's build adds the residuals to its inner one
-        model.optimizer.build(model.trainable_variables)
-
-
-@training_only
-def _wrap(compute, step):  # outermost: the step is DiLoCo's (a StepOwner), per group
-    def group(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_variables):
-        # A group's slice of the inner optimizer's state: nothing for Keras' loss scaling
-        # (which maps it to model.optimizer's variables; DiLoCo scales nothing).
-        return compute(trainable, non_trainable, metrics, x, y, sample_weight, [])
-    return group
-
-
-TRANSFORM = Transform("replica groups", wanted=lambda dist: dist.config.replicas is not None,
-                      prepare=_prepare, wrap=_wrap)
 
 
 def train_step(model, state, data, sync: bool, guard: bool = True):

@@ -1,5 +1,5 @@
 """DiLoCo's outer step: the one update of the shared weights from the groups' averaged
-parameter change — in one program (:mod:`kdist.parallel.replicas`) and between separate
+parameter change — in one program (:mod:`kdist.groups.diloco`) and between separate
 group jobs (:mod:`kdist.groups.sync`) alike.
 
 Example:
