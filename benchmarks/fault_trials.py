@@ -15,8 +15,11 @@ DiLoCo on ``replica=2,data=4`` (``--sync-every 3``), a checkpoint per group ever
    even ones at a random moment of a round — each once it has rejoined and run 2 steps.
    Printed: exit status, group 0's steps per second (median and slowest 10-step window, and
    over each kill's next 10 s), each rejoin's delay, the steps group 1 skipped on
-   rejoining (it goes on from the job's step), the final validation losses against the
-   run without faults, and the loss curve (the groups' mean per 20 steps) of both modes.
+   rejoining (it goes on from the job's step) and the steps each rejoin still started
+   behind the job's step, the largest difference between the two groups' final weights
+   (0.0 expected: both end with the job's outer state), the final validation losses
+   against the run without faults, and the loss curve (the groups' mean per 20 steps) of
+   both modes.
 2. **Time lost per failure**, the same job: wall time with one kill minus without, for
    separate groups, and for today's single JAX job (``--processes 2``: one cluster, DiLoCo
    in one program) whose kill ends the job and whose relaunch resumes from the checkpoint.
@@ -99,9 +102,10 @@ def groups_job(out, args, tag, kills, mode="quorum", seed=0):
     store = out / f"store-{tag}"
     run = Run(["--replica-groups", "2", "--spare-groups", "1", "--max-restarts", str(kills),
                "--devices-per-process", "4", "--replica-store", str(store),
-               "--round-deadline", "10", "--replica-mode", mode,
+               # (the deadline is a quorum round's: async rounds never wait, and refuse it)
+               *(["--round-deadline", "10"] if mode == "quorum" else []), "--replica-mode", mode,
                *script_args(out, args, tag)], environment())
-    rng, killed, joined = random.Random(seed), [], []
+    rng, killed, joined, marks = random.Random(seed), [], [], []
     inside = 0  # kills sent while group 1's heartbeat said "waiting" or "publishing"
     for n in range(kills):
         seen = len(run.steps("g1"))
@@ -125,6 +129,7 @@ def groups_job(out, args, tag, kills, mode="quorum", seed=0):
                                                   for x in run.lines[mark:])):
             break
         joined.append(time.monotonic())
+        marks.append(mark)
     status, wall = run.finish()
     (out / f"{tag}.log").write_text("".join(run.lines))
     survivor = run.steps("g0")
@@ -140,11 +145,31 @@ def groups_job(out, args, tag, kills, mode="quorum", seed=0):
                   # of the steps an earlier restart skipped
                   skipped_steps=len({step for x in run.lines for a, b in re.findall(
                       r"steps (\d+)-(\d+) skipped", x) for step in range(int(a), int(b) + 1)}))
+    # Each join line says how far behind the job's step the group started (kdist.groups.sync).
+    result["rejoin_steps_behind"] = [steps_behind(run.lines[mark:]) for mark in marks]
+    result["max_weight_difference"] = weight_difference(out, tag)
     for g in (0, 1):
         record = json.loads((out / f"groups-g{g}-rank0.json").read_text())
         result[f"validation_g{g}"] = record["validation"]
         result[f"losses_g{g}"] = record["losses"]
     return result
+
+
+def steps_behind(lines) -> int | None:
+    """The steps behind the job's step that the first join among ``lines`` started."""
+    join = next((x for x in lines if "[groups] group 1 joined" in x), "")
+    found = re.search(r"(\d+) steps behind the job", join)
+    return int(found.group(1)) if found else 0 if "the job's step" in join else None
+
+
+def weight_difference(out, tag) -> float | None:
+    """The largest absolute difference between the two groups' final weights (the script
+    writes ``OUT/<tag>-g<group>.npz``); None if a group wrote none."""
+    files = [out / f"{tag}-g{g}.npz" for g in (0, 1)]
+    if not all(f.is_file() for f in files):
+        return None
+    with np.load(files[0]) as a, np.load(files[1]) as b:
+        return max((float(np.max(np.abs(a[k] - b[k]))) for k in a.files), default=0.0)
 
 
 def relaunch_job(out, args, tag, kill):
@@ -228,7 +253,10 @@ def main(argv=None):
               f"{np.median(trial['rejoin_s']) if trial['rejoin_s'] else 0:.1f} s median "
               f"(max {max(trial['rejoin_s'], default=0):.1f}); group 0 "
               f"{trial['survivor_steps']} steps, group 1 skipped {trial['skipped_steps']} on "
-              f"rejoining, {trial['survivor_steps_per_s_median']:.2f} "
+              f"rejoining and started {trial['rejoin_steps_behind']} steps behind the job's "
+              f"step; max weight difference between the groups at the end "
+              f"{trial['max_weight_difference']} (without faults "
+              f"{clean['max_weight_difference']}), {trial['survivor_steps_per_s_median']:.2f} "
               f"steps/s median, slowest window {trial['survivor_steps_per_s_slowest']:.2f}; "
               f"after each kill {trial['survivor_steps_per_s_after_kills']}; validation "
               f"{trial['validation_g0']:.4f} / {trial['validation_g1']:.4f} against "

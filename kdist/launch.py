@@ -126,7 +126,8 @@ def main(argv=None) -> int:
         prog="python -m kdist.launch",
         description="Run a script as several JAX processes on this machine (CPU devices).",
     )
-    p.add_argument("--processes", type=int, default=2, help="number of processes (ranks)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="number of processes (ranks); default 2")
     p.add_argument("--devices-per-process", type=int, default=4,
                    help="forced host (CPU) devices in each process")
     p.add_argument("--grace", type=float, default=10.0,
@@ -142,10 +143,12 @@ def main(argv=None) -> int:
                    help="processes of each group (its own JAX cluster when P > 1)")
     g.add_argument("--replica-store", default="replica-store", metavar="DIR",
                    help="the directory every group reads and writes (shared storage)")
-    g.add_argument("--min-groups", type=int, default=1,
-                   help="fewest groups a round closes with; the job fails below it")
-    g.add_argument("--round-deadline", type=float, default=60.0, metavar="SECONDS",
-                   help="how long a round waits for a running group's outer gradient")
+    g.add_argument("--min-groups", type=int, default=None,
+                   help="fewest groups a round closes with; the job fails below it "
+                        "(quorum rounds; default 1)")
+    g.add_argument("--round-deadline", type=float, default=None, metavar="SECONDS",
+                   help="how long a round waits for a running group's outer gradient "
+                        "(quorum rounds; default 60)")
     g.add_argument("--replica-mode", default="quorum", choices=("quorum", "async"),
                    help="quorum: wait for every running group (up to the deadline); "
                         "async: never wait, stale gradients down-weighted")
@@ -163,14 +166,30 @@ def main(argv=None) -> int:
     else:
         p.error("give a SCRIPT (or -m MODULE) to run")
     if args.replica_groups is None:
-        return launch(command + args.args, args.processes, args.devices_per_process,
-                      args.grace)
+        return launch(command + args.args, 2 if args.processes is None else args.processes,
+                      args.devices_per_process, args.grace)
+    # Flags that would be ignored are refused, naming them, before any group starts.
+    if args.processes is not None:
+        p.error(f"--processes {args.processes} is one JAX job's process count; with "
+                f"--replica-groups each group's processes are --processes-per-group P.")
+    if args.replica_mode == "async":
+        typed = [f"{flag} {value:g}" for flag, value in (("--min-groups", args.min_groups),
+                                                        ("--round-deadline",
+                                                         args.round_deadline))
+                 if value is not None]
+        if typed:
+            p.error(f"{' and '.join(typed)}: quorum rounds only; --replica-mode async never "
+                    f"waits for a quorum. Leave {'them' if len(typed) > 1 else 'it'} out.")
     from kdist.groups.supervisor import supervise
+    from kdist.parallel.group_jobs import DEFAULT_DEADLINE
 
     try:
         return supervise(command + args.args, args.replica_groups, args.spare_groups,
                          args.processes_per_group, args.devices_per_process,
-                         args.replica_store, args.min_groups, args.round_deadline,
+                         args.replica_store,
+                         1 if args.min_groups is None else args.min_groups,
+                         DEFAULT_DEADLINE if args.round_deadline is None
+                         else args.round_deadline,
                          args.replica_mode, args.max_restarts, args.grace)
     except ValueError as e:
         p.error(str(e))

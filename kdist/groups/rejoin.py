@@ -12,7 +12,7 @@ recovering replica, too, takes the step from its healthy peers).
 
 from __future__ import annotations
 
-from kdist.groups.store import Store
+from kdist.groups.store import Store, StoreError
 from kdist.parallel.group_jobs import from_environment
 
 
@@ -20,9 +20,13 @@ def job_step(job) -> int:
     """The step (``fit`` batches) of the job's newest committed outer state: the furthest
     of its members' published steps; 0 for a new job."""
     store = Store(job.store, job.index)
-    rounds = store.outer_rounds()
-    meta = (store.outer_meta(rounds[-1]) if rounds else None) or {}
-    return max((s for s in meta.get("steps", []) if s is not None), default=0)
+    for r in reversed(store.outer_rounds()):
+        try:
+            meta = store.outer_meta(r) or {}
+        except StoreError:  # a damaged marker: the join sets it aside; the one before counts
+            continue
+        return max((s for s in meta.get("steps", []) if s is not None), default=0)
+    return 0
 
 
 def skip_to_job(checkpoint, model, total_steps: int) -> int:

@@ -65,6 +65,8 @@ def job_lines(store_dir: str | Path) -> list[str]:
                         None)
             again = (f", rejoined at round {back['round']} after {back['time'] - e['time']:.1f} s"
                      if back else ", did not rejoin")
+            if back and back.get("step") is not None and back.get("job_step") is not None:
+                again += f", {back['job_step'] - back['step']} steps behind the job's step"
             lines.append(f"failure: group {e['group']} at round {e.get('round')} (status "
                          f"{e.get('status')}): {e.get('action')}{again}")
         elif e.get("event") in ("refused", "job failed", "job done"):

@@ -28,18 +28,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import signal
 import threading
 import time
 from pathlib import Path
 
-from kdist.groups.store import Store, StoreError
-from kdist.groups.sync import REFUSED
+from kdist.groups.store import Store, StoreError, retrying
 from kdist.local_processes import copy_output, free_port, process_env, start
 from kdist.parallel import group_jobs as groups_job
+from kdist.parallel.group_jobs import REFUSED
 
 POLL = 0.05
+STORE_WAIT = 5.0  # seconds the supervisor's own writes wait for a full store: it must go on
 
 
 @dataclasses.dataclass
@@ -67,17 +70,62 @@ class Supervisor:
         self.pumps = []
         self.events = Path(store) / "events.jsonl"
 
-    def say(self, text: str, **event) -> None:
+    def print(self, text: str) -> None:
+        """``[groups] text``; output that cannot be written (a closed pipe) is dropped —
+        the supervisor's job is its groups, not its terminal."""
         with self.lock:
-            print(f"[groups] {text}", flush=True)
+            try:
+                print(f"[groups] {text}", flush=True)
+            except (OSError, ValueError):
+                pass
+
+    def say(self, text: str, **event) -> None:
+        """A line, and with ``event`` one record in ``events.jsonl``. A store that refuses
+        the record is waited for briefly (:data:`STORE_WAIT`), then the record is left out
+        with a line saying so: supervising the groups goes on."""
+        self.print(text)
         if event:
             event = dict(event, time=time.time(), round=self.round())
-            with open(self.events, "a", encoding="utf-8") as f:
-                f.write(json.dumps(event) + "\n")
+
+            def append():
+                with open(self.events, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(event) + "\n")
+
+            try:
+                retrying(f"the event {event['event']!r}", self.events, append, STORE_WAIT,
+                         self.print)
+            except (OSError, StoreError) as e:
+                self.print(f"event not recorded in {self.events}: {e}")
 
     def round(self) -> int:
-        closed = Store(self.store, -1).closed_rounds()
+        try:
+            closed = Store(self.store, -1).closed_rounds()
+        except OSError:
+            return 0
         return closed[-1] if closed else 0
+
+    def durable(self) -> str:
+        """What a relaunch would resume from: the newest intact outer state, said as it is."""
+        where = Path(self.store) / "outer"
+        try:
+            r = Store(self.store, -1).durable_outer()
+        except OSError as e:
+            return f"the store could not be read ({e})"
+        if r is None:
+            return f"no intact outer state is in {where}"
+        return f"the outer state of round {r} is durable in {where}"
+
+    def mark_dead(self, group: _Group, pid: int) -> None:
+        """Marks ``group``'s heartbeat dead, so no round waits for it. A store that refuses
+        the write is waited for briefly; then the others wait for the group up to the
+        round's deadline instead (its heartbeat goes stale) — never a crash of the
+        supervisor, which would take every group with it."""
+        try:
+            Store(self.store, group.index, say=self.print).beat(state="dead", pid=pid,
+                                                               wait=STORE_WAIT)
+        except (OSError, StoreError) as e:
+            self.print(f"group {group.index}'s heartbeat not marked dead ({e}); the others "
+                       f"wait for it up to the round deadline")
 
     def environment(self, group: int, rank: int, port: int) -> dict:
         env = process_env(rank, self.processes, self.devices, port)
@@ -94,8 +142,7 @@ class Supervisor:
             child = start(self.command, self.environment(group.index, rank, port))
             group.children.append(child)
             prefix = f"g{group.index}" if self.processes == 1 else f"g{group.index}.{rank}"
-            with self.lock:
-                print(f"[groups] group {group.index} rank {rank} pid {child.pid}", flush=True)
+            self.print(f"group {group.index} rank {rank} pid {child.pid}")
             pump = threading.Thread(target=copy_output, args=(prefix, child.stdout, self.lock),
                                     daemon=True)
             pump.start()
@@ -120,7 +167,7 @@ class Supervisor:
         code = child.returncode
         status = 128 - code if code < 0 else code
         self.stop(group)
-        Store(self.store, group.index).beat(state="dead", pid=child.pid)
+        self.mark_dead(group, child.pid)
         lived = time.monotonic() - group.started
         where = f"group {group.index} failed at round {self.round()} (rank {rank} exited " \
                 f"with status {status} after {lived:.0f} s)"
@@ -182,12 +229,10 @@ class Supervisor:
                 if len(left) < self.min_groups and not received:
                     for group in self.groups:
                         self.stop(group)
-                    outer = Store(self.store, -1).outer_rounds()
+                    durable = self.durable()
                     self.say(f"only {len(left)} group(s) left, fewer than --min-groups "
-                             f"{self.min_groups}: the job ends. The outer state of round "
-                             f"{outer[-1] if outer else 0} is durable in "
-                             f"{Path(self.store) / 'outer'}", event="job failed",
-                             left=len(left))
+                             f"{self.min_groups}: the job ends. {durable[0].upper()}"
+                             f"{durable[1:]}", event="job failed", left=len(left))
                     return 1
                 if all(g.state != "running" for g in self.groups):
                     break
@@ -210,6 +255,56 @@ class Supervisor:
         return 0 if finished >= self.min_groups else 1
 
 
+def _say(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _script_flag(command: list[str], flag: str) -> str | None:
+    """The value of ``flag`` among the script's arguments (``--flag V`` or ``--flag=V``)."""
+    for i, arg in enumerate(command):
+        if arg == flag and i + 1 < len(command):
+            return command[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1:]
+    return None
+
+
+def mesh_refusals(command: list[str], groups: int, processes: int, devices: int) -> list[str]:
+    """What the script's own flags say against the groups', before any group starts: its
+    ``--mesh`` must name ``replica=G`` and, inside a group, as many devices as
+    ``--processes-per-group`` x ``--devices-per-process``; a recipe's ``--host-devices``
+    must be the devices per process the launcher gives. A mesh that is not all numbers
+    (``auto``) is left to the group.
+
+    Example:
+        >>> mesh_refusals(["train.py", "--mesh", "replica=2,data=4"], 3, 1, 4)[0][:40]
+        'the script\'s --mesh replica=2,data=4 has '
+    """
+    found = []
+    mesh = _script_flag(command, "--mesh")
+    sizes = dict(re.findall(r"\s*(\w+)\s*=\s*(\d+)\s*(?:,|$)", mesh or ""))
+    if mesh and len(sizes) == mesh.count("=") == len(mesh.split(",")):
+        replica = int(sizes.pop("replica", 1))
+        if replica != groups:
+            found.append(f"the script's --mesh {mesh} has replica={replica} but "
+                         f"--replica-groups is {groups}: give the whole job's mesh, "
+                         f"replica={groups}")
+        inside = math.prod(int(v) for v in sizes.values())
+        if inside != processes * devices:
+            found.append(f"the script's --mesh {mesh} puts {inside} devices in each group "
+                         f"(replica=1 inside a group) but --processes-per-group {processes} x "
+                         f"--devices-per-process {devices} gives it {processes * devices}")
+    host = _script_flag(command, "--host-devices")
+    if host is not None and host != str(devices):
+        found.append(f"the script's --host-devices {host} inside groups of "
+                     f"--devices-per-process {devices}: leave --host-devices out (the "
+                     f"launcher gives each process its devices) or make them agree")
+    return found
+
+
 def supervise(command: list[str], groups: int, spares: int = 0, processes: int = 1,
               devices: int = 4, store: str = "replica-store", min_groups: int = 1,
               deadline: float = groups_job.DEFAULT_DEADLINE, mode: str = "quorum",
@@ -222,21 +317,24 @@ def supervise(command: list[str], groups: int, spares: int = 0, processes: int =
               (devices >= 1, f"--devices-per-process must be at least 1; got {devices}."),
               (1 <= min_groups <= groups, f"--min-groups must be between 1 and "
                                           f"--replica-groups ({groups}); got {min_groups}."),
-              (deadline > 0, f"--round-deadline must be a number of seconds > 0; got "
-                             f"{deadline}."),
+              (math.isfinite(deadline) and deadline > 0,
+               f"--round-deadline must be a finite number of seconds > 0; got {deadline}."),
               (mode in groups_job.MODES, f"--replica-mode must be one of "
                                          f"{', '.join(groups_job.MODES)}; got {mode!r}."),
               (max_restarts >= 0, f"--max-restarts must be 0 or more; got {max_restarts}.")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    refusals = mesh_refusals(command, groups, processes, devices)
+    if refusals:
+        raise ValueError("; ".join(refusals) + ".")
     try:
         Store(store, -1).check_writable()
     except StoreError as e:
         raise ValueError(f"--replica-store: {e}") from None
-    print(f"[groups] {groups} replica groups of {processes} process(es) x {devices} "
+    _say(f"[groups] {groups} replica groups of {processes} process(es) x {devices} "
           f"device(s), {spares} spare(s), store {Path(store).resolve()}, {mode} rounds "
-          f"(deadline {deadline:g} s, at least {min_groups} group(s))", flush=True)
+          f"(deadline {deadline:g} s, at least {min_groups} group(s))")
     os.environ.pop(groups_job.GROUP, None)  # this process is the supervisor, not a group
     return Supervisor(command, groups, spares, processes, devices, store, min_groups,
                       deadline, mode, max_restarts, grace).run()

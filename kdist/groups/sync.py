@@ -14,9 +14,22 @@ last round this group applied):
 3. **Step.** Read the members' gradients, average them in group order, take the outer
    Nesterov step — every group computes the same ``θ``, member or not (a group whose
    gradient missed the round only loses its own round's work).
-4. The lowest member commits the outer state (weights, momentum, round, step): a group
-   that starts (a restart, a spare) or fell behind loads the newest one and replays the
-   rounds closed after it from their published gradients.
+4. The lowest member commits the outer state (weights, momentum, round, step, and a
+   fingerprint of the weights' bits): a group that starts (a restart, a spare) or fell
+   behind loads the newest intact one and replays the rounds closed after it from their
+   published gradients.
+5. **Check.** Every group compares the fingerprint of the outer state it applied with the
+   committed one as soon as that exists (at the latest at its next round; at ``fit``'s last
+   round it waits for it): a difference — two closers of one round, a gradient read twice
+   with different values — is a :class:`StoreError` naming the round, never weights that
+   drift apart in silence. The group then fails, and rejoins from the committed state.
+
+Nothing of a round is written twice (:mod:`kdist.groups.store`): a restarted group whose
+killed predecessor committed its gradient of the open round keeps that entry (every reader
+uses it) instead of publishing again; an outer state found damaged is moved aside, named,
+and rebuilt from the previous one and the round's committed gradients. A group that
+rejoined behind the job's step ends with the job's last round (marked ``final`` by the
+groups whose ``fit`` ended there) instead of training rounds alone after it.
 
 A (re)started group takes the outer weights and momentum from the store and keeps its
 own inner optimizer state — that of its own last checkpoint when the recipe restored one,
@@ -50,25 +63,65 @@ import numpy as np
 from kdist.groups import fingerprints
 from kdist.groups.outer import outer_settings, outer_update
 from kdist.groups.store import HEARTBEAT_EVERY, STALE_AFTER, Store, StoreError
-from kdist.parallel.group_jobs import JobGroups
+from kdist.parallel.group_jobs import GroupRefused, JobGroups
 
 POLL = 0.05  # seconds between looks at the store while waiting
-REFUSED = 78  # exit status of a group the job refuses (sysexits' EX_CONFIG): not restarted
+KEEP_PENDING = 3  # rounds an applied outer state waits to be checked against its commit
 
 
-class GroupRefused(SystemExit):
-    """This group cannot join the job (another model, config or data share; its index
-    already running). Exits with :data:`REFUSED`, which the supervisor does not restart."""
+class _Output:
+    """A group's stdout or stderr that never raises: both are a pipe to the supervisor,
+    and a supervisor that died closes it. A write that fails (``BrokenPipeError``) points
+    the file descriptor at ``/dev/null`` and drops the text, so a ``print`` in a round, a
+    callback or the SIGTERM save's own messages cannot stop the save the SIGTERM asked for
+    (nor the interpreter's last flush turn a clean exit into status 120)."""
 
-    def __init__(self, message: str):
-        print(f"[groups] refused: {message}", file=sys.stderr, flush=True)
-        super().__init__(REFUSED)
-        self.message = message
+    def __init__(self, stream):
+        self._stream, self._broken = stream, False
+
+    def _break(self):
+        self._broken = True
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def write(self, text):
+        if not self._broken:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError):
+                self._break()
+        return len(text)
+
+    def flush(self):
+        if not self._broken:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._break()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
+        return getattr(self._stream, name)
+
+
+def guard_output() -> None:
+    """Makes this process's stdout and stderr :class:`_Output` (once)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Output):
+            setattr(sys, name, _Output(stream))
 
 
 def say(text: str) -> None:
+    """``[groups] text`` from process 0; never raises for output that cannot be written."""
     if jax.process_index() == 0:
-        print(f"[groups] {text}", flush=True)
+        try:
+            print(f"[groups] {text}", flush=True)
+        except (OSError, ValueError):
+            pass
 
 
 class _Heartbeat:
@@ -78,6 +131,7 @@ class _Heartbeat:
     def __init__(self, store: Store):
         self.store, self.info = store, {"state": "starting", "round": None, "step": None}
         self.token = os.urandom(8).hex()
+        self.failed = False  # the last write failed (said once until one succeeds)
         self._lock = threading.Lock()  # one writer at a time: a beat never undoes a newer one
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kdist-heartbeat")
@@ -90,24 +144,28 @@ class _Heartbeat:
         atexit.register(self.stop)
 
     def beat(self, **info):
+        """Writes the heartbeat now. Best effort: a store that refuses the write (full,
+        read-only) costs this beat only — the group goes stale for the others (no round
+        waits for it) but keeps training; the round's own writes wait for the store."""
         with self._lock:
             self.info.update(info)
-            self.store.beat(token=self.token, **self.info)
+            try:
+                self.store.beat(token=self.token, **self.info)
+            except (OSError, StoreError) as e:
+                if not self.failed:
+                    say(f"heartbeat not written ({e}); trying again every second")
+                self.failed = True
+            else:
+                self.failed = False
 
     def _run(self):
         while not self._stop.wait(HEARTBEAT_EVERY):
-            try:
-                self.beat()
-            except OSError:
-                pass  # the store is gone for a moment: the next beat tries again
+            self.beat()
 
     def stop(self):
         if not self._stop.is_set():
             self._stop.set()
-            try:
-                self.beat(state="exited")
-            except OSError:
-                pass
+            self.beat(state="exited")
 
 
 def agree(value: int) -> int:
@@ -129,12 +187,17 @@ class OuterSync:
 
     def __init__(self, model, job: JobGroups):
         self.model, self.job = model, job
-        self.store = Store(job.store, job.index)
+        self.store = Store(job.store, job.index, say=say, collective=jax.process_count() > 1)
         self.applied = None  # the last round whose outer step this group holds
         self.heartbeat = None
         self.process = jax.process_index()
         self.rounds: list[dict] = []  # what each round cost here (kdist.groups.rounds)
         self.reported = 0  # of those, how many the throughput log has shown
+        # Outer states this group applied, not yet checked against the committed ones:
+        # {round: (fingerprint, members)} (kdist.groups.sync's module docstring, step 5).
+        self.pending: dict[int, tuple[str, list]] = {}
+        self.damaged: dict[int, dict | None] = {}  # set-aside rounds: their old markers
+        self.ended = None  # the job's last round, once this group ended with it
 
     # --- the state's parts ---
 
@@ -158,6 +221,7 @@ class OuterSync:
     def join(self, state, batch_shape=None):
         """Before the first step: checks this group against the job, then takes the
         newest outer state (or, for the job's first group, commits its own start)."""
+        guard_output()  # from here on, a closed output pipe cannot stop this group
         self.store.check_writable()
         fingerprint = fingerprints.describe(self.model, self.job, batch_shape)
         manifest = None
@@ -178,17 +242,37 @@ class OuterSync:
                            and not self.store.outer_rounds()))
         if wrote:  # a new job: its weights at round 0 are this group's initial ones
             theta, momenta, _ = self._parts(state)
-            self._commit(0, theta, [m * 0 for m in momenta], [self.job.index], {})
+            momenta = [m * 0 for m in momenta]
+            self._commit(0, theta, momenta, [self.job.index], {}, _digest(theta, momenta))
             self.applied = 0
             return state
         closed = self.store.closed_rounds()
         state = self._catch_up(state, agree(closed[-1] if closed else 0))
+        # How far behind the job this group starts (kdist.groups.skip_to_job chose its step
+        # before fit; the job may have gone on while this group compiled): each round it
+        # then publishes comes from that many steps fewer than the others'.
+        own = int(jax.device_get(state[2][self.model.optimizer.groups.iterations]))
+        job_step = self._round_step(self.applied) if self.process == 0 else None
+        behind = None if job_step is None else job_step - own
         if self.process == 0:
-            self.store.record_join(self.applied)
-        self.rounds.append(dict(join=self.applied, group=self.job.index))
-        say(f"group {self.job.index} joined at round {self.applied} (outer state from the "
-            f"store; inner optimizer state its own)")
+            self.store.record_join(self.applied, step=own, job_step=job_step)
+        self.rounds.append(dict(join=self.applied, group=self.job.index, step=own,
+                                behind_steps=behind))
+        where = (f" at step {own}, {behind} steps behind the job's step {job_step}"
+                 if behind else f" at step {own}, the job's step" if behind == 0 else "")
+        say(f"group {self.job.index} joined at round {self.applied}{where} (outer state from "
+            f"the store; inner optimizer state its own)")
         return state
+
+    def _round_step(self, r: int) -> int | None:
+        """The step (fit batches) the job's groups published round ``r`` from: its outer
+        state's members' furthest, else its committed gradients'; None if unknown."""
+        meta = self.store._outer_meta_or_none(r) or {}
+        steps = [s for s in meta.get("steps", []) if s is not None]
+        if not steps:
+            steps = [m.get("step") for m in self.store.published(r).values()
+                     if m.get("step") is not None]
+        return max(steps, default=None)
 
     def _refuse_duplicate(self):
         beat = self.store.heartbeats().get(self.job.index)
@@ -208,6 +292,9 @@ class OuterSync:
         """A new state is written at once (an operator, the supervisor and the fault trials
         see a round's publish as it happens); the rest (the step: every step) goes with the
         thread's next beat, without a write per step."""
+        if self.ended is not None:  # ended with the job: "finished", and fit stops
+            self.model.stop_training = True  # (again: a callback may have reset it)
+            info.pop("state", None)
         if self.heartbeat is None:
             return
         if info.get("state", self.heartbeat.info["state"]) != self.heartbeat.info["state"]:
@@ -217,12 +304,23 @@ class OuterSync:
 
     def round(self, state, step: int):
         """After a round's last inner step: one outer step (see the module)."""
+        if self.ended is not None:  # the job is over: no round alone (see _end_with_job)
+            self.model.stop_training = True
+            return state
         if self.job.mode == "async":
             return self._async_round(state, step)
         r = self.applied + 1
         began = time.monotonic()
         closed = self.store.closed_rounds()
         latest = agree(closed[-1] if closed else 0)  # one answer for the group's processes
+        self._verify_pending()  # the outer states applied before, now committed
+        # The job's last round is closed (another group's fit ended there): this group
+        # takes it and ends, rather than train a round alone after it — also when this is
+        # its own last round (a group restarted after the job ended keeps one round).
+        if latest >= r - 1 and self._job_ended_at(latest):
+            if latest >= r:
+                state = self._catch_up(state, latest)
+            return self._end_with_job(state, latest, step)
         if latest >= r:  # the job moved on without this group
             state = self._catch_up(state, latest)
             self._record(r, [], began, behind=True)
@@ -232,15 +330,76 @@ class OuterSync:
         theta, momenta, params = self._parts(state)
         delta = _deltas(theta, params)
         self.beat(state="waiting", round=r, step=step)
-        self.store.publish(r, _tree(delta), dict(step=step, base=self.applied,
-                                                 fingerprint=fingerprints.digest(self.fingerprint),
-                                                 time=time.time()), self.process)
+        self._publish(r, _tree(delta), dict(step=step, base=self.applied, time=time.time(),
+                                            final=self._last_round()))
         published_at = time.monotonic()
         record = self._quorum(r, published_at)
         state = self._step(state, r, record)
-        self.beat(state="training", round=r)
         self._record(r, record["members"], began, waited=time.monotonic() - published_at)
+        if self._last_round():  # nothing after this round checks it: wait for the commit
+            self._verify_pending(wait=self.job.deadline)
+        elif self._job_ended_at(r):  # the others' last round, not this group's
+            return self._end_with_job(state, r, step)
+        # "finished": no round waits for this group any more.
+        self.beat(state="finished" if self._last_round() else "training", round=r)
         return state
+
+    def _job_ended_at(self, r: int) -> bool:
+        """Whether round ``r`` was the job's last: a member published it from the last step
+        of its ``fit`` (quorum rounds, where every group trains the same steps)."""
+        if r < 1 or self.job.mode != "quorum":
+            return False
+        ended = False
+        if self.process == 0:
+            record = self.store.quorum(r) or {}
+            published = self.store.published(r)
+            ended = any(published.get(g, {}).get("final") for g in record.get("members", []))
+        return bool(agree(int(ended)))
+
+    def _end_with_job(self, state, r: int, step: int):
+        """The job ended at round ``r`` while this group, which joined behind the job's
+        step, still has steps of its ``fit`` left: it ends with the job's outer state
+        instead of training rounds alone (which would leave its final weights unlike every
+        other group's), and stops ``fit``; the steps left are what its late rejoin cost."""
+        theta, momenta, _ = self._parts(state)
+        state = self._with(state, theta, momenta)  # the inner weights back to the job's
+        self.ended = r
+        self.model.stop_training = True
+        self._verify_pending(wait=self.job.deadline)  # no later round checks this one
+        if self._last_round():
+            say(f"group {self.job.index}: the job ended at round {r}; this group ends with "
+                f"it at its last step {step}, with the job's outer weights")
+        else:
+            say(f"group {self.job.index}: the job ended at round {r} (the other groups' "
+                f"last step); this group ends with it at its step {step}, with the job's "
+                f"outer weights (its steps after step {step} not trained: it rejoined "
+                f"behind the job's step)")
+        if self.heartbeat is not None:
+            self.heartbeat.beat(state="finished", round=r)
+        return state
+
+    def _last_round(self) -> bool:
+        """Whether this round ends ``fit`` (its schedule counted the last step)."""
+        schedule = getattr(getattr(self.model.optimizer, "groups", None), "schedule", None)
+        return getattr(schedule, "remaining", None) == 0
+
+    def _attempt(self) -> str:
+        """A new attempt id, the same in every process of this group."""
+        return f"{agree(int.from_bytes(os.urandom(6), 'big')):012x}"
+
+    def _publish(self, r: int, tree: dict, meta: dict) -> bool:
+        """Publishes this group's gradient of round ``r`` unless an earlier attempt of this
+        group (killed after committing it) did: that entry stands — every reader uses it —
+        and is never rewritten. Returns whether this attempt's gradient is the one."""
+        standing = agree(int(self.process == 0 and self.store.committed(r) is not None))
+        if standing:
+            say(f"group {self.job.index}'s outer gradient of round {r} was committed by an "
+                f"earlier attempt (before a restart): it stands, unchanged; this attempt's "
+                f"inner steps since round {r - 1} are not published")
+            return False
+        meta = dict(meta, fingerprint=fingerprints.digest(self.fingerprint))
+        self.store.publish(r, tree, meta, self.process, attempt=self._attempt())
+        return True
 
     def _async_round(self, state, step: int):
         """Asynchronous: publish into the next open round and close it at once with what
@@ -252,26 +411,30 @@ class OuterSync:
         delta = _tree(_deltas(theta, params))
         base = self.applied
         self.beat(state="publishing", round=base + 1, step=step)
+        self._verify_pending()
         while True:
             closed = self.store.closed_rounds()
             r = agree(max([self.applied, *closed[-1:]]) + 1)
-            self.store.publish(r, delta, dict(step=step, base=base, time=time.time(),
-                                              fingerprint=fingerprints.digest(self.fingerprint)),
-                               self.process)
+            # An entry of an earlier attempt (killed after committing round r) stands and
+            # counts in round r; this gradient then goes into the next round.
+            ours = self._publish(r, delta, dict(step=step, base=base, time=time.time()))
             record = self.store.quorum(r)
             if record is None and self.process == 0:
                 record = self.store.propose(r, sorted(self.store.published(r)), waited=0.0)
             while record is None:  # the other processes of this group: process 0 closes it
                 time.sleep(POLL)
                 record = self.store.quorum(r)
-            if self.job.index in record["members"]:
+            if ours and self.job.index in record["members"]:
                 break
         state = self._catch_up(state, r)
         if self.job.index == record["members"][0]:
             theta, momenta, _ = self._parts(state)
-            self._commit(r, theta, momenta, record["members"], self.store.published(r))
+            self._commit(r, theta, momenta, record["members"], self.store.published(r),
+                         self.pending.get(r, (None,))[0])
+        if self._last_round():
+            self._verify_pending(wait=self.job.deadline)
         self._record(r, record["members"], began, behind=r > base + 1)
-        self.beat(state="training", round=r)
+        self.beat(state="finished" if self._last_round() else "training", round=r)
         return state
 
     def _record(self, r, members, began, waited=0.0, behind=False):
@@ -305,11 +468,14 @@ class OuterSync:
                     say(f"round {r}: {len(published)} of the {job.min_groups} groups it needs "
                         f"(KDIST_REPLICA_MIN) have published after {waited:.0f} s; waiting")
             if waited > 10 * job.deadline + 60:
+                durable = store.durable_outer() if self.process == 0 else None
                 raise StoreError(
                     f"Round {r} did not close within {waited:.0f} s: fewer than "
                     f"{job.min_groups} groups published to {store.root / 'rounds'}. The "
-                    f"others are gone; the outer state of round {self.applied} is durable "
-                    f"there.")
+                    f"others are gone; " + (
+                        f"the outer state of round {durable} is durable in "
+                        f"{store.root / 'outer'}." if durable is not None else
+                        f"no intact outer state is in {store.root / 'outer'}."))
             time.sleep(POLL)
 
     def _step(self, state, r: int, record: dict):
@@ -318,23 +484,73 @@ class OuterSync:
         target = _targets(theta)
         members = record["members"]
         published = self.store.published(r)
-        deltas = [_leaves(self.store.read(r, g, _tree(target))) for g in members]
+        deltas = [_leaves(self.store.read(r, g, _tree(target), record)) for g in members]
         theta, momenta = _outer(self.model.optimizer, self.job, theta, momenta, deltas,
                                 published, members, r)
         self.applied = r
+        digest = self._applied(r, theta, momenta, members)
         if members and self.job.index == members[0]:
-            self._commit(r, theta, momenta, members, published)
+            self._commit(r, theta, momenta, members, published, digest)
         return self._with(state, theta, momenta)
 
-    def _commit(self, r, theta, momenta, members, published):
+    def _commit(self, r, theta, momenta, members, published, digest):
+        """Commits the outer state of round ``r`` (every process of the group calls this).
+        One committed before (a restarted committer, a group rebuilding a damaged state)
+        stands: ours must then be the same, or the groups have diverged."""
         steps = [published[g].get("step") for g in members if g in published]
-        self.store.save_outer(r, {"theta": _tree(theta), "momenta": _tree(momenta)},
-                              dict(members=members, steps=steps, time=time.time(),
-                                   group=self.job.index), self.process)
+        attempts = {str(g): published[g].get("attempt") for g in members if g in published}
+        standing = self.store.save_outer(
+            r, {"theta": _tree(theta), "momenta": _tree(momenta)},
+            dict(members=members, steps=steps, attempts=attempts, digest=digest,
+                 time=time.time(), group=self.job.index), self.process,
+            attempt=self._attempt())
         if self.process == 0:
             self.store.forget_before(r - 2)
             say(f"outer state of round {r} durable in {self.store.root / 'outer'} "
                 f"(members {members})")
+        del standing  # a standing commit that differs: _verify_pending names the round
+        self.pending.setdefault(r, (digest, list(members)))
+        self._verify_pending()
+
+    # --- checking what was applied against what was committed ---
+
+    def _applied(self, r: int, theta, momenta, members) -> str:
+        """Notes that this group applied round ``r``'s outer state (to be checked against
+        the committed one); returns its fingerprint."""
+        digest = _digest(theta, momenta)
+        self.pending[r] = (digest, list(members))
+        return digest
+
+    def _verify_pending(self, wait: float = 0.0) -> None:
+        """Compares each outer state this group applied with the committed one of its round,
+        once that exists (waiting up to ``wait`` seconds for the newest): a
+        :class:`StoreError` naming the round if they differ. Process 0 reads the store;
+        every process of the group acts on its answer."""
+        newest = max(self.pending, default=None)
+        for r in sorted(self.pending):
+            digest, members = self.pending[r]
+            problem, found = None, False
+            if self.process == 0:
+                until = time.monotonic() + (wait if r == newest else 0.0)
+                meta = self.store._outer_meta_or_none(r)
+                while meta is None and time.monotonic() < until:
+                    time.sleep(POLL)
+                    meta = self.store._outer_meta_or_none(r)
+                found = meta is not None
+                if found and (meta.get("digest") not in (None, digest)
+                              or meta.get("members") != members):
+                    problem = (
+                        f"Round {r}: the outer state group {self.job.index} applied (members "
+                        f"{members}, fingerprint {digest}) differs from the one committed in "
+                        f"{self.store.root / 'outer' / f'{r}.json'} (members "
+                        f"{meta.get('members')}, fingerprint {meta.get('digest')}): the "
+                        f"groups' weights would diverge. The round was closed or published "
+                        f"twice; this group stops and rejoins from the committed state.")
+            if agree(int(problem is not None)):
+                raise StoreError(problem or f"Round {r}: this group's outer state differs "
+                                            f"from the committed one (see process 0).")
+            if agree(int(found)) or r < (self.applied or 0) - KEEP_PENDING:
+                del self.pending[r]  # checked (or its commit will never come: forgotten)
 
     # --- catching up ---
 
@@ -343,9 +559,7 @@ class OuterSync:
         before it, then the closed rounds after that replayed from their gradients."""
         theta, momenta, _ = self._parts(state)
         target = _targets(theta)
-        outer = [k for k in self.store.outer_rounds() if k <= latest]
-        base = agree(outer[-1] if outer else -1)
-        base = None if base < 0 else base
+        base = self._intact_base(latest)
         if base is None or (self.applied is not None and self.applied > base):
             if self.applied is None:  # no outer state to start from: wait for the first
                 base = self._wait_for_outer(latest)
@@ -353,7 +567,7 @@ class OuterSync:
                 base = self.applied  # replay on what this group already holds
         if base != self.applied:
             loaded = self.store.load_outer(base, {"theta": _tree(target),
-                                                  "momenta": _tree(target)})
+                                                  "momenta": _tree(target)}, verify=False)
             theta, momenta = _leaves(loaded["theta"]), _leaves(loaded["momenta"])
         for r in range(base + 1, latest + 1):
             record = self.store.quorum(r)
@@ -361,23 +575,104 @@ class OuterSync:
                 raise StoreError(f"Round {r} has no quorum record in {self.store.root}, but "
                                  f"round {latest} closed: the store was changed by hand.")
             published = self.store.published(r)
-            deltas = [_leaves(self.store.read(r, g, _tree(target)))
-                      for g in record["members"]]
+            try:
+                deltas = [_leaves(self.store.read(r, g, _tree(target), record))
+                          for g in record["members"]]
+            except StoreError as e:
+                if r not in self.damaged:
+                    raise
+                raise StoreError(f"The outer state of round {r} was damaged (moved aside to "
+                                 f"{self.store.root / 'outer' / 'damaged'}) and cannot be "
+                                 f"rebuilt from round {r}'s gradients: {e} Start the job "
+                                 f"again with a new store, or from a checkpoint.") from None
             theta, momenta = _outer(self.model.optimizer, self.job, theta, momenta, deltas,
                                     published, record["members"], r)
+            digest = self._applied(r, theta, momenta, record["members"])
+            if r in self.damaged:  # rebuilt: commit it again, so the store is whole
+                old = self.damaged.pop(r) or {}  # process 0's reading of the old marker
+                if agree(int(old.get("digest") not in (None, digest))):
+                    raise StoreError(f"Round {r}'s outer state rebuilt from its gradients "
+                                     f"(fingerprint {digest}) differs from the damaged one's "
+                                     f"marker (fingerprint {old.get('digest')}).")
+                self._commit(r, theta, momenta, record["members"], published, digest)
+                say(f"the outer state of round {r} rebuilt from round {r - 1}'s and round "
+                    f"{r}'s committed gradients and committed again")
         self.applied = latest
+        self._verify_pending()
         return self._with(state, theta, momenta)
+
+    def _intact_base(self, latest: int) -> int | None:
+        """The newest committed outer state at or before round ``latest`` that is intact.
+        A damaged one (a data file that differs from its checksum, an emptied or truncated
+        marker) is named, moved aside (``outer/damaged/``) and remembered in
+        :attr:`damaged`, to be rebuilt from the previous state and the round's committed
+        gradients (:meth:`_catch_up`); the search goes on with the one before it."""
+        while True:
+            outer = [k for k in self.store.outer_rounds() if k <= latest]
+            base = agree(outer[-1] if outer else -1)
+            if base < 0:
+                return None
+            problem = None
+            if self.process == 0:
+                try:
+                    self.store.verify_outer(base)
+                except StoreError as e:
+                    problem = e
+            if not agree(int(problem is not None)):
+                return base
+            old = self.store._outer_meta_or_none(base) if self.process == 0 else None
+            if self.process == 0:
+                aside = self.store.set_aside_outer(base)
+                say(f"{problem} Moved it aside to {aside}; going on from the outer state "
+                    f"before it and the committed gradients of the rounds after that")
+            self.damaged[base] = old
 
     def _wait_for_outer(self, latest: int) -> int:
         deadline = time.monotonic() + self.job.deadline + 60
         while time.monotonic() < deadline:
-            outer = [k for k in self.store.outer_rounds() if k <= latest]
-            found = agree(outer[-1] if outer else -1)
-            if found >= 0:
+            found = self._intact_base(latest)
+            if found is not None:
                 return found
             time.sleep(POLL)
         raise StoreError(f"{self.store.root} has closed rounds but no committed outer state "
                          f"to join from after {self.job.deadline + 60:.0f} s.")
+
+
+def _as_bits(x):
+    """``x``'s bits as uint32 (wider types split, narrower widened): what the fingerprint
+    sums, so that equal fingerprints mean equal bits, not merely close values."""
+    import jax.numpy as jnp
+
+    size = x.dtype.itemsize
+    if size == 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if size > 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)  # a trailing axis of halves
+    narrow = {1: jnp.uint8, 2: jnp.uint16}[size]
+    return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
+
+
+@jax.jit
+def _fingerprint_sums(arrays):
+    """Two wrapping uint32 sums per array: of the bits, and of the bits weighted by an odd
+    function of their position (so a moved value shows). Integer sums do not depend on
+    the order of summation: every mesh and sharding gives the same answer."""
+    import jax.numpy as jnp
+
+    sums = []
+    for x in arrays:
+        bits = _as_bits(x).reshape(-1)
+        position = jnp.arange(bits.shape[0], dtype=jnp.uint32) * jnp.uint32(2654435761)
+        sums.append(jnp.stack([jnp.sum(bits, dtype=jnp.uint32),
+                               jnp.sum(bits * (position | jnp.uint32(1)), dtype=jnp.uint32)]))
+    return jnp.stack(sums)
+
+
+def _digest(theta, momenta) -> str:
+    """The fingerprint of an outer state (weights and outer momenta): equal in every group
+    that holds the same bits."""
+    sums = _fingerprint_sums(list(theta) + list(momenta))
+    return fingerprints.digest(np.asarray(sums.addressable_data(0)).tolist())
 
 
 def _alive(pid) -> bool:

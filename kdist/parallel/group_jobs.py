@@ -27,12 +27,43 @@ import dataclasses
 import math
 import os
 import re
+import sys
 
 GROUP, GROUPS, STORE = "KDIST_REPLICA_GROUP", "KDIST_REPLICA_GROUPS", "KDIST_REPLICA_STORE"
 MIN, DEADLINE, MODE = "KDIST_REPLICA_MIN", "KDIST_REPLICA_DEADLINE", "KDIST_REPLICA_MODE"
 VARIABLES = (GROUP, GROUPS, STORE, MIN, DEADLINE, MODE)
 MODES = ("quorum", "async")
 DEFAULT_DEADLINE = 60.0
+REFUSED = 78  # exit status of a group the job refuses (sysexits' EX_CONFIG): not restarted
+
+
+class GroupRefused(SystemExit):
+    """This group cannot join the job (another model, config or data share; its index
+    already running). Exits with :data:`REFUSED`, which the supervisor does not restart:
+    the same group would be refused again."""
+
+    def __init__(self, message: str):
+        try:  # said here: an uncaught SystemExit prints nothing of its own
+            print(f"[groups] refused: {message}", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+        super().__init__(REFUSED)
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
+class GroupConfigError(GroupRefused, ValueError):
+    """A wrong setting found inside a group (its environment, its mesh against the job's):
+    a ``ValueError`` to code that catches one, and — uncaught — exit status
+    :data:`REFUSED`, so that the supervisor does not restart a group that would fail the
+    same way every time.
+
+    Example:
+        >>> issubclass(GroupConfigError, ValueError)
+        True
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +96,7 @@ def _integer(env, name: str, low: int, high: int | None = None) -> int:
         value = None
     if value is None or value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise ValueError(f"{name}={text!r} must be an integer {bound}.")
+        raise GroupConfigError(f"{name}={text!r} must be an integer {bound}.")
     return value
 
 
@@ -76,15 +107,16 @@ def from_environment(env=None) -> JobGroups | None:
     if GROUP not in env:
         stray = [name for name in VARIABLES[1:] if name in env]
         if stray:
-            raise ValueError(f"{', '.join(stray)} set without {GROUP}: a separate replica "
-                             f"group needs its index too (python -m kdist.launch "
-                             f"--replica-groups G sets them all).")
+            raise GroupConfigError(f"{', '.join(stray)} set without {GROUP}: a separate "
+                                   f"replica group needs its index too (python -m "
+                                   f"kdist.launch --replica-groups G sets them all).")
         return None
     for name in (GROUPS, STORE):
         if not env.get(name):
-            raise ValueError(f"{GROUP} is set but {name} is not: a separate replica group "
-                             f"needs the group count and the store directory (python -m "
-                             f"kdist.launch --replica-groups G --replica-store DIR).")
+            raise GroupConfigError(f"{GROUP} is set but {name} is not: a separate replica "
+                                   f"group needs the group count and the store directory "
+                                   f"(python -m kdist.launch --replica-groups G "
+                                   f"--replica-store DIR).")
     count = _integer(env, GROUPS, 1)
     index = _integer(env, GROUP, 0, count - 1)
     min_groups = _integer(env, MIN, 1, count) if env.get(MIN) else 1
@@ -95,10 +127,11 @@ def from_environment(env=None) -> JobGroups | None:
         except ValueError:
             deadline = math.nan
         if not math.isfinite(deadline) or deadline <= 0:
-            raise ValueError(f"{DEADLINE}={env[DEADLINE]!r} must be a number of seconds > 0.")
+            raise GroupConfigError(f"{DEADLINE}={env[DEADLINE]!r} must be a finite number of "
+                                   f"seconds > 0 (python -m kdist.launch --round-deadline).")
     mode = env.get(MODE) or "quorum"
     if mode not in MODES:
-        raise ValueError(f"{MODE}={mode!r} must be one of {', '.join(MODES)}.")
+        raise GroupConfigError(f"{MODE}={mode!r} must be one of {', '.join(MODES)}.")
     return JobGroups(index, count, env[STORE], min_groups, deadline, mode)
 
 
@@ -107,12 +140,12 @@ def local_spec(spec: str, job: JobGroups) -> str:
     groups are other jobs). Refuses a spec whose ``replica`` is not the job's G."""
     found = re.findall(r"(?:^|,)\s*replica\s*=\s*(\d+)\s*(?=,|$)", str(spec))
     if len(found) != 1:
-        raise ValueError(
+        raise GroupConfigError(
             f"This process is replica group {job.index} of {job.count} separate jobs "
             f"({GROUP} is set), but mesh spec {spec!r} names no 'replica=N' axis. Give the "
             f"whole job's mesh, e.g. 'replica={job.count},data=4', and sync_every=H.")
     if int(found[0]) != job.count:
-        raise ValueError(
+        raise GroupConfigError(
             f"Mesh spec {spec!r} has replica={found[0]} but the job was started with "
             f"{job.count} replica groups ({GROUPS}={job.count}, python -m kdist.launch "
             f"--replica-groups {job.count}). Make them agree.")

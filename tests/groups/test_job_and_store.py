@@ -90,7 +90,7 @@ def test_an_outer_state_counts_only_with_its_marker_and_damage_is_named(tmp_path
     assert store.outer_rounds() == [1]
     target = {"theta": {"w0000": jnp.zeros(4)}, "momenta": {"w0000": jnp.zeros(4)}}
     np.testing.assert_array_equal(store.load_outer(1, target)["theta"]["w0000"], np.arange(4.0))
-    data = [p for p in (tmp_path / "outer" / "000001").rglob("*") if p.is_file()
+    data = [p for p in store.outer_dir(1).rglob("*") if p.is_file()
             and p.name != "_CHECKPOINT_METADATA" and p.stat().st_size > 0]
     biggest = max(data, key=lambda p: p.stat().st_size)
     raw = bytearray(biggest.read_bytes())
