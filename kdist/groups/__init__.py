@@ -16,9 +16,12 @@ directory: a local disk, NFS, a mounted bucket), never through a server of kdist
   count, the store, the quorum rule), read from the environment ``python -m kdist.launch
   --replica-groups G`` (or a cluster scheduler) gives each group's processes.
 * :mod:`kdist.groups.store` — the store's layout: a round's published outer gradients, its
-  quorum record, the outer state, each group's heartbeat, every commit atomic.
+  quorum record, the outer state, each group's heartbeat, every commit atomic;
+  :mod:`kdist.groups.store_io` how it writes its files (once, or waiting out a full store).
 * :mod:`kdist.groups.sync` — the outer step between inner steps, on the host: publish, wait
-  for the quorum, average in a fixed order, step; join and catch up.
+  for the quorum, average in a fixed order, step; join and catch up
+  (:mod:`kdist.groups.catch_up`); the arrays' part in :mod:`kdist.groups.outer_arrays`, the
+  host's (output that never raises, the heartbeat thread) in :mod:`kdist.groups.host`.
 * :mod:`kdist.groups.rejoin` — where a restarted group resumes: the job's step, not its
   own checkpoint's.
 * :mod:`kdist.groups.fingerprints` — what must be the same in every group of a job, and

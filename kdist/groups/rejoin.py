@@ -39,7 +39,7 @@ def skip_to_job(checkpoint, model, total_steps: int) -> int:
     Example:
         >>> start = kdist.groups.skip_to_job(checkpoint, model, total_steps=2000)  # doctest: +SKIP
     """
-    from kdist.groups.sync import agree, say  # (JAX: not at the launcher's import)
+    from kdist.groups.host import agree, say  # (JAX: not at the launcher's import)
 
     job = from_environment()
     restored = checkpoint.step

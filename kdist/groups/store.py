@@ -43,8 +43,6 @@ hundreds of steps and small models, the limit for large ones (see benchmarks/REA
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import shutil
 import socket
@@ -52,138 +50,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kdist.durable import CHECKSUM, file_checksum, fsync_dir, fsync_tree, probe_writable
+from kdist.durable import CHECKSUM, fsync_dir, fsync_tree, probe_writable
+from kdist.groups.store_io import (
+    StoreError,
+    checksums,
+    new_attempt,
+    orbax_save,
+    read_json,
+    restore,
+    retrying,
+    say,
+    write_json,
+)
 
 HEARTBEAT_EVERY = 1.0  # seconds between heartbeats (a thread; see kdist.groups.sync)
+POLL = 0.05  # seconds between looks at the store while waiting
 STALE_AFTER = 6.0  # a heartbeat older than this: the group is not running
-STORE_WAIT = 300.0  # seconds a write waits for a full or read-only store before giving up
-# Errors that mean "the store cannot take this write now", not "the write is wrong": a full
-# disk or quota, a file system remounted read-only, permissions taken away, an I/O error of
-# a network mount. Worth waiting for; anything else is raised at once.
-STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
-                  errno.EIO}
-
-
-class StoreError(RuntimeError):
-    """The store is unusable, damaged, or a round cannot close."""
-
-
-def storage_unavailable(error: BaseException) -> bool:
-    """Whether ``error`` is the store refusing writes (full, read-only), which may pass.
-    orbax reports a full disk as ``ValueError("RESOURCE_EXHAUSTED...")``, not an OSError."""
-    if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
-        return True
-    text = str(error)
-    return any(k in text for k in ("RESOURCE_EXHAUSTED", "No space left", "Read-only file"))
-
-
-def _print(text: str) -> None:
-    """``[groups] text`` on stdout; output that cannot be written (a closed pipe: the
-    supervisor died) is dropped, never raised — it must not stop a save."""
-    try:
-        print(f"[groups] {text}", flush=True)
-    except (OSError, ValueError):
-        pass
-
-
-def retrying(what: str, path, write, wait: float | None = None, say=_print):
-    """Runs ``write()``; while the store refuses writes (:func:`storage_unavailable`),
-    retries with backoff (0.1 s doubling to 5 s), saying once ``store full / read-only at
-    PATH, waiting`` and once that it went on. After ``wait`` seconds (default
-    :data:`STORE_WAIT`; 0: no retry) a :class:`StoreError` naming ``what`` and ``path``."""
-    limit = STORE_WAIT if wait is None else wait
-    began, delay, said = time.monotonic(), 0.1, False
-    while True:
-        try:
-            result = write()
-        except Exception as e:  # noqa: BLE001 (filtered just below)
-            if not storage_unavailable(e):
-                raise
-            waited = time.monotonic() - began
-            if waited >= limit:
-                raise StoreError(
-                    f"The replica store at {path} stayed full or read-only for {waited:.0f} s "
-                    f"({e}): {what} was not written. Free space (or make it writable) and "
-                    f"relaunch: the job resumes from its newest durable outer state.") from e
-            if not said:
-                said = True
-                say(f"store full / read-only at {path} ({e}), waiting up to {limit:.0f} s "
-                    f"to write {what}")
-            time.sleep(min(delay, max(limit - waited, 0.0)))
-            delay = min(2 * delay, 5.0)
-            continue
-        if said:
-            say(f"store at {path} writable again after {time.monotonic() - began:.1f} s: "
-                f"{what} written")
-        return result
-
-
-def _write_json(path: Path, value: dict, exclusive: bool = False) -> bool:
-    """Writes ``value`` to ``path`` atomically (a temporary file, fsynced, renamed; with
-    ``exclusive`` linked, so an existing ``path`` is kept). Returns False only when
-    ``exclusive`` and ``path`` already existed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        if exclusive:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-        else:
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-    return True
-
-
-def _read_json(path: Path) -> dict | None:
-    """The JSON object in ``path``, None if there is no such file; a file that is not one
-    (emptied, truncated, overwritten by hand) is a :class:`StoreError` naming it."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except UnicodeDecodeError as e:
-        raise StoreError(f"{path} is damaged: not UTF-8 text ({e}).") from None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise StoreError(f"{path} is damaged: {len(text.encode())} bytes that are not a JSON "
-                         f"record ({e}).") from None
-    if not isinstance(value, dict):
-        raise StoreError(f"{path} is damaged: a JSON {type(value).__name__}, not a record.")
-    return value
-
-
-def new_attempt() -> str:
-    """A random id naming one attempt's directory (every process of a group must use the
-    same one: :func:`kdist.groups.sync.agree` it)."""
-    return os.urandom(6).hex()
-
-
-def _orbax_save(target: Path, tree: dict, clean: bool) -> None:
-    """Saves ``tree`` to ``target`` with orbax; with ``clean`` (one process writes it all)
-    first removing what a failed try of this same attempt left (a full disk interrupts a
-    save half-way). Never with several processes: another one may be writing there now."""
-    import orbax.checkpoint as ocp
-
-    for leftover in target.parent.glob(f"{target.name}*") if clean else ():
-        shutil.rmtree(leftover, ignore_errors=True)
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        checkpointer.save(target, args=ocp.args.PyTreeSave(tree))
-
-
-def _checksums(root: Path) -> dict[str, str]:
-    return {str(f.relative_to(root)): file_checksum(f)
-            for f in sorted(root.rglob("*")) if f.is_file() and f.name != "_CHECKPOINT_METADATA"}
-
-
 class Store:
     """One group's view of the shared store (see the module's docstring for the layout).
 
@@ -193,7 +75,7 @@ class Store:
         []
     """
 
-    def __init__(self, root, group: int, say=_print, collective: bool = False):
+    def __init__(self, root, group: int, say=say, collective: bool = False):
         self.root = Path(root)
         self.group = group
         self.say = say  # where "store full, waiting" goes (a group: its process 0's output)
@@ -228,13 +110,13 @@ class Store:
                     host=info.get("host", socket.gethostname()))
         path = self.root / "live" / f"group-{self.group}.json"
         self._retrying(f"group {self.group}'s heartbeat", path,
-                       lambda: _write_json(path, info), wait)
+                       lambda: write_json(path, info), wait)
 
     def heartbeats(self) -> dict[int, dict]:
         found = {}
         for path in sorted((self.root / "live").glob("group-*.json")):
             try:
-                beat = _read_json(path)
+                beat = read_json(path)
             except StoreError:
                 beat = None  # a damaged heartbeat is no heartbeat: the group is not running
             if beat is not None:
@@ -253,13 +135,13 @@ class Store:
         path = self.root / "joins" / f"group-{self.group}-{time.time_ns()}.json"
         record = dict(info, group=self.group, round=r, time=time.time())
         self._retrying(f"group {self.group}'s join record", path,
-                       lambda: _write_json(path, record))
+                       lambda: write_json(path, record))
 
     def joins(self) -> list[dict]:
         found = []
         for path in (self.root / "joins").glob("group-*.json"):
             try:
-                found.append(_read_json(path))
+                found.append(read_json(path))
             except StoreError:
                 continue  # a damaged join record: the report shows one join fewer
         return sorted((j for j in found if j), key=lambda j: j["time"])
@@ -270,9 +152,9 @@ class Store:
         """The job's fingerprint (the first group's, written now if none was), and whether
         this call wrote it."""
         path = self.root / "manifest.json"
-        wrote = self._retrying("the job's manifest", path, lambda: _write_json(
+        wrote = self._retrying("the job's manifest", path, lambda: write_json(
             path, {"fingerprint": fingerprint, "group": self.group}, exclusive=True))
-        return _read_json(path), wrote
+        return read_json(path), wrote
 
     # --- rounds ---
 
@@ -283,7 +165,7 @@ class Store:
         """The commit marker of ``group``'s (default: this group's) gradient of round
         ``r``, None if it has none."""
         group = self.group if group is None else group
-        return _read_json(self.round_dir(r) / f"group-{group}.json")
+        return read_json(self.round_dir(r) / f"group-{group}.json")
 
     def gradient_dir(self, r: int, group: int, meta: dict) -> Path:
         """The directory ``meta`` (a commit marker) names; ``group-<g>`` for markers
@@ -304,7 +186,7 @@ class Store:
         target = self.round_dir(r) / f"group-{self.group}.{attempt}"
         marker = self.round_dir(r) / f"group-{self.group}.json"
         target.parent.mkdir(parents=True, exist_ok=True)
-        save = lambda: _orbax_save(target, tree, clean=not self.collective)  # noqa: E731
+        save = lambda: orbax_save(target, tree, clean=not self.collective)  # noqa: E731
         if self.collective:
             save()
         else:
@@ -313,26 +195,26 @@ class Store:
             return dict(meta, round=r, group=self.group, attempt=attempt)
         fsync_tree(target)
         meta = dict(meta, round=r, group=self.group, attempt=attempt,
-                    checksum_algorithm=CHECKSUM, checksums=_checksums(target))
+                    checksum_algorithm=CHECKSUM, checksums=checksums(target))
         wrote = self._retrying(f"the commit marker of round {r}", marker,
-                               lambda: _write_json(marker, meta, exclusive=True))
+                               lambda: write_json(marker, meta, exclusive=True))
         if wrote:
             return meta
         # An earlier attempt committed this round first: its entry stands, ours goes.
         shutil.rmtree(target, ignore_errors=True)
-        return _read_json(marker)
+        return read_json(marker)
 
     def published(self, r: int) -> dict[int, dict]:
         """The committed outer gradients of round ``r``: their markers, by group."""
         found = {}
         for path in sorted(self.round_dir(r).glob("group-*.json")):
-            meta = _read_json(path)
+            meta = read_json(path)
             if meta is not None:
                 found[int(path.stem.split("-")[1])] = meta
         return found
 
     def quorum(self, r: int) -> dict | None:
-        return _read_json(self.round_dir(r) / "quorum.json")
+        return read_json(self.round_dir(r) / "quorum.json")
 
     def propose(self, r: int, members: list[int], **info) -> dict:
         """Closes round ``r`` with ``members`` unless another group closed it first; the
@@ -340,7 +222,7 @@ class Store:
         already committed was closed before (its record lost): the record written is that
         state's members, not ``members`` — a round's membership is decided once."""
         published = self.published(r)
-        committed = self._outer_meta_or_none(r)
+        committed = self.outer_meta_if_readable(r)
         if committed is not None and committed.get("members") is not None:
             info = dict(info, restored_from=f"outer/{r}.json")
             members = committed["members"]
@@ -351,7 +233,7 @@ class Store:
                       attempts=attempts, time=time.time())
         path = self.round_dir(r) / "quorum.json"
         self._retrying(f"the quorum record of round {r}", path,
-                       lambda: _write_json(path, record, exclusive=True))
+                       lambda: write_json(path, record, exclusive=True))
         return self.quorum(r)
 
     def closed_rounds(self) -> list[int]:
@@ -362,7 +244,7 @@ class Store:
         (and against the attempt ``quorum`` names, when it names one), placed as
         ``target``'s ``ShapeDtypeStruct`` leaves say."""
         marker = self.round_dir(r) / f"group-{group}.json"
-        meta = _read_json(marker)
+        meta = read_json(marker)
         if meta is None:
             raise StoreError(f"Round {r}'s quorum lists group {group}, but {marker} is "
                              f"missing: the store was changed by hand.")
@@ -373,7 +255,7 @@ class Store:
                              f"{meta.get('attempt')}: the round was published twice.")
         source = self.gradient_dir(r, group, meta)
         _verify(source, meta, f"group {group}'s outer gradient of round {r}")
-        return _restore(source, target)
+        return restore(source, target)
 
     # --- outer states ---
 
@@ -396,11 +278,11 @@ class Store:
         unless it is committed already, which stands. Returns the marker that stands."""
         attempt = attempt or new_attempt()
         marker = self.root / "outer" / f"{r}.json"
-        standing = self._outer_meta_or_none(r)
+        standing = self.outer_meta_if_readable(r)
         if standing is not None:  # committed before (a restarted committer): kept as is
             return standing
         target = self.root / "outer" / f"{r:06d}.{attempt}"
-        save = lambda: _orbax_save(target, tree, clean=not self.collective)  # noqa: E731
+        save = lambda: orbax_save(target, tree, clean=not self.collective)  # noqa: E731
         if self.collective:
             save()
         else:
@@ -409,17 +291,17 @@ class Store:
             return dict(meta, round=r, attempt=attempt)
         fsync_tree(target)
         meta = dict(meta, round=r, attempt=attempt, directory=target.name,
-                    checksum_algorithm=CHECKSUM, checksums=_checksums(target))
+                    checksum_algorithm=CHECKSUM, checksums=checksums(target))
         if self._retrying(f"the commit marker of round {r}'s outer state", marker,
-                          lambda: _write_json(marker, meta, exclusive=True)):
+                          lambda: write_json(marker, meta, exclusive=True)):
             return meta
         shutil.rmtree(target, ignore_errors=True)  # another attempt committed it first
-        return _read_json(marker)
+        return read_json(marker)
 
     def outer_meta(self, r: int) -> dict | None:
-        return _read_json(self.root / "outer" / f"{r}.json")
+        return read_json(self.root / "outer" / f"{r}.json")
 
-    def _outer_meta_or_none(self, r: int) -> dict | None:
+    def outer_meta_if_readable(self, r: int) -> dict | None:
         try:
             return self.outer_meta(r)
         except StoreError:
@@ -435,7 +317,7 @@ class Store:
         meta = self.outer_meta(r)
         if verify:
             _verify(self.outer_dir(r, meta), meta, f"the outer state of round {r}")
-        return _restore(self.outer_dir(r, meta), target)
+        return restore(self.outer_dir(r, meta), target)
 
     def set_aside_outer(self, r: int) -> Path:
         """Moves round ``r``'s damaged outer state (its marker first: it stops counting at
@@ -491,20 +373,12 @@ class Store:
 def _verify(root: Path, meta: dict | None, what: str) -> None:
     if meta is None:
         raise StoreError(f"{what} has no commit marker in {root.parent}.")
-    found = _checksums(root)
+    found = checksums(root)
     bad = sorted(k for k, v in meta.get("checksums", {}).items() if found.get(k) != v)
     if bad:
         raise StoreError(f"{what} in {root} is damaged: {', '.join(bad[:3])} "
                          f"{'differ' if len(bad) > 1 else 'differs'} from the checksum "
                          f"recorded when it was committed.")
-
-
-def _restore(source: Path, target: dict) -> dict:
-    import orbax.checkpoint as ocp
-
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        return checkpointer.restore(source, args=ocp.args.PyTreeRestore(
-            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
 
 
 def describe(root) -> dict[str, Any]:
@@ -519,4 +393,4 @@ def describe(root) -> dict[str, Any]:
             continue  # a damaged record: the report shows the rounds it can read
     return {"rounds": {r: q for r, q in rounds.items() if q},
             "outer": store.durable_outer(), "heartbeats": store.heartbeats(),
-            "joins": store.joins(), "manifest": _read_json(store.root / "manifest.json")}
+            "joins": store.joins(), "manifest": read_json(store.root / "manifest.json")}

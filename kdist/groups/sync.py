@@ -50,134 +50,23 @@ Liu, "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016: ``lr
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
-import sys
-import threading
 import time
 
 import jax
-import numpy as np
 
 from kdist.groups import fingerprints
-from kdist.groups.outer import outer_settings, outer_update
-from kdist.groups.store import HEARTBEAT_EVERY, STALE_AFTER, Store, StoreError
+from kdist.groups import outer_arrays as arrays
+from kdist.groups.catch_up import CatchUp
+from kdist.groups.host import Heartbeat, agree, alive, guard_output, say
+from kdist.groups.store import POLL, STALE_AFTER, Store, StoreError
 from kdist.parallel.group_jobs import GroupRefused, JobGroups
 
-POLL = 0.05  # seconds between looks at the store while waiting
 KEEP_PENDING = 3  # rounds an applied outer state waits to be checked against its commit
 
 
-class _Output:
-    """A group's stdout or stderr that never raises: both are a pipe to the supervisor,
-    and a supervisor that died closes it. A write that fails (``BrokenPipeError``) points
-    the file descriptor at ``/dev/null`` and drops the text, so a ``print`` in a round, a
-    callback or the SIGTERM save's own messages cannot stop the save the SIGTERM asked for
-    (nor the interpreter's last flush turn a clean exit into status 120)."""
-
-    def __init__(self, stream):
-        self._stream, self._broken = stream, False
-
-    def _break(self):
-        self._broken = True
-        try:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self._stream.fileno())
-            os.close(null)
-        except (OSError, ValueError, AttributeError):
-            pass
-
-    def write(self, text):
-        if not self._broken:
-            try:
-                return self._stream.write(text)
-            except (OSError, ValueError):
-                self._break()
-        return len(text)
-
-    def flush(self):
-        if not self._broken:
-            try:
-                self._stream.flush()
-            except (OSError, ValueError):
-                self._break()
-
-    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
-        return getattr(self._stream, name)
-
-
-def guard_output() -> None:
-    """Makes this process's stdout and stderr :class:`_Output` (once)."""
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if stream is not None and not isinstance(stream, _Output):
-            setattr(sys, name, _Output(stream))
-
-
-def say(text: str) -> None:
-    """``[groups] text`` from process 0; never raises for output that cannot be written."""
-    if jax.process_index() == 0:
-        try:
-            print(f"[groups] {text}", flush=True)
-        except (OSError, ValueError):
-            pass
-
-
-class _Heartbeat:
-    """Writes this group's heartbeat every second from a thread (process 0 only): a
-    stalled or stopped process goes stale, a busy one (compiling, validating) does not."""
-
-    def __init__(self, store: Store):
-        self.store, self.info = store, {"state": "starting", "round": None, "step": None}
-        self.token = os.urandom(8).hex()
-        self.failed = False  # the last write failed (said once until one succeeds)
-        self._lock = threading.Lock()  # one writer at a time: a beat never undoes a newer one
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kdist-heartbeat")
-
-    def start(self):
-        self.beat()
-        self._thread.start()
-        import atexit
-
-        atexit.register(self.stop)
-
-    def beat(self, **info):
-        """Writes the heartbeat now. Best effort: a store that refuses the write (full,
-        read-only) costs this beat only — the group goes stale for the others (no round
-        waits for it) but keeps training; the round's own writes wait for the store."""
-        with self._lock:
-            self.info.update(info)
-            try:
-                self.store.beat(token=self.token, **self.info)
-            except (OSError, StoreError) as e:
-                if not self.failed:
-                    say(f"heartbeat not written ({e}); trying again every second")
-                self.failed = True
-            else:
-                self.failed = False
-
-    def _run(self):
-        while not self._stop.wait(HEARTBEAT_EVERY):
-            self.beat()
-
-    def stop(self):
-        if not self._stop.is_set():
-            self._stop.set()
-            self.beat(state="exited")
-
-
-def agree(value: int) -> int:
-    """Process 0's ``value`` in every process of this group."""
-    if jax.process_count() == 1:
-        return value
-    from jax.experimental import multihost_utils
-
-    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
-
-
-class OuterSync:
+class OuterSync(CatchUp):
     """The host side of one group's DiLoCo in a job of separate groups.
 
     :func:`kdist.groups.diloco.make_train_function` calls :meth:`join` before the first
@@ -209,7 +98,7 @@ class OuterSync:
     def _with(self, state, theta, momenta):
         parts = self.model.optimizer.groups
         opt = list(state[2])
-        params = _stack(theta, [opt[i] for i in parts.params])
+        params = arrays.stack(theta, [opt[i] for i in parts.params])
         for i, m in zip(parts.momenta, momenta):
             opt[i] = m
         for i, p in zip(parts.params, params):
@@ -227,7 +116,7 @@ class OuterSync:
         manifest = None
         if self.process == 0:
             self._refuse_duplicate()
-            self.heartbeat = _Heartbeat(self.store)
+            self.heartbeat = Heartbeat(self.store)
             self.heartbeat.start()
             manifest, _ = self.store.manifest(fingerprint)
             differences = fingerprints.differences(manifest["fingerprint"], fingerprint)
@@ -243,7 +132,8 @@ class OuterSync:
         if wrote:  # a new job: its weights at round 0 are this group's initial ones
             theta, momenta, _ = self._parts(state)
             momenta = [m * 0 for m in momenta]
-            self._commit(0, theta, momenta, [self.job.index], {}, _digest(theta, momenta))
+            self._commit(0, theta, momenta, [self.job.index], {},
+                         arrays.state_digest(theta, momenta))
             self.applied = 0
             return state
         closed = self.store.closed_rounds()
@@ -267,7 +157,7 @@ class OuterSync:
     def _round_step(self, r: int) -> int | None:
         """The step (fit batches) the job's groups published round ``r`` from: its outer
         state's members' furthest, else its committed gradients'; None if unknown."""
-        meta = self.store._outer_meta_or_none(r) or {}
+        meta = self.store.outer_meta_if_readable(r) or {}
         steps = [s for s in meta.get("steps", []) if s is not None]
         if not steps:
             steps = [m.get("step") for m in self.store.published(r).values()
@@ -279,7 +169,7 @@ class OuterSync:
         if (beat and beat.get("state") in ("starting", "training", "waiting", "publishing")
                 and time.time() - beat.get("time", 0) < STALE_AFTER
                 and beat.get("pid") != os.getpid()
-                and (beat.get("host") != socket.gethostname() or _alive(beat.get("pid")))):
+                and (beat.get("host") != socket.gethostname() or alive(beat.get("pid")))):
             raise GroupRefused(
                 f"group {self.job.index} is already running (pid {beat.get('pid')} on "
                 f"{beat.get('host')}, heartbeat {time.time() - beat['time']:.1f} s ago): two "
@@ -328,9 +218,9 @@ class OuterSync:
                 f"to round {self.applied} (its inner steps since round {r - 1} dropped)")
             return state
         theta, momenta, params = self._parts(state)
-        delta = _deltas(theta, params)
+        delta = arrays.deltas(theta, params)
         self.beat(state="waiting", round=r, step=step)
-        self._publish(r, _tree(delta), dict(step=step, base=self.applied, time=time.time(),
+        self._publish(r, arrays.tree(delta), dict(step=step, base=self.applied, time=time.time(),
                                             final=self._last_round()))
         published_at = time.monotonic()
         record = self._quorum(r, published_at)
@@ -405,10 +295,10 @@ class OuterSync:
         """Asynchronous: publish into the next open round and close it at once with what
         is there; if another group closed it first without this gradient, the next one.
         Then replay every round up to it (this group's gradient included, down-weighted
-        by its staleness, :func:`_outer`)."""
+        by its staleness, :func:`kdist.groups.outer_arrays.outer_step`)."""
         began = time.monotonic()
         theta, _, params = self._parts(state)
-        delta = _tree(_deltas(theta, params))
+        delta = arrays.tree(arrays.deltas(theta, params))
         base = self.applied
         self.beat(state="publishing", round=base + 1, step=step)
         self._verify_pending()
@@ -481,12 +371,13 @@ class OuterSync:
     def _step(self, state, r: int, record: dict):
         """The outer step of round ``r`` from its members' gradients."""
         theta, momenta, _ = self._parts(state)
-        target = _targets(theta)
+        target = arrays.targets(theta)
         members = record["members"]
         published = self.store.published(r)
-        deltas = [_leaves(self.store.read(r, g, _tree(target), record)) for g in members]
-        theta, momenta = _outer(self.model.optimizer, self.job, theta, momenta, deltas,
-                                published, members, r)
+        deltas = [arrays.leaves(self.store.read(r, g, arrays.tree(target), record))
+                  for g in members]
+        theta, momenta = arrays.outer_step(self.model.optimizer, self.job, theta, momenta,
+                                           deltas, published, members, r)
         self.applied = r
         digest = self._applied(r, theta, momenta, members)
         if members and self.job.index == members[0]:
@@ -500,7 +391,7 @@ class OuterSync:
         steps = [published[g].get("step") for g in members if g in published]
         attempts = {str(g): published[g].get("attempt") for g in members if g in published}
         standing = self.store.save_outer(
-            r, {"theta": _tree(theta), "momenta": _tree(momenta)},
+            r, {"theta": arrays.tree(theta), "momenta": arrays.tree(momenta)},
             dict(members=members, steps=steps, attempts=attempts, digest=digest,
                  time=time.time(), group=self.job.index), self.process,
             attempt=self._attempt())
@@ -517,7 +408,7 @@ class OuterSync:
     def _applied(self, r: int, theta, momenta, members) -> str:
         """Notes that this group applied round ``r``'s outer state (to be checked against
         the committed one); returns its fingerprint."""
-        digest = _digest(theta, momenta)
+        digest = arrays.state_digest(theta, momenta)
         self.pending[r] = (digest, list(members))
         return digest
 
@@ -532,10 +423,10 @@ class OuterSync:
             problem, found = None, False
             if self.process == 0:
                 until = time.monotonic() + (wait if r == newest else 0.0)
-                meta = self.store._outer_meta_or_none(r)
+                meta = self.store.outer_meta_if_readable(r)
                 while meta is None and time.monotonic() < until:
                     time.sleep(POLL)
-                    meta = self.store._outer_meta_or_none(r)
+                    meta = self.store.outer_meta_if_readable(r)
                 found = meta is not None
                 if found and (meta.get("digest") not in (None, digest)
                               or meta.get("members") != members):
@@ -551,181 +442,3 @@ class OuterSync:
                                             f"from the committed one (see process 0).")
             if agree(int(found)) or r < (self.applied or 0) - KEEP_PENDING:
                 del self.pending[r]  # checked (or its commit will never come: forgotten)
-
-    # --- catching up ---
-
-    def _catch_up(self, state, latest: int):
-        """Brings this group to round ``latest``: the newest committed outer state at or
-        before it, then the closed rounds after that replayed from their gradients."""
-        theta, momenta, _ = self._parts(state)
-        target = _targets(theta)
-        base = self._intact_base(latest)
-        if base is None or (self.applied is not None and self.applied > base):
-            if self.applied is None:  # no outer state to start from: wait for the first
-                base = self._wait_for_outer(latest)
-            else:
-                base = self.applied  # replay on what this group already holds
-        if base != self.applied:
-            loaded = self.store.load_outer(base, {"theta": _tree(target),
-                                                  "momenta": _tree(target)}, verify=False)
-            theta, momenta = _leaves(loaded["theta"]), _leaves(loaded["momenta"])
-        for r in range(base + 1, latest + 1):
-            record = self.store.quorum(r)
-            if record is None:
-                raise StoreError(f"Round {r} has no quorum record in {self.store.root}, but "
-                                 f"round {latest} closed: the store was changed by hand.")
-            published = self.store.published(r)
-            try:
-                deltas = [_leaves(self.store.read(r, g, _tree(target), record))
-                          for g in record["members"]]
-            except StoreError as e:
-                if r not in self.damaged:
-                    raise
-                raise StoreError(f"The outer state of round {r} was damaged (moved aside to "
-                                 f"{self.store.root / 'outer' / 'damaged'}) and cannot be "
-                                 f"rebuilt from round {r}'s gradients: {e} Start the job "
-                                 f"again with a new store, or from a checkpoint.") from None
-            theta, momenta = _outer(self.model.optimizer, self.job, theta, momenta, deltas,
-                                    published, record["members"], r)
-            digest = self._applied(r, theta, momenta, record["members"])
-            if r in self.damaged:  # rebuilt: commit it again, so the store is whole
-                old = self.damaged.pop(r) or {}  # process 0's reading of the old marker
-                if agree(int(old.get("digest") not in (None, digest))):
-                    raise StoreError(f"Round {r}'s outer state rebuilt from its gradients "
-                                     f"(fingerprint {digest}) differs from the damaged one's "
-                                     f"marker (fingerprint {old.get('digest')}).")
-                self._commit(r, theta, momenta, record["members"], published, digest)
-                say(f"the outer state of round {r} rebuilt from round {r - 1}'s and round "
-                    f"{r}'s committed gradients and committed again")
-        self.applied = latest
-        self._verify_pending()
-        return self._with(state, theta, momenta)
-
-    def _intact_base(self, latest: int) -> int | None:
-        """The newest committed outer state at or before round ``latest`` that is intact.
-        A damaged one (a data file that differs from its checksum, an emptied or truncated
-        marker) is named, moved aside (``outer/damaged/``) and remembered in
-        :attr:`damaged`, to be rebuilt from the previous state and the round's committed
-        gradients (:meth:`_catch_up`); the search goes on with the one before it."""
-        while True:
-            outer = [k for k in self.store.outer_rounds() if k <= latest]
-            base = agree(outer[-1] if outer else -1)
-            if base < 0:
-                return None
-            problem = None
-            if self.process == 0:
-                try:
-                    self.store.verify_outer(base)
-                except StoreError as e:
-                    problem = e
-            if not agree(int(problem is not None)):
-                return base
-            old = self.store._outer_meta_or_none(base) if self.process == 0 else None
-            if self.process == 0:
-                aside = self.store.set_aside_outer(base)
-                say(f"{problem} Moved it aside to {aside}; going on from the outer state "
-                    f"before it and the committed gradients of the rounds after that")
-            self.damaged[base] = old
-
-    def _wait_for_outer(self, latest: int) -> int:
-        deadline = time.monotonic() + self.job.deadline + 60
-        while time.monotonic() < deadline:
-            found = self._intact_base(latest)
-            if found is not None:
-                return found
-            time.sleep(POLL)
-        raise StoreError(f"{self.store.root} has closed rounds but no committed outer state "
-                         f"to join from after {self.job.deadline + 60:.0f} s.")
-
-
-def _as_bits(x):
-    """``x``'s bits as uint32 (wider types split, narrower widened): what the fingerprint
-    sums, so that equal fingerprints mean equal bits, not merely close values."""
-    import jax.numpy as jnp
-
-    size = x.dtype.itemsize
-    if size == 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    if size > 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)  # a trailing axis of halves
-    narrow = {1: jnp.uint8, 2: jnp.uint16}[size]
-    return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
-
-
-@jax.jit
-def _fingerprint_sums(arrays):
-    """Two wrapping uint32 sums per array: of the bits, and of the bits weighted by an odd
-    function of their position (so a moved value shows). Integer sums do not depend on
-    the order of summation: every mesh and sharding gives the same answer."""
-    import jax.numpy as jnp
-
-    sums = []
-    for x in arrays:
-        bits = _as_bits(x).reshape(-1)
-        position = jnp.arange(bits.shape[0], dtype=jnp.uint32) * jnp.uint32(2654435761)
-        sums.append(jnp.stack([jnp.sum(bits, dtype=jnp.uint32),
-                               jnp.sum(bits * (position | jnp.uint32(1)), dtype=jnp.uint32)]))
-    return jnp.stack(sums)
-
-
-def _digest(theta, momenta) -> str:
-    """The fingerprint of an outer state (weights and outer momenta): equal in every group
-    that holds the same bits."""
-    sums = _fingerprint_sums(list(theta) + list(momenta))
-    return fingerprints.digest(np.asarray(sums.addressable_data(0)).tolist())
-
-
-def _alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, TypeError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _tree(values) -> dict:
-    return {f"w{i:04d}": v for i, v in enumerate(values)}
-
-
-def _leaves(tree: dict) -> list:
-    return [tree[k] for k in sorted(tree)]
-
-
-def _targets(theta) -> list:
-    return [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=t.sharding) for t in theta]
-
-
-@jax.jit
-def _deltas(theta, params):
-    return [t - p[0] for t, p in zip(theta, params)]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _outer_jit(settings, theta, momenta, deltas, weights, divisor):
-    # quorum mode: every weight 1 and divisor n, a sum then / n, as the in-program mean
-    mean = [functools.reduce(lambda a, b: a + b,
-                             (d if w == 1.0 else w * d for w, d in zip(weights, ds))) / divisor
-            for ds in zip(*deltas)]
-    stepped = [outer_update(settings, t, m, d) for t, m, d in zip(theta, momenta, mean)]
-    return [t for t, _ in stepped], [m for _, m in stepped]
-
-
-def _outer(optimizer, job, theta, momenta, deltas, published, members, r):
-    """The outer step of round ``r`` from its members' gradients. Quorum mode: their mean.
-    Async: each gradient is its group's share ``1 / G`` of an average, times
-    ``1 / (1 + staleness)``, staleness = rounds between its base and ``r - 1``."""
-    if job.mode == "async":
-        weights = tuple(1.0 / (1 + max(0, r - 1 - int(published.get(g, {}).get("base", r - 1))))
-                        for g in members)
-        divisor = job.count
-    else:
-        weights, divisor = (1.0,) * len(members), len(members)
-    return _outer_jit(outer_settings(optimizer), list(theta), list(momenta), deltas, weights,
-                      divisor)
-
-
-def _stack(theta, like):
-    """``theta`` with the replica dimension of the stacked parameters, in their layout."""
-    return [jax.device_put(t[None], p.sharding) for t, p in zip(theta, like)]

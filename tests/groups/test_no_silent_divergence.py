@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from kdist.groups import store as store_module
+from kdist.groups import store_io
 from kdist.groups import supervisor as supervisor_module
+from kdist.groups.host import guard_output, say
 from kdist.groups.store import Store, StoreError
-from kdist.groups.sync import OuterSync, guard_output, say
+from kdist.groups.sync import OuterSync
 from kdist.parallel.group_jobs import REFUSED, JobGroups, local_spec
 
 VALUES = np.arange(4.0, dtype=np.float32)
@@ -186,8 +188,8 @@ def test_a_group_behind_the_job_ends_with_its_last_round_instead_of_training_alo
 # --- a full or read-only store ---
 
 def failing_writes(monkeypatch, failures, code=errno.ENOSPC):
-    """``_write_json`` fails ``failures`` times (``None``: always) with ``code``."""
-    real, count = store_module._write_json, []
+    """The store's ``write_json`` fails ``failures`` times (``None``: always) with ``code``."""
+    real, count = store_module.write_json, []
 
     def write(*args, **kwargs):
         if failures is None or len(count) < failures:
@@ -195,7 +197,7 @@ def failing_writes(monkeypatch, failures, code=errno.ENOSPC):
             raise OSError(code, os.strerror(code))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(store_module, "_write_json", write)
+    monkeypatch.setattr(store_module, "write_json", write)
     return count
 
 
@@ -208,7 +210,7 @@ def test_a_full_store_is_waited_for_then_named(tmp_path, monkeypatch, capsys):
     assert f"store full / read-only at {store.round_dir(1) / 'quorum.json'}" in out
     assert "writable again" in out
     failing_writes(monkeypatch, None, errno.EROFS)
-    monkeypatch.setattr(store_module, "STORE_WAIT", 0.3)
+    monkeypatch.setattr(store_io, "STORE_WAIT", 0.3)
     with pytest.raises(StoreError, match=r"stayed full or read-only .*: the quorum record of "
                                          r"round 2 was not written"):
         store.propose(2, [0])
