@@ -3,8 +3,9 @@ other (fault-tolerant DiLoCo).
 
 * :mod:`kdist.groups.diloco` — the ``DiLoCo`` optimizer (per-group state; it owns the
   training step through :class:`kdist.parallel.transform.StepOwner`), the per-group step,
-  the sync program every ``sync_every`` steps and at ``fit``'s last; :mod:`kdist.groups.outer`
-  the outer optimizer step both forms share.
+  the sync program every ``sync_every`` steps and at ``fit``'s last (the step itself:
+  :mod:`kdist.groups.group_step`); :mod:`kdist.groups.outer` the outer optimizer step both
+  forms share.
 
 DiLoCo's ``replica`` groups need to talk only once every
 ``sync_every`` steps, so each group can be its own JAX job — its own processes and, with

@@ -10,8 +10,8 @@ sync, ``Δ = mean_r(θ - θ_r)`` (the *outer gradient*), an outer SGD with Neste
 Inner optimizer state stays with its group, never averaged. Traffic across groups: one
 all-reduce of the parameters every H steps (data parallelism: one every step).
 
-In one SPMD program (:func:`train_step`): the model's weights are the outer parameters
-``θ`` — what evaluation, generation, ``model.save`` and the checkpoint's ``params.*`` see,
+In one SPMD program (:func:`kdist.groups.group_step.train_step`): the model's weights are the
+outer ``θ`` — what evaluation, generation, ``model.save`` and the checkpoint's ``params.*`` see,
 as of the last sync. The last step of ``fit`` is a sync step too (:class:`FitEnd`), so
 a run shorter than H, or its trailing partial round, is not lost: the same outer step on
 the groups' mean change over the round's fewer steps (docs/communicating-less.md says what
@@ -39,16 +39,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import keras
-from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
 from kdist.compiled_step import CompiledStep, attach
-from kdist.groups.outer import outer_settings, outer_update
-from kdist.parallel import reduction, region
-from kdist.parallel import train_step as stateful
+from kdist.groups.group_step import AXIS, train_step
+from kdist.parallel import reduction
 from kdist.parallel.layout import BatchLayout, active
 
-AXIS = "replica"
 STACKED_PREFIX = "replica_"
 MOMENTUM_SUFFIX = "_outer_momentum"
 
@@ -269,74 +266,6 @@ def wrap(optimizer):
         return optimizer
     return DiLoCo(optimizer, groups.sync_every, groups.outer_learning_rate,
                   groups.outer_momentum, groups.outer_nesterov)
-
-
-def train_step(model, state, data, sync: bool, guard: bool = True):
-    """One DiLoCo step: every group's inner step; with ``sync``, the outer step after it.
-
-    Keras' JAX ``train_step(state, data)`` contract: same state layout (the model's
-    weights are ``θ``; the optimizer's variables those of :class:`DiLoCo`), same logs.
-    ``guard``: an inner step run where a round ends (the host's schedule out of phase)
-    logs NaN (off for separate group jobs, whose outer step runs on the host,
-    :mod:`kdist.groups.sync`). A sync step may end a partial round (``fit``'s last step).
-    """
-    dist = active()
-    optimizer = model.optimizer
-    parts = optimizer.groups
-    inner = parts.inner
-    theta, non_trainable, opt, metrics = state
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    residuals = reduction.residual_indices(model.trainable_variables, inner)
-    period = optimizer.sync_every * optimizer.accumulation
-    count = opt[parts.iterations]
-
-    groups = dist.mesh_shape[AXIS]
-
-    def mean(x):  # over the groups
-        return jax.lax.pmean(x, AXIS) if groups > 1 else x
-
-    def group(theta, params, inner_state, momenta, non_trainable, metrics, x, y, sw):
-        params = [p[0] for p in params]
-        inner_state = [v[0] for v in inner_state]
-        unscaled, y_pred, params, non_trainable, inner_state, metrics = stateful.apply_step(
-            model, inner, residuals, params, non_trainable, inner_state, metrics, x, y, sw)
-        if sync:  # the only collective across groups: the outer gradient's mean
-            with jax.named_scope("kdist/outer_sync"):  # (named in profiles and HLO)
-                delta = [mean(t - p) for t, p in zip(theta, params)]  # one all-reduce each
-                theta, momenta = zip(*(outer_update(outer_settings(optimizer), t, m, d)
-                                       for t, m, d in zip(theta, momenta, delta)))
-            params = [jax.lax.pcast(t, AXIS, to="varying") if groups > 1 else t for t in theta]
-        unscaled = mean(unscaled)  # Keras' logged loss: the mean over groups
-        y_pred = region.stackable(y_pred)
-        return (list(theta), [p[None] for p in params], [v[None] for v in inner_state],
-                list(momenta), non_trainable, metrics, unscaled, y_pred)
-
-    rows = P(AXIS)
-    pick = lambda indices: [opt[i] for i in indices]  # noqa: E731
-    args = (theta, pick(parts.params), pick(parts.stacked), pick(parts.momenta),
-            non_trainable, metrics, x, y, sample_weight)
-    in_specs = (P(), rows, rows, P(), P(), P(), rows, rows, rows)
-    out_specs = (P(), rows, rows, P(), P(), P(), P(), rows)
-    if groups > 1:  # each group's arrays its own; its other axes left to the layers below
-        run = region.shard_map(group, mesh=dist.device_mesh.backend_mesh, axes={AXIS},
-                               in_specs=in_specs, out_specs=out_specs, batch_axes=(AXIS,))
-    else:  # one group: the whole mesh (XLA:CPU refuses a 1-device manual all-reduce)
-        run = group
-    (new_theta, params, inner_state, momenta, non_trainable, metrics, unscaled,
-     y_pred) = run(*args)
-    theta = new_theta if sync else theta
-    # An inner step where a round ends (the host's schedule out of phase) shows as NaN.
-    if guard and not sync:
-        unscaled = jnp.where((count + 1) % period == 0, jnp.nan, unscaled)
-    opt = list(opt)
-    for indices, values in ((parts.params, params), (parts.stacked, inner_state),
-                            (parts.momenta, momenta)):
-        for i, v in zip(indices, values):
-            opt[i] = v
-    opt[parts.iterations] = count + 1
-    logs, metrics = _keras_compat.update_metrics_variables(
-        model, metrics, unscaled, x, y, y_pred, sample_weight)
-    return logs, (theta, non_trainable, opt, metrics)
 
 
 class _Schedule:

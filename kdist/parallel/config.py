@@ -96,6 +96,26 @@ class Parallelism:
         return mesh_spec(self.mesh)
 
     @property
+    def stages(self) -> int:
+        """Pipeline stages (the ``stage`` axis; 1: no pipeline)."""
+        return self.mesh["stage"]
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether a ``seq`` axis splits every sequence's tokens."""
+        return self.mesh["seq"] > 1
+
+    @property
+    def has_replicas(self) -> bool:
+        """Whether the ``replica`` axis trains DiLoCo groups (also one group)."""
+        return self.replicas is not None
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule (``"gpipe"`` without a pipeline)."""
+        return "gpipe" if self.pipeline is None else self.pipeline.schedule
+
+    @property
     def step_reduction(self) -> str | None:
         """The gradient exchange the step's per-device loss runs with
         (:mod:`kdist.parallel.reduction`): the one asked for; else float32 for replica
@@ -105,7 +125,7 @@ class Parallelism:
         own rows and tokens; None: XLA's partitioner reduces."""
         if self.gradients.reduction is not None:
             return self.gradients.reduction
-        if self.replicas is not None and self.mesh["seq"] > 1:
+        if self.has_replicas and self.splits_sequence:
             return "float32"
         return None
 

@@ -148,5 +148,5 @@ def _owner_wrap(compute, step):
 
 # The outermost transform: an optimizer that owns the step (DiLoCo's replica groups,
 # kdist.groups.diloco), reached through the StepOwner interface only.
-STEP_OWNER = Transform("replica groups", wanted=lambda dist: dist.config.replicas is not None,
+STEP_OWNER = Transform("replica groups", wanted=lambda dist: dist.config.has_replicas,
                        prepare=_owner_prepare, wrap=_owner_wrap)

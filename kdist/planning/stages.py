@@ -177,10 +177,11 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
     activation = tokens / micro * hidden_dim * value_bytes  # one microbatch, one device
     # gradients over data x seq; the outputs and the inputs' cotangent over stages; with
     # the vocabulary over stages the embedding's output and the head's input gradient too.
+    gpipe = schedule == "gpipe"  # else the interpreter's head: below
     terms = [
         Traffic("all-gather", ("fsdp",), _ring(f) * parameter_bytes * (pb / (s * m)
-                                                                         + 2 * po / m)),
-        Traffic("reduce-scatter", ("fsdp",), _ring(f) * g * (pb / (s * m) + po / m)),
+                                                                         + gpipe * 2 * po / m)),
+        Traffic("reduce-scatter", ("fsdp",), _ring(f) * g * (pb / (s * m) + gpipe * po / m)),
         # (the interpreter's head: below)
         Traffic("all-reduce", ("data", "seq"),
                 2 * _ring(d * seq) * g * (pb / (s * f * m)
@@ -193,11 +194,14 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
         Traffic("collective-permute", ("stage",), 2 * _sends(schedule, s, micro, repeats)
                 * activation),
     ]
-    if schedule != "gpipe":  # the head's weights enter the region whole (its loss runs
-        # inside, on the last stage): their gradient summed over every axis of the region
+    if not gpipe:  # the head's weights enter the region whole (its loss runs inside, on
+        # the last stage): gathered over the axes that split them, once, and their gradient
+        # summed over every axis of the region (no reduce-scatter over fsdp)
         head = parts["other_parameters"] + parts["table_parameters"]
-        terms.append(Traffic("all-reduce", ("stage", "data", "fsdp", "seq"),
-                             2 * _ring(s * d * f * seq) * g * head / m))
+        terms += [Traffic("all-gather", ("stage", "fsdp"),
+                          _ring(f * v) * parameter_bytes * head / m),
+                  Traffic("all-reduce", ("stage", "data", "fsdp", "seq"),
+                          2 * _ring(s * d * f * seq) * g * head / m)]
     needs_dimensions(dims, mesh, activations)
     # Layer passes of a stage's blocks: GPipe's scan, a forward and a backward at every
     # iteration (the bubble's too, on zeros); the interpreter, those its tasks run.

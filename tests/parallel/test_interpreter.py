@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kdist.parallel.pipeline import every_stage, interpreter, schedules
+from kdist.parallel.pipeline import every_stage, interpreter, schedule_region, schedules
 from kdist.parallel.pipeline.settings import bubble_fraction
 from kdist.parallel.region import to_varying
 
@@ -86,7 +86,7 @@ def scheduled(p, name, stages, m, chunks, every_stage=False):
 
     def loss(weights, head, embedding):
         xm = embedding[tokens]  # (M, b, T, D)
-        return interpreter.scheduled_loss(table, stage_fn, loss_fn, weights, head, xm, data,
+        return schedule_region.scheduled_loss(table, stage_fn, loss_fn, weights, head, xm, data,
                                           mesh=mesh, batch_axes=("data",),
                                           every_stage=every_stage)
 
@@ -209,7 +209,7 @@ def compiled_step(name, m, chunks=1, stages=4, rows=256, length=64, width=64, pe
         table = schedules.build(name, stages, m, chunks)
 
         def run(w, head, xm, data):
-            return interpreter.value_and_grad(table, stage_fn, loss_fn, w, head, xm, data,
+            return schedule_region.value_and_grad(table, stage_fn, loss_fn, w, head, xm, data,
                                               mesh=mesh, batch_axes=("data",))
     return jax.jit(run).lower(weights, head, xm, data).compile()
 

@@ -141,5 +141,5 @@ def _wrap(compute, step):
 
 
 # The step over a sequence split on 'seq' (training and evaluation alike).
-TRANSFORM = Transform("split sequence", wanted=lambda dist: dist.mesh_shape.get(AXIS, 1) > 1,
+TRANSFORM = Transform("split sequence", wanted=lambda dist: dist.config.splits_sequence,
                       feature="context_parallel", refusal=_refusal, wrap=_wrap)

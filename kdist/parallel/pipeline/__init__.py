@@ -7,12 +7,15 @@
 ``schedules``      schedule tables (GPipe, 1F1B, interleaved, zero-bubble) as data
 ``interpreter``    one SPMD program that runs any table, forwards and backwards by tick
 ``every_stage``    every stage runs each tick's kind of task (collectives among all devices)
+``schedule_region`` the interpreter over the mesh: its region, one gradient reduction, the loss
+                   as a ``custom_vjp``
 ``transform``      the step's transforms: the stage axis' checks, and a schedule that runs
                    a task's parts (``ScheduleParts``) with the loss inside it
 =================  ===========================================================================
 
-Dependencies point one way: settings <- stack <- interpreter <- every_stage (and
-:mod:`kdist.parallel.reduction`'s gather and reduce, once per step); transform calls stack
+Dependencies point one way: settings <- stack <- schedule_region <- interpreter <-
+every_stage (and :mod:`kdist.parallel.reduction`'s gather and reduce, once per step);
+transform calls stack
 (and is called by :mod:`kdist.parallel.step`).
 
 Example:

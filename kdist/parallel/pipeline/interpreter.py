@@ -54,12 +54,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdist.parallel import reduction, region
 from kdist.parallel.pipeline import every_stage as alike
 from kdist.parallel.region import to_varying
 
@@ -190,6 +190,27 @@ def _assign_slots(intervals, write, read) -> int:
     return max((len(s) for s in free_at.values()), default=0) or 1
 
 
+class Task(NamedTuple):
+    """What one tick's task gives back (zeros where it computes nothing)."""
+
+    output: Any  # F's activation, sent to the next stage
+    d_input: Any  # B's or I's input cotangent, sent to the previous stage
+    d_weights: list  # this chunk's weight gradient (B, W)
+    d_loss_weights: Any  # the loss head's gradient (the last virtual stage)
+    loss: Any  # this microbatch's loss (the last virtual stage's B or I)
+
+
+class Carry(NamedTuple):
+    """What the scan over ticks carries on each device."""
+
+    inputs: Any  # (input_slots, b, ...): inputs kept from F until their B (or W)
+    cotangents: Any  # (cotangent_slots, b, ...): cotangents arrived, until read
+    d_weights: list  # gradients accumulated per chunk, like the weights
+    d_loss_weights: Any
+    d_xm: Any  # (M, b, ...): the inputs' cotangents (stage 0)
+    loss: Any
+
+
 def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
               shared=None, every_stage=False):
     """One device's part of ``program`` (inside a ``shard_map`` with ``stage`` manual).
@@ -227,8 +248,7 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
     def zero(tree):
         return vary(jax.tree.map(jnp.zeros_like, tree))
 
-    def tick(carry, t):
-        inputs, cotangents, d_w, d_lw, d_xm, loss = carry
+    def tick(carry: Carry, t):
         at = {name: col[t, s] for name, col in columns.items()}
         m, c = at["microbatch"], at["chunk"]
         data_m = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, keepdims=False),
@@ -237,21 +257,26 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
             data_m = {**data_m, **shared}
         w = [jax.lax.dynamic_index_in_dim(a, c, keepdims=False) for a in weights]
         x = jnp.where(at["read"] < 0, jax.lax.dynamic_index_in_dim(xm, m, keepdims=False),
-                      jax.lax.dynamic_index_in_dim(inputs, jnp.maximum(at["read"], 0),
+                      jax.lax.dynamic_index_in_dim(carry.inputs, jnp.maximum(at["read"], 0),
                                                    keepdims=False))
-        g = jax.lax.dynamic_index_in_dim(cotangents, at["cotangent"], keepdims=False)
+        g = jax.lax.dynamic_index_in_dim(carry.cotangents, at["cotangent"], keepdims=False)
+
+        def task(output=zeros_x, d_input=zeros_x, d_weights=None, d_loss_weights=None,
+                 loss=None):
+            return vary(Task(output, d_input, zero(w) if d_weights is None else d_weights,
+                             zero(loss_weights) if d_loss_weights is None else d_loss_weights,
+                             jnp.zeros(()) if loss is None else loss))
 
         def idle(w, x, g):
-            return vary((zeros_x, zeros_x, zero(w), zero(loss_weights), jnp.zeros(())))
+            return task()
 
         def forward(w, x, g):
-            y = stage_fn(w, x, data_m, c)
-            return vary((y, zeros_x, zero(w), zero(loss_weights), jnp.zeros(())))
+            return task(output=stage_fn(w, x, data_m, c))
 
         def backward(w, x, g):
             _, vjp = jax.vjp(lambda w, x: stage_fn(w, x, data_m, c), w, x)
             dw, dx = vjp(g)
-            return vary((zeros_x, dx, dw, zero(loss_weights), jnp.zeros(())))
+            return task(d_input=dx, d_weights=dw)
 
         def full(w, lw, x):  # the last virtual stage: its layers and the loss
             return loss_fn(lw, stage_fn(w, x, data_m, c), data_m).astype(jnp.float32)
@@ -261,60 +286,62 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
         def last_backward(w, x, g):
             value, vjp = jax.vjp(full, w, vary(loss_weights), x)
             dw, dlw, dx = vjp(one)
-            return vary((zeros_x, dx, dw, dlw, value))
+            return task(d_input=dx, d_weights=dw, d_loss_weights=dlw, loss=value)
 
         def input_grad(w, x, g):
             _, vjp = jax.vjp(lambda x: stage_fn(w, x, data_m, c), x)
-            return vary((zeros_x, vjp(g)[0], zero(w), zero(loss_weights), jnp.zeros(())))
+            return task(d_input=vjp(g)[0])
 
         def last_input_grad(w, x, g):  # the loss is counted here, not again at W
             value, vjp = jax.vjp(lambda x: full(w, vary(loss_weights), x), x)
-            return vary((zeros_x, vjp(one)[0], zero(w), zero(loss_weights), value))
+            return task(d_input=vjp(one)[0], loss=value)
 
         def weight_grad(w, x, g):
             _, vjp = jax.vjp(lambda w: stage_fn(w, x, data_m, c), w)
-            return vary((zeros_x, zeros_x, vjp(g)[0], zero(loss_weights), jnp.zeros(())))
+            return task(d_weights=vjp(g)[0])
 
         def last_weight_grad(w, x, g):
             _, vjp = jax.vjp(lambda w, lw: full(w, lw, x), w, vary(loss_weights))
             dw, dlw = vjp(one)
-            return vary((zeros_x, zeros_x, dw, dlw, jnp.zeros(())))
+            return task(d_weights=dw, d_loss_weights=dlw)
 
         # Everything typed varying over every manual axis before any vjp: a replicated
         # weight's cotangent would otherwise be summed inside the branch, a collective
         # that only the devices taking that branch would reach (they would wait forever).
         # The sums run once, after the schedule.
         if every_stage:
-            y, dx, dw, dlw, value = alike.run_task(
+            done = Task(*alike.run_task(
                 kinds[t], at["action"], w, x, g, lambda w, x: stage_fn(w, x, data_m, c),
-                lambda lw, y: loss_fn(lw, y, data_m), loss_weights, vary)
+                lambda lw, y: loss_fn(lw, y, data_m), loss_weights, vary))
         else:
-            y, dx, dw, dlw, value = jax.lax.switch(
+            done = jax.lax.switch(
                 at["action"], (idle, forward, backward, last_backward, input_grad,
                                last_input_grad, weight_grad, last_weight_grad), vary(w), x, g)
         d_w = [jax.lax.dynamic_update_index_in_dim(
             acc, jax.lax.dynamic_index_in_dim(acc, c, keepdims=False) + grad, c, 0)
-            for acc, grad in zip(d_w, dw)]
-        d_lw = jax.tree.map(jnp.add, d_lw, dlw)
+            for acc, grad in zip(carry.d_weights, done.d_weights)]
         sends_back = (at["action"] >= BACKWARD) & (at["action"] <= LAST_INPUT_GRAD)  # B, I
         first = (s == 0) & (c == 0) & sends_back  # virtual stage 0's B or I
         d_xm = jax.lax.dynamic_update_index_in_dim(
-            d_xm, jnp.where(first, dx, jax.lax.dynamic_index_in_dim(d_xm, m, keepdims=False)),
-            m, 0)
-        arrived = jax.lax.ppermute(y, AXIS, forward_perm)
-        returned = jax.lax.ppermute(dx, AXIS, backward_perm)
-        inputs = _store(inputs, arrived, at["write"])
-        cotangents = _store(cotangents, returned, at["write_cotangent"])
-        return (inputs, cotangents, d_w, d_lw, d_xm, loss + value), None
+            carry.d_xm, jnp.where(first, done.d_input, jax.lax.dynamic_index_in_dim(
+                carry.d_xm, m, keepdims=False)), m, 0)
+        arrived = jax.lax.ppermute(done.output, AXIS, forward_perm)
+        returned = jax.lax.ppermute(done.d_input, AXIS, backward_perm)
+        return Carry(inputs=_store(carry.inputs, arrived, at["write"]),
+                     cotangents=_store(carry.cotangents, returned, at["write_cotangent"]),
+                     d_weights=d_w,
+                     d_loss_weights=jax.tree.map(jnp.add, carry.d_loss_weights,
+                                                 done.d_loss_weights),
+                     d_xm=d_xm, loss=carry.loss + done.loss), None
 
-    buffer = (program.input_slots,) + xm.shape[1:]
-    init = vary((jnp.zeros(buffer, xm.dtype),
-                 jnp.zeros((program.cotangent_slots,) + xm.shape[1:], xm.dtype),
-                 [jnp.zeros_like(w) for w in weights],
-                 jax.tree.map(jnp.zeros_like, loss_weights),
-                 jnp.zeros_like(xm), jnp.zeros((), jnp.float32)))
-    (_, _, d_w, d_lw, d_xm, loss), _ = jax.lax.scan(tick, init, jnp.arange(table.ticks))
-    return loss, d_w, d_lw, d_xm
+    init = vary(Carry(
+        inputs=jnp.zeros((program.input_slots,) + xm.shape[1:], xm.dtype),
+        cotangents=jnp.zeros((program.cotangent_slots,) + xm.shape[1:], xm.dtype),
+        d_weights=[jnp.zeros_like(w) for w in weights],
+        d_loss_weights=jax.tree.map(jnp.zeros_like, loss_weights),
+        d_xm=jnp.zeros_like(xm), loss=jnp.zeros((), jnp.float32)))
+    final, _ = jax.lax.scan(tick, init, jnp.arange(table.ticks))
+    return final.loss, final.d_weights, final.d_loss_weights, final.d_xm
 
 
 def _store(buffer, value, slot):
@@ -332,122 +359,3 @@ def _varying_axes(*trees) -> set:
     for leaf in jax.tree.leaves(trees):
         axes |= set(varying_axes(leaf))
     return axes
-
-
-def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
-                   shared=None, *, mesh, batch_axes=(), weight_axes=None, token_axes=(),
-                   specs=None, every_stage=False):
-    """The loss of ``table``'s schedule and its gradients, over ``mesh``.
-
-    ``weights``: stacked arrays ``(v, L / v, ...)`` whose second dimension is split over
-    ``stage`` (kdist's layer stacks under circular repeats: device ``s`` holds layers
-    ``(c S + s) K ... (c S + s + 1) K - 1`` of chunk ``c``); ``stage_fn`` gets one chunk's
-    ``(K, ...)`` slices. ``xm``: ``(M, B, ...)`` microbatches, rows split over
-    ``batch_axes``, and so are ``data``'s; ``loss_weights`` and ``shared`` replicated.
-    ``stage_fn`` and ``loss_fn`` as in :func:`interpret` (on each device's rows; the loss
-    is the sum over devices). ``weight_axes``: per weight, its mesh axes per dimension
-    (default: ``(None, "stage")``); a dimension over ``fsdp`` (a batch axis too: ZeRO-3)
-    is all-gathered once before the schedule and its gradient reduce-scattered once after
-    it, as GPipe's stages do (:func:`kdist.parallel.pipeline.stack.pipelined`).
-    ``token_axes``: axes that split every sequence's tokens (``seq``): the loss and every
-    gradient are partial over them too, and summed over them like over the batch axes.
-    ``specs``: ``(xm_spec, data_specs)`` where arrays are split over more than their rows
-    (tokens over ``seq``); default: rows over ``batch_axes``. ``every_stage``: as in
-    :func:`interpret`. Returns ``(loss, (d_weights, d_loss_weights, d_xm))``.
-    """
-    from jax.sharding import PartitionSpec as P
-
-    program = Program(table)
-    rows = tuple(batch_axes) or None
-    axes = [tuple(a) for a in weight_axes] if weight_axes else [(None, AXIS)] * len(weights)
-    w_specs = [P(*a) for a in axes]
-    x_spec, data_specs = specs or (P(None, rows), jax.tree.map(lambda _: P(None, rows), data))
-    partial = tuple(batch_axes) + tuple(token_axes)  # what a device's gradient is partial over
-    everything = (AXIS,) + partial
-    # Every axis manual but a ``model`` of size > 1 (axes not named have size 1 here): that
-    # one stays with XLA's partitioner inside every stage (tensor parallelism), as in
-    # GPipe's stages. Only then, since a partly manual region changes what XLA emits: its
-    # all-reduces carry a reducer whose root is a sharding annotation, and XLA:CPU's
-    # promotion of 16-bit all-reduces to float32 (AllReducePromotion, jaxlib 0.10) aborts
-    # the process on such a reducer ("Invalid binary instruction opcode copy") — so the
-    # input's bfloat16 cotangent is summed over stage in float32 there (exact: one stage
-    # holds it, the others add zeros).
-    auto = {"model"} if dict(mesh.shape).get("model", 1) > 1 else set()
-
-    def sum_over_stage(g):
-        if auto and jnp.issubdtype(g.dtype, jnp.floating) and jnp.finfo(g.dtype).bits < 32:
-            return jax.lax.psum(g.astype(jnp.float32), AXIS).astype(g.dtype)
-        return jax.lax.psum(g, AXIS)
-
-    # kdist's one gradient reduction (float32 here: under gradient_reduction's own region
-    # the weights arrive gathered and their gradients leave for its collective instead).
-    sizes = dict(mesh.shape)
-    plans = [reduction.gradient_plan(a, set(partial), partial, sizes, automatic=())
-             for a in axes]
-
-    def device(weights, loss_weights, xm, data, shared):
-        weights = [reduction.gather(w, plan) for w, plan in zip(weights, plans)]
-        loss, d_w, d_lw, d_xm = interpret(program, stage_fn, loss_fn, weights,
-                                          loss_weights, xm, data, shared, every_stage)
-        loss = jax.lax.psum(loss, everything)
-        d_w = [reduction.reduce(g, plan) for g, plan in zip(d_w, plans)]
-        d_lw = jax.tree.map(lambda g: jax.lax.psum(g, everything), d_lw)
-        return loss, d_w, d_lw, sum_over_stage(d_xm)
-
-    lw_specs = jax.tree.map(lambda _: P(), loss_weights)
-    # In a kdist region, so that the layers inside know their arrays are blocks.
-    loss, d_w, d_lw, d_xm = region.shard_map(
-        device, mesh=mesh, axes=set(mesh.axis_names) - auto,
-        in_specs=(w_specs, lw_specs, x_spec, data_specs,
-                  jax.tree.map(lambda _: P(), shared)),
-        out_specs=(P(), w_specs, lw_specs, x_spec))(list(weights), loss_weights, xm, data,
-                                                     shared)
-    return loss, (d_w, d_lw, d_xm)
-
-
-def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
-                   shared=None, *, mesh, batch_axes=(), weight_axes=None, token_axes=(),
-                   specs=None, every_stage=False):
-    """:func:`value_and_grad`'s loss as a function JAX differentiates like any other: its
-    forward pass runs the whole schedule (forwards and backwards) and keeps the gradients,
-    its backward pass scales them by the loss's cotangent — so what computes ``xm`` (an
-    embedding) and what uses the weights elsewhere (a tied head) get their gradients from
-    the enclosing ``jax.grad``. ``data`` gets none (masks, targets, indices).
-
-    Example:
-        >>> grads = jax.grad(lambda w: scheduled_loss(table, f, loss, w, lw, xm,  # doctest: +SKIP
-        ...                                           mesh=mesh))(weights)
-    """
-    def run(weights, loss_weights, xm, data, shared):
-        return value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data,
-                              shared, mesh=mesh, batch_axes=batch_axes,
-                              weight_axes=weight_axes, token_axes=token_axes, specs=specs,
-                              every_stage=every_stage)
-
-    inputs = {}  # the types of data and shared (static), for their zero cotangents
-
-    @jax.custom_vjp
-    def loss(weights, loss_weights, xm, data, shared):
-        return run(weights, loss_weights, xm, data, shared)[0]
-
-    def forward(weights, loss_weights, xm, data, shared):
-        leaves, inputs["tree"] = jax.tree.flatten((data, shared))
-        inputs["types"] = [(a.shape, a.dtype, region.varying_axes(a)) for a in leaves]
-        return run(weights, loss_weights, xm, data, shared)
-
-    def backward(grads, cotangent):
-        scaled = jax.tree.map(lambda g: (g * cotangent).astype(g.dtype), grads)
-        return scaled + jax.tree.unflatten(inputs["tree"],
-                                           [_no_cotangent(*t) for t in inputs["types"]])
-
-    loss.defvjp(forward, backward)
-    return loss(list(weights), loss_weights, xm, data, shared)
-
-
-def _no_cotangent(shape, dtype, varying):
-    """The zero cotangent of an input that is not differentiated (float0 for integers);
-    from its shape, type and the manual axes it varies over (inside an enclosing region:
-    kdist's per-device loss) only — the backward pass keeps no copy of it."""
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return to_varying(jnp.zeros(shape, dtype), varying)
-    return np.zeros(shape, jax.dtypes.float0)

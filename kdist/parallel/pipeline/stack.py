@@ -53,9 +53,8 @@ def _settings():
     dist = active()
     if dist is None:
         return 1, 1, 1
-    stages = dist.mesh_shape.get(AXIS, 1)
-    schedule = dist.config.pipeline
-    return (1, 1, 1) if schedule is None else (stages, schedule.repeats, schedule.microbatches)
+    pipe = dist.config.pipeline
+    return (1, 1, 1) if pipe is None else (dist.config.stages, pipe.repeats, pipe.microbatches)
 
 
 def stages() -> int:
@@ -313,8 +312,7 @@ def _wire_dtype(dtype, mesh):
 def scheduled_name() -> str:
     """The active distribution's ``pipeline_schedule`` (``"gpipe"`` without a pipeline)."""
     dist = active()
-    pipe = None if dist is None else dist.config.pipeline
-    return "gpipe" if pipe is None else pipe.schedule
+    return "gpipe" if dist is None else dist.config.schedule
 
 
 def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss_weights,
@@ -332,7 +330,7 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     ``weights``, ``loss_weights`` and ``x``. Each device folds the dropout seed with its
     row shard, as :func:`pipelined` does.
     """
-    from kdist.parallel.pipeline import interpreter, schedules
+    from kdist.parallel.pipeline import schedule_region, schedules
 
     dist = active()
     sizes = dist.mesh_shape
@@ -402,7 +400,7 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     def microbatch_loss(lw, y, d):
         return loss_fn(lw, y, d["targets"])
 
-    return interpreter.scheduled_loss(
+    return schedule_region.scheduled_loss(
         table, stage_fn, microbatch_loss, chunks, loss_weights,
         _to_microbatches(x, schedule), data, shared, mesh=schedule.mesh, batch_axes=batch_axes,
         weight_axes=axes, token_axes=tokens, specs=specs,

@@ -25,7 +25,7 @@ from keras import ops
 
 from kdist import _keras_compat
 from kdist.parallel import rules
-from kdist.parallel.pipeline.stack import AXIS, scheduled_name
+from kdist.parallel.pipeline.stack import scheduled_name
 from kdist.parallel.transform import Transform, training_only
 
 
@@ -122,12 +122,7 @@ def _schedule_refusal(dist, model) -> str:
             f"pipeline_schedule='gpipe', or a kdist GPT or BERT masked-LM task.")
 
 
-def _stages(dist) -> int:
-    return dist.mesh_shape.get(AXIS, 1)
-
-
-STAGES = Transform("pipeline stages", wanted=lambda dist: _stages(dist) > 1,
+STAGES = Transform("pipeline stages", wanted=lambda dist: dist.config.stages > 1,
                    feature="pipeline", refusal=_stages_refusal, prepare=_check_stacked)
-SCHEDULE = Transform(
-    "pipeline schedule", feature="scheduled_pipeline", refusal=_schedule_refusal, wrap=_wrap,
-    wanted=lambda dist: _stages(dist) > 1 and dist.config.pipeline.schedule != "gpipe")
+SCHEDULE = Transform("pipeline schedule", wanted=lambda dist: dist.config.schedule != "gpipe",
+                     feature="scheduled_pipeline", refusal=_schedule_refusal, wrap=_wrap)
