@@ -130,6 +130,31 @@ class Parallelism:
         return None
 
     @property
+    def settings(self) -> dict:
+        """The ``kdist.distribution`` keywords that build this configuration again (with
+        :attr:`spec`): ``Parallelism.build(config.spec, n, **config.settings) == config``.
+
+        Example:
+            >>> Parallelism.build("stage=2,fsdp=4", 8, pipeline_microbatches=4).settings[
+            ...     "pipeline_microbatches"]
+            4
+        """
+        pipe, context, groups = self.pipeline, self.context, self.replicas
+        return {
+            "gradient_reduction": self.gradients.reduction,
+            "error_feedback": self.gradients.error_feedback,
+            "sync_every": None if groups is None else groups.sync_every,
+            "outer_learning_rate": 0.7 if groups is None else groups.outer_learning_rate,
+            "outer_momentum": 0.9 if groups is None else groups.outer_momentum,
+            "outer_nesterov": True if groups is None else groups.outer_nesterov,
+            "pipeline_microbatches": None if pipe is None else pipe.microbatches,
+            "pipeline_repeats": 1 if pipe is None else pipe.repeats,
+            "pipeline_schedule": self.schedule,
+            "context_parallel": "all_gather" if context is None else context.variant,
+            "load_balance": True if context is None else context.load_balance,
+        }
+
+    @property
     def features(self) -> frozenset[str]:
         found = {a for a, n in self.sizes if n > 1}
         if self.replicas is not None:

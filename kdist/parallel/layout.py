@@ -14,6 +14,7 @@ Everything else in kdist asks :func:`active` for the distribution in force.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 from collections.abc import Sequence
@@ -186,7 +187,7 @@ class KdistDistribution(ModelParallel):
         return self.layout_for(variable.path, variable.shape, rules.declared_axes(variable))
 
 
-def distribution(spec: str = "auto", devices: Sequence | None = None, *,
+def distribution(spec: str | Parallelism = "auto", devices: Sequence | None = None, *,
                  auto_shard_dataset: bool = False, auto_shard: bool = False,
                  allow_replicated: Sequence[str] = (),
                  gradient_reduction: str | None = None,
@@ -241,14 +242,35 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
     attention work (each holds two of ``2 x seq`` chunks; sequence lengths must divide by
     ``2 x seq``).
 
+    ``spec`` may also be a :class:`kdist.parallel.config.Parallelism` — a plan's
+    (``kdist.plan(...).parallelism``) or another distribution's ``config`` — whose mesh and
+    settings are used; the keywords above are then left out.
+
     Example:
         >>> import keras, kdist
         >>> keras.distribution.set_distribution(kdist.distribution("auto"))
     """
+    settings = dict(
+        gradient_reduction=gradient_reduction, error_feedback=error_feedback,
+        sync_every=sync_every, outer_learning_rate=outer_learning_rate,
+        outer_momentum=outer_momentum, outer_nesterov=outer_nesterov,
+        pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats,
+        pipeline_schedule=pipeline_schedule, context_parallel=context_parallel,
+        load_balance=load_balance)
+    if isinstance(spec, Parallelism):
+        defaults = inspect.signature(distribution).parameters
+        typed = sorted(k for k, v in settings.items() if v != defaults[k].default)
+        if typed:
+            raise ValueError(
+                f"kdist.distribution was given a Parallelism (mesh {spec.spec!r}, its "
+                f"settings included) and also {', '.join(typed)}. Change the settings in one "
+                f"place: pass the mesh spec string with your keywords, or the Parallelism "
+                f"alone.")
+        spec, settings = spec.spec, spec.settings
     devices = list(devices) if devices is not None else keras.distribution.list_devices()
     job = groups_job.from_environment()
     if job is not None:  # this process's job is one group; the others are other jobs
-        if sync_every is None:
+        if settings["sync_every"] is None:
             raise ValueError(
                 f"This process is replica group {job.index} of {job.count} separate jobs "
                 f"(KDIST_REPLICA_GROUP is set), which synchronise through DiLoCo's outer "
@@ -256,13 +278,7 @@ def distribution(spec: str = "auto", devices: Sequence | None = None, *,
                 f"kdist.distribution({spec!r}, sync_every=50).")
         spec = groups_job.local_spec(spec, job)
     try:
-        config = Parallelism.build(
-            spec, len(devices), gradient_reduction=gradient_reduction,
-            error_feedback=error_feedback, sync_every=sync_every,
-            outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
-            outer_nesterov=outer_nesterov, pipeline_microbatches=pipeline_microbatches,
-            pipeline_repeats=pipeline_repeats, pipeline_schedule=pipeline_schedule,
-            context_parallel=context_parallel, load_balance=load_balance)
+        config = Parallelism.build(spec, len(devices), **settings)
     except ValueError as e:
         raise ValueError(_host_devices_hint(spec, devices) or str(e)) from None
     if job is not None:

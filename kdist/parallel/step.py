@@ -36,7 +36,6 @@ def wanted(dist=None) -> tuple:
     return () if dist is None else tuple(t for t in TRANSFORMS if t.wanted(dist))
 
 
-
 def state_optimizer(model):
     """The optimizer whose variables ``compute_loss_and_updates`` is given: a step owner's
     (DiLoCo's inner one), else the model's."""
@@ -80,8 +79,7 @@ def check_batches(x, batch_size: int | None) -> None:
 
 def check_compile(model) -> None:
     """Refuses, before any compilation, what the distribution asks for and the model does
-    not support (an error rather than silently training another way), then runs each
-    wanted transform's own checks.
+    not support: an error rather than silently training another way.
 
     Example:
         >>> check_compile(model)  # in Task.compile, before super().compile()  # doctest: +SKIP
@@ -93,9 +91,6 @@ def check_compile(model) -> None:
     for transform in wanted(dist):
         if transform.feature is not None and not declares(model, transform.feature):
             raise ValueError(transform.refusal(dist, model))
-    for transform in wanted(dist):
-        if transform.check is not None:
-            transform.check(dist, model)
 
 
 def _check_built_under(model, dist) -> None:

@@ -115,16 +115,16 @@ class Transform:
 
     ``wanted(dist)``: whether the distribution asks for it. ``feature``: the step feature a
     task must declare for it (None: any task), and ``refusal(dist, model)`` the error's
-    text when it does not. ``check(dist, model)`` runs in ``compile`` before Keras';
-    ``prepare(dist, model)`` after it (state the transform keeps, built before ``fit`` or a
-    restore looks for it). ``wrap(compute, step)``: the step's compute under it.
+    text when it does not (raised in ``compile``, before Keras'). ``prepare(dist, model)``
+    runs after Keras' ``compile``: checks of the compiled model and the state the transform
+    keeps, built before ``fit`` or a restore looks for it. ``wrap(compute, step)``: the
+    step's compute under it.
     """
 
     name: str
     wanted: Callable[[Any], bool]
     feature: str | None = None
     refusal: Callable[[Any, Any], str] | None = None
-    check: Callable[[Any, Any], None] | None = None
     prepare: Callable[[Any, Any], None] | None = None
     wrap: Callable[[Callable, Step], Callable] = _unchanged
 

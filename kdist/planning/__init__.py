@@ -44,6 +44,7 @@ from typing import Any
 import keras
 
 from kdist import hlo
+from kdist.parallel.config import Parallelism
 from kdist.parallel.mesh import mesh_spec, parse_mesh
 from kdist.planning import executed, stages, traffic
 from kdist.planning import report as _report
@@ -282,22 +283,30 @@ def plan(
                                pipeline_microbatches=pipeline_microbatches,
                                pipeline_repeats=pipeline_repeats)
 
+    def parallelism_for(sizes, remat, grad_accum):  # the distribution's one settings object
+        staged = sizes["stage"] > 1  # (a mesh "auto" chose may have no stage axis)
+        return Parallelism.build(
+            mesh_spec(sizes), math.prod(sizes.values()), gradient_reduction=gradient_reduction,
+            context_parallel=context_parallel, load_balance=load_balance,
+            pipeline_microbatches=pipeline_microbatches if staged else None,
+            pipeline_repeats=pipeline_repeats if staged else 1,
+            pipeline_schedule=schedule_for(sizes, remat, grad_accum)[0], sync_every=sync_every)
+
     def run(sizes, remat, grad_accum):
         # A preset is rebuilt with the remat asked for; a model function as it is.
         fn = model_fn(remat) if isinstance(model, str) else model_fn
-        return compile_plan(fn, sizes, devices, policy, global_batch_size // grad_accum,
-                            sequence_length, grad_accum, optimizer or adamw, batch,
-                            auto_shard, gradient_reduction, context_parallel, load_balance,
-                            pipeline=(pipeline_microbatches, pipeline_repeats,
-                                      schedule_for(sizes, remat, grad_accum)[0]),
-                            sync_every=sync_every)
+        return compile_plan(fn, parallelism_for(sizes, remat, grad_accum), devices, policy,
+                            global_batch_size // grad_accum, sequence_length, grad_accum,
+                            optimizer or adamw, batch, auto_shard)
 
     if not target.compiled:
-        return estimated_plan(target, model_name, cost, mesh, sizes, mesh_choice, policy,
-                              remat, grad_accum, global_batch_size, sequence_length,
-                              gradient_reduction, context_parallel, pipeline_microbatches,
-                              pipeline_repeats, schedule_for(sizes, remat, grad_accum),
-                              sync_every, suggest)
+        result = estimated_plan(target, model_name, cost, mesh, sizes, mesh_choice, policy,
+                                remat, grad_accum, global_batch_size, sequence_length,
+                                gradient_reduction, context_parallel, pipeline_microbatches,
+                                pipeline_repeats, schedule_for(sizes, remat, grad_accum),
+                                sync_every, suggest)
+        result.parallelism = parallelism_for(sizes, remat, grad_accum)
+        return result
 
     start = time.perf_counter()
     compiled, state, model_obj = run(sizes, remat, grad_accum)
@@ -350,7 +359,7 @@ def plan(
         mesh_choice=mesh_choice,
         device_memory_source=target.memory_source,
         target=target.describe(), method=target.method, links=axis_links(target, sizes),
-        pipeline=summary,
+        pipeline=summary, parallelism=parallelism_for(sizes, remat, grad_accum),
     )
     if suggest and not result.fits:
         result.suggestion = _report.suggest(

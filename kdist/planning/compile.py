@@ -35,7 +35,6 @@ import numpy as np
 from kdist import _keras_compat
 from kdist.compiled_step import ProgramMemory
 from kdist.parallel.layout import KdistDistribution, distribution
-from kdist.parallel.mesh import mesh_spec
 
 
 def build_abstract(model_fn: Callable[[], keras.Model], dist: KdistDistribution | None):
@@ -155,17 +154,14 @@ def compile_train_step(model: keras.Model, x, y, dist: KdistDistribution | None)
     return step.lower(state, data).compile(), state
 
 
-def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length, grad_accum,
-                 optimizer_fn, batch, auto_shard=False, gradient_reduction=None,
-                 context_parallel="all_gather", load_balance=True, pipeline=(None, 1),
-                 sync_every=None):
-    """Builds ``model_fn()`` abstractly under the mesh ``sizes`` and precision ``policy``,
-    compiles it (``optimizer_fn()`` and sparse categorical cross-entropy on logits, unless
-    it is compiled already) and compiles its train step on ``batch`` (default:
-    :func:`abstract_batch`). ``pipeline``: the distribution's ``(pipeline_microbatches,
-    pipeline_repeats[, pipeline_schedule])``; ``sync_every``: DiLoCo's, for a ``replica``
-    axis (the program compiled is a sync step's: each group's inner step and the average
-    across groups).
+def compile_plan(model_fn, parallelism, devices, policy, micro_batch, sequence_length,
+                 grad_accum, optimizer_fn, batch, auto_shard=False):
+    """Builds ``model_fn()`` abstractly under ``parallelism`` (a
+    :class:`kdist.parallel.config.Parallelism`: the mesh and every feature's settings) and
+    precision ``policy``, compiles it (``optimizer_fn()`` and sparse categorical
+    cross-entropy on logits, unless it is compiled already) and compiles its train step on
+    ``batch`` (default: :func:`abstract_batch`). Under DiLoCo the program compiled is a
+    sync step's: each group's inner step and the average across groups.
     Returns ``(compiled, abstract_state, model)``.
 
     A fresh Keras session is used (stable variable paths, the abstract model dropped
@@ -176,16 +172,11 @@ def compile_plan(model_fn, sizes, devices, policy, micro_batch, sequence_length,
     previous_policy = keras.config.dtype_policy()
     previous_dist = keras.distribution.distribution()
     keras.utils.clear_session()
-    num = math.prod(sizes.values())
+    num = math.prod(parallelism.mesh.values())
     # Devices of a TPU topology (kdist.planning.target) are not this process's: nothing can
     # be placed on them, and one device of them still needs a mesh to compile for.
     foreign = devices[0] not in set(jax.devices())
-    dist = (distribution(mesh_spec(sizes), devices[:num], auto_shard=auto_shard,
-                         gradient_reduction=gradient_reduction,
-                         context_parallel=context_parallel, load_balance=load_balance,
-                         pipeline_microbatches=pipeline[0], pipeline_repeats=pipeline[1],
-                         pipeline_schedule=pipeline[2] if len(pipeline) > 2 else "gpipe",
-                         sync_every=sync_every)
+    dist = (distribution(parallelism, devices[:num], auto_shard=auto_shard)
             if num > 1 or foreign else None)
     try:
         keras.config.set_dtype_policy(policy)

@@ -54,6 +54,8 @@ class Plan:
     target: str = ""
     method: str = "host"
     links: dict[str, Any] = dataclasses.field(default_factory=dict)  # kdist.planning._links
+    # The planned configuration: kdist.distribution(plan.parallelism) trains what was planned
+    parallelism: Any = None
 
     @property
     def total(self) -> float:

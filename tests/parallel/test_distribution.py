@@ -7,6 +7,7 @@ import pytest
 
 import kdist
 from kdist.models import GPTBackbone
+from kdist.parallel.config import Parallelism
 from kdist.parallel.layout import BatchLayout
 from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, full_mesh, parse_mesh
 from tests.helpers import TINY_GPT, tiny_gpt
@@ -151,3 +152,18 @@ def test_a_model_built_before_its_distribution_is_refused_with_the_order_to_foll
                        r"8 devices\).*Set the distribution first"):
         model.compile(optimizer="adamw")
     tiny_gpt("data=8").compile(optimizer="adamw")  # in that order it compiles
+
+
+@pytest.mark.parametrize("spec, settings", [
+    ("stage=2,fsdp=4", dict(pipeline_microbatches=4, pipeline_schedule="1f1b")),
+    ("replica=2,seq=2,data=2", dict(sync_every=5, context_parallel="ring", load_balance=False)),
+    ("data=8", dict(gradient_reduction="int8", error_feedback=True)),
+])
+def test_a_parallelism_is_the_one_settings_object_there_and_back(spec, settings):
+    """A distribution's config builds the same distribution again (kdist.distribution takes
+    it, as it takes a plan's), and refuses keywords beside it rather than pick one."""
+    config = kdist.distribution(spec, **settings).config
+    assert kdist.distribution(config).config == config
+    assert Parallelism.build(config.spec, 8, **config.settings) == config
+    with pytest.raises(ValueError, match="also pipeline_repeats. Change the settings in one"):
+        kdist.distribution(config, pipeline_repeats=2)

@@ -158,3 +158,18 @@ def test_a_model_axis_is_refused_with_sizes_that_can_form_the_mesh(capsys):
     err = capsys.readouterr().err
     assert "num_heads=12 does not divide by the 'model' mesh axis of size 8. Over 8 " \
            "devices the 'model' axis can be 1, 2, 4 for this model" in err
+
+
+def test_a_plan_hands_back_the_distribution_it_planned():
+    """plan(...).parallelism is the configuration planned (the chosen mesh and schedule):
+    kdist.distribution(plan.parallelism) trains what was planned, no keyword re-typed."""
+    import kdist
+
+    p = plan("gpt-nano", mesh="auto", global_batch_size=64, sequence_length=128,
+             pipeline_schedule="1f1b", pipeline_microbatches=4, device="tpu-v5e",
+             num_devices=8, compile="none", suggest=False)
+    assert p.parallelism.spec == mesh_spec(p.mesh)
+    if p.parallelism.stages > 1:
+        assert p.parallelism.settings["pipeline_schedule"] == "1f1b"
+    dist = kdist.distribution(p.parallelism)
+    assert dist.config == p.parallelism
