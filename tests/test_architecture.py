@@ -53,17 +53,21 @@ def test_no_module_is_too_long():
 
 def test_the_import_graph_has_no_cycle():
     known = modules()
-    graph = {n: imported_modules(n, p, known) for n, p in known.items()}
+    assert_acyclic({n: imported_modules(n, p, known) for n, p in known.items()}, "import")
+
+
+def assert_acyclic(graph: dict[str, set[str]], what: str) -> None:
+    """Fails naming the first cycle of ``graph`` (node -> the nodes it imports)."""
     state: dict[str, int] = {}  # 1 on the stack, 2 done
     stack: list[str] = []
 
     def visit(node):
         state[node] = 1
         stack.append(node)
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
                 cycle = stack[stack.index(nxt):] + [nxt]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
+                raise AssertionError(f"{what} cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -210,21 +214,4 @@ def test_the_packages_import_one_way():
         graph.setdefault(package(name), set()).update(
             package(m) for m in imported_modules(name, path, known) if package(m) != package(name)
             and package(m) != "kdist")
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node):
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                raise AssertionError("package cycle: " + " -> ".join(stack[stack.index(nxt):]
-                                                                     + [nxt]))
-            if nxt not in state:
-                visit(nxt)
-        stack.pop()
-        state[node] = 2
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node)
+    assert_acyclic(graph, "package")
