@@ -30,7 +30,7 @@ the backward pass. Those FLOPs are "hardware FLOPs" (HFU), never "model FLOPs" (
 :attr:`FlopsPerToken.hardware` adds them, :attr:`FlopsPerToken.training` does not.
 
 **Which model.** Each kdist model family states its own count in its cost model
-(``kdist.models.base.CostModel.flops_per_token``, built on :func:`transformer_flops_per_token`);
+(``kdist.models.cost.CostModel.flops_per_token``, built on :func:`transformer_flops_per_token`);
 :func:`model_flops_per_token` asks a model for it and never guesses the family. The
 denominator of MFU, a device's peak, is in :mod:`kdist.callbacks.peak`.
 """
@@ -257,7 +257,7 @@ def model_flops_per_token(
         if cost is None:
             raise TypeError(
                 f"Cannot count the FLOPs of a {type(model).__name__}: it has no cost_model(). "
-                f"Give your task a cost_model() (kdist.models.base.CostModel), pass a config "
+                f"Give your task a cost_model() (kdist.models.cost.CostModel), pass a config "
                 f"dict, or give Throughput(flops_per_token=...) the training FLOPs per token.")
         return cost.flops_per_token(sequence_length, causal_half=causal_half)
     config = dict(model)

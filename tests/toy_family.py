@@ -7,7 +7,8 @@ import keras
 from keras import ops
 
 from kdist.flops import FlopsPerToken
-from kdist.models.base import Backbone, CostModel, Task
+from kdist.models.base import Backbone, Task
+from kdist.models.cost import CostModel
 from kdist.parallel.rules import add_weight, build_with_axes
 
 VOCAB, HIDDEN, MLP, LENGTH = 256, 64, 128, 16

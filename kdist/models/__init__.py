@@ -4,6 +4,8 @@
 ``base``                        ``Backbone``, ``Task`` (declared step features, the parts a
                                 pipeline schedule runs), ``CostModel``
 ``gpt``, ``bert``               the families' backbones and tasks
+``cost``                        ``CostModel``: what planning, FLOPs and throughput read of a
+                                family
 ``gpt_cost``, ``bert_cost``     their parameters, FLOPs and activation bytes per token
 ``layers``, ``attention``       Transformer blocks; attention (XLA, chunked, splash)
 ``embeddings``, ``rope``        token and position embeddings; rotary positions
@@ -22,9 +24,10 @@ Example:
     ('GPTCausalLM', 'BertMaskedLM')
 """
 
-from kdist.models.base import Backbone, CostModel, Task
+from kdist.models.base import Backbone, Task
 from kdist.models.bert import BertBackbone, BertClassifier, BertMaskedLM
 from kdist.models.bert_cost import BertCostModel
+from kdist.models.cost import CostModel
 from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEmbedding
 from kdist.models.gpt import GPTBackbone, GPTCausalLM
 from kdist.models.gpt_cost import GPTCostModel

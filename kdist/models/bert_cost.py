@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from kdist import flops
-from kdist.models.base import CostModel
+from kdist.models.cost import CostModel
 
 
 class BertCostModel(CostModel):

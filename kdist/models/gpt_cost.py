@@ -5,7 +5,7 @@ bytes per token, from a backbone config alone (planning builds no model). Build 
 from __future__ import annotations
 
 from kdist import flops
-from kdist.models.base import CostModel
+from kdist.models.cost import CostModel
 
 
 class GPTCostModel(CostModel):

@@ -4,7 +4,7 @@ on abstract inputs, with a verdict and the smallest change that fits.
 ===================  ======================================================================
 ``units``            memory sizes: parse, print, a device's memory, the usable share
 ``estimate``         analytic per-device memory and minimum collective bytes, from the model's
-                     cost model (``kdist.models.base.CostModel``) — any family
+                     cost model (``kdist.models.cost.CostModel``) — any family
 ``search``           candidate meshes and ``--mesh auto`` (:func:`choose_mesh`)
 ``compile``          abstract build, the real train step compiled on abstract inputs, XLA's
                      memory and FLOP counts

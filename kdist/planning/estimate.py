@@ -1,6 +1,6 @@
 """Analytic per-device memory and minimum collective bytes of a training step.
 
-Everything here reads a model through its **cost model** (``kdist.models.base.CostModel``:
+Everything here reads a model through its **cost model** (``kdist.models.cost.CostModel``:
 ``parameters``, ``flops_per_token``, ``activation_bytes_per_token``), so the same code plans
 a GPT, a BERT or a user's own family. :func:`cost_model_of` turns what a caller has (a
 preset name, a task, a cost model) into one. The mesh search (:mod:`.search`) and the
@@ -91,7 +91,7 @@ def cost_model_of(model: Any, **overrides) -> Any:
         return model.cost_model()
     raise TypeError(
         f"Cannot read the costs of a {type(model).__name__}: pass a kdist preset name, a task "
-        f"with a cost_model() method or a kdist.models.base.CostModel (parameters, "
+        f"with a cost_model() method or a kdist.models.cost.CostModel (parameters, "
         f"flops_per_token, activation_bytes_per_token).")
 
 

@@ -1,5 +1,5 @@
 """The model a plan is of: a kdist preset (rebuilt with the remat asked for) or a function
-returning a Keras model, and its cost model (``kdist.models.base.CostModel``) where it has
+returning a Keras model, and its cost model (``kdist.models.cost.CostModel``) where it has
 one — read from a preset's config, or from the model built abstractly (nothing allocated).
 
 Example:
