@@ -179,12 +179,10 @@ def kdist_row(preset, length, batch, options, dry_run) -> dict:
     return {"side": "kdist", "batch": batch, "tokens_per_s": rate, "first_step_s": first,
             "loss": loss, "flops_per_token": flops.training, "convention": flops.convention,
             "peak_bytes": memory.peak, "remat": options.get("remat", chosen),
-            "attention": kdist.accelerators.attention_for(
-                kdist.accelerators.target(), queries=length, keys=length,
-                head_dim=model.backbone.head_dim, arbitrary_mask=False,
-                chunk_size=model.backbone.attention_chunk_size)
-            if options.get("attention_implementation", "auto") == "auto"
-            else options["attention_implementation"]}
+            "attention": next(
+                layer for layer in model.backbone._flatten_layers()
+                if isinstance(layer, kdist.models.attention.CausalSelfAttention)
+            ).implementation(length, length, arbitrary_mask=False)}
 
 
 def keras_hub_row(preset, length, batch, dry_run) -> dict:

@@ -5,7 +5,8 @@ For each shape ``(B, T, N, K, H)`` (batch, length, query heads, key/value heads,
 and each implementation — XLA's (``keras.ops.dot_product_attention``), kdist's chunked
 online softmax (``kdist.models.attention.chunked_attention``) at several chunk sizes,
 Pallas splash attention through kdist's wrapper (``kdist.kernels.splash``) at several tile
-sizes, and JAX's older Pallas ``flash_attention`` kernel — it times a jitted gradient of
+sizes, kdist's own Pallas kernels (``kdist.kernels.flash``) at several tile sizes, and
+JAX's older Pallas ``flash_attention`` kernel — it times a jitted gradient of
 ``sum(attention(q, k, v) * g)`` with respect to ``q, k, v`` (one forward and one backward
 pass), causal, bfloat16 inputs, after a warm-up, and reports the median milliseconds, the
 ratio to XLA's row of the same shape, the attained TFLOP/s counting causal attention as
@@ -42,10 +43,15 @@ DRY_SHAPES = [("tiny", 2, 256, 4, 2, 64)]
 SPLASH = [(128, 128, False), (256, 256, True), (512, 512, True), (512, 512, False),
           (1024, 512, True), (512, 1024, True), (1024, 1024, True)]
 DRY_SPLASH = [(128, 128, False), (128, 256, True)]
+# kdist's flash tiles: (queries, key chunk) forward, (query chunk, keys) backward.
+FLASH = [(512, 512, 512, 512), (1024, 512, 512, 512), (1024, 1024, 512, 512),
+         (512, 512, 1024, 512), (512, 512, 512, 1024), (256, 512, 512, 512),
+         (512, 256, 256, 512)]
+DRY_FLASH = [(128, 128, 128, 256)]
 CHUNKS = (128, 256, 512)
 
 
-def implementations(dry_run: bool, platform: str):
+def implementations(dry_run: bool, platform: str, only=None):
     """``(name, options, fn(q, k, v) -> out)`` of every implementation to time."""
     import jax.numpy as jnp
     from keras import ops
@@ -64,10 +70,17 @@ def implementations(dry_run: bool, platform: str):
         out.append(("splash", {"block_q": bq, "block_kv": bkv, "fused_bwd": fused},
                     lambda q, k, v, b=blocks: splash.splash_attention(
                         q, k, v, causal=True, blocks=b, interpret=interpret)))
+    from kdist.kernels import flash
+
+    for blocks in DRY_FLASH if dry_run else FLASH:
+        tiles = flash.FlashBlocks(*blocks)
+        out.append(("flash", dict(zip(("block_q", "block_kv", "q_bwd", "kv_bwd"), blocks)),
+                    lambda q, k, v, b=tiles: flash.flash_attention(
+                        q, k, v, causal=True, blocks=b, interpret=interpret)))
     if platform == "tpu":  # JAX's older Pallas kernel: no grouped-query heads, no interpreter
         from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-        def flash(q, k, v, block=512):
+        def pallas_flash(q, k, v, block=512):
             groups = q.shape[2] // k.shape[2]
             q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, jnp.repeat(k, groups, 2),
                                                         jnp.repeat(v, groups, 2)))
@@ -80,8 +93,8 @@ def implementations(dry_run: bool, platform: str):
                                    block_sizes=sizes)
             return jnp.swapaxes(o, 1, 2)
 
-        out.append(("pallas flash", {"block": 512}, flash))
-    return out
+        out.append(("pallas flash", {"block": 512}, pallas_flash))
+    return [row for row in out if only is None or row[0] in only]
 
 
 def time_one(fn, q, k, v, g, iterations: int) -> tuple[float, object]:
@@ -107,6 +120,9 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (CI)")
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--output", default="attention", help="result name under results/")
+    p.add_argument("--implementations", nargs="*", default=None,
+                   help="only these (xla, chunked, splash, flash, 'pallas flash'); XLA's row "
+                        "is the reference and always runs")
     args = p.parse_args(argv)
 
     import jax
@@ -123,7 +139,8 @@ def main(argv=None):
         g = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32)
         flops = 12 * b * n * t * t * h * 0.5  # forward 4BNTSH + backward 8BNTSH, causal half
         reference = None
-        for impl, options, fn in implementations(args.dry_run, device.platform):
+        only = None if args.implementations is None else {"xla", *args.implementations}
+        for impl, options, fn in implementations(args.dry_run, device.platform, only):
             try:
                 seconds, out = time_one(fn, q, k, v, g, 2 if args.dry_run else args.iterations)
             except Exception as error:  # noqa: BLE001 - a kernel that cannot run is a row
@@ -145,7 +162,8 @@ def main(argv=None):
                 f"{device.device_kind}", [r for r in rows if "ms" in r],
                 [("shape", "shape", ""), ("impl", "implementation", ""),
                  ("chunk", "chunk", "d"), ("bq", "block_q", "d"), ("bkv", "block_kv", "d"),
-                 ("fused", "fused_bwd", ""), ("ms", "ms", ".2f"), ("vs XLA", "vs_xla", ".2f"),
+                 ("fused", "fused_bwd", ""), ("bq bwd", "q_bwd", "d"), ("bkv bwd", "kv_bwd", "d"),
+                 ("ms", "ms", ".2f"), ("vs XLA", "vs_xla", ".2f"),
                  ("TFLOP/s", "tflops", ".1f"), ("max diff", "max_diff_vs_xla", ".2g")])
     write_result(f"{args.output}_dry_run" if args.dry_run else args.output,
                  {"args": vars(args), "device_kind": device.device_kind, "rows": rows})

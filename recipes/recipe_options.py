@@ -173,9 +173,9 @@ def add_run_flags(p: argparse.ArgumentParser, output_dir: str, log_every: int) -
                         "auto = nothing recomputed on a CPU, the least recompute that fits on "
                         "an accelerator; --remat alone: block")
     g.add_argument("--attention-implementation", default="auto",
-                   choices=("auto", "xla", "chunked", "splash"),
-                   help="auto = the fastest measured for the device (Pallas splash attention "
-                        "on a TPU, XLA's elsewhere; kdist.accelerators)")
+                   choices=("auto", "xla", "chunked", "splash", "flash"),
+                   help="auto = the fastest measured for the device (kdist's Pallas flash "
+                        "kernels on a TPU, XLA's elsewhere; kdist.accelerators)")
     g.add_argument("--seed", type=nonnegative_int("--seed", 0), default=0,
                    help="random seed of the weights, data order, dropout, masking and sampling")
     g.add_argument("--output-dir", default=output_dir,

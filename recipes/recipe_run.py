@@ -272,7 +272,8 @@ def planned_remat(args: argparse.Namespace) -> bool | str:
 def device_batch(args: argparse.Namespace, config: dict) -> list[str]:
     """On an accelerator, the default ``--global-batch-size`` (none typed): the batch
     ``kdist.accelerators.default_batch`` gives each device for this model and sequence
-    length (what fits without rematerialisation), where it is larger than the recipe's.
+    length (without rematerialisation: the fastest measured on the chip, else the most the
+    estimate fits), where it is larger than the recipe's.
     Returns the line for the log."""
     device = kdist.accelerators.target()
     if args.global_batch_size is not None or device.platform == "cpu":
@@ -286,8 +287,8 @@ def device_batch(args: argparse.Namespace, config: dict) -> list[str]:
     if batch <= args._defaults["global_batch_size"]:
         return []
     args._defaults["global_batch_size"] = batch
-    return [f"--global-batch-size {batch} ({per_device} per {device.device_kind} device: the "
-            f"most that fits without rematerialisation, kdist.accelerators.default_batch)"]
+    return [f"--global-batch-size {batch} ({per_device} per {device.device_kind} device, "
+            f"without rematerialisation: kdist.accelerators.default_batch)"]
 
 
 def flag_values(args: argparse.Namespace) -> dict:

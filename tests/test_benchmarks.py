@@ -24,7 +24,7 @@ def test_attention_benchmark_times_every_implementation(tmp_path):
     stdout = _dry_run(tmp_path, "attention.py")
     rows = json.loads((tmp_path / "attention_dry_run.json").read_text())["rows"]
     names = {(r["implementation"], r.get("block_q")) for r in rows if "ms" in r}
-    assert {("xla", None), ("chunked", None), ("splash", 128)} <= names, rows
+    assert {("xla", None), ("chunked", None), ("splash", 128), ("flash", 128)} <= names, rows
     # float32 on a CPU: every implementation computes XLA's attention
     assert max(r["max_diff_vs_xla"] for r in rows if "ms" in r) < 1e-5
     assert "attention forward + backward" in stdout

@@ -4,7 +4,7 @@
 ``table``      the published figures per chip (peak, HBM, ICI/NVLink, DCN/InfiniBand, chips
                per host and slice), read by MFU and the planner
 ``defaults``   the device a trace is for (:func:`target`, :func:`assume`), and the defaults
-               chosen by it: attention implementation and splash tiles, ``remat="auto"``,
+               chosen by it: attention implementation and its tiles, ``remat="auto"``,
                a recipe's batch
 =============  ================================================================================
 
@@ -22,6 +22,7 @@ from kdist.accelerators.defaults import (
     check_implementation,
     default_batch,
     device_memory,
+    flash_blocks,
     remat_for,
     remat_for_data,
     splash_blocks,
@@ -38,5 +39,6 @@ from kdist.accelerators.table import (
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS", "Accelerator", "DEFAULT_CHUNK", "NAMES", "Target", "accelerator",
     "assume", "attention_for", "check_implementation", "default_batch", "device_memory",
-    "for_device_kind", "remat_for", "remat_for_data", "splash_blocks", "step_bytes", "target",
+    "flash_blocks", "for_device_kind", "remat_for", "remat_for_data", "splash_blocks",
+    "step_bytes", "target",
 ]

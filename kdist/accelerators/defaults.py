@@ -15,12 +15,15 @@ device to compile for when it is not the one JAX runs on (planning a TPU step on
                chunks in plain JAX, any mask, any length
 ``"splash"``   :func:`kdist.kernels.splash.splash_attention`: Pallas flash attention on a
                TPU (interpreted elsewhere): causal or not, documents by segment ids
+``"flash"``    :func:`kdist.kernels.flash.flash_attention`: kdist's own Pallas kernels for
+               the TPU (interpreted elsewhere), the same masks; an example's keys whole in
+               VMEM
 =============  ===============================================================================
 
 Example:
     >>> attention_for(Target("tpu", "TPU v5 lite"), queries=1024, keys=1024, head_dim=64,
     ...               arbitrary_mask=False, chunk_size=None)
-    'splash'
+    'flash'
     >>> attention_for(Target("cpu", "cpu"), queries=1024, keys=1024, head_dim=64,
     ...               arbitrary_mask=False, chunk_size=None)
     'xla'
@@ -32,9 +35,10 @@ import contextlib
 import dataclasses
 import threading
 
+from kdist.kernels.flash import FlashBlocks
 from kdist.kernels.splash import Blocks, supports
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "chunked", "splash")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "chunked", "splash", "flash")
 # Keys per chunk of "chunked" when the model names none.
 DEFAULT_CHUNK = 128
 
@@ -102,19 +106,32 @@ def check_implementation(name: str) -> str:
 
 
 def attention_for(device: Target, *, queries: int, keys: int, head_dim: int,
-                  arbitrary_mask: bool, chunk_size: int | None) -> str:
+                  arbitrary_mask: bool, chunk_size: int | None, groups: int = 1) -> str:
     """What ``attention_implementation="auto"`` runs for these shapes on ``device``.
 
     ``arbitrary_mask``: a mask other than causality and documents (e.g. BERT's padded
-    keys), which splash does not take. ``chunk_size``: the model's
+    keys), which neither Pallas kernel takes. ``chunk_size``: the model's
     ``attention_chunk_size`` (a request for ``"chunked"`` where no kernel is faster).
+    ``groups``: query heads per key/value head.
+
+    On a TPU: kdist's flash kernels where an example's heads fit them whole, splash beyond
+    (long sequences); inside kdist's per-device regions, where no Pallas kernel runs,
+    chunked attention. Measured on a TPU v5e (``benchmarks/attention.py``,
+    forward + backward, causal, bfloat16; ``benchmarks/results/attention.json``): flash
+    takes 0.78-0.89x splash's time at gpt2-small's, gpt2-medium's and a Llama-style shape,
+    0.29-0.40x XLA's.
     """
-    if device.platform == "tpu" and not arbitrary_mask and supports(queries, keys, head_dim):
+    if device.platform == "tpu" and not arbitrary_mask:
+        from kdist.kernels import flash
         from kdist.parallel import region
 
-        if not region.current().per_device:  # splash cannot run in a kdist region (JAX 0.10)
+        if region.current().per_device:  # no Pallas kernel in a kdist region (JAX 0.10)
+            return "chunked"
+        if flash.supports(queries, keys, head_dim, groups,
+                          flash_blocks(device, queries=queries, head_dim=head_dim)):
+            return "flash"
+        if supports(queries, keys, head_dim):
             return "splash"
-        return "chunked"
     return "chunked" if chunk_size else "xla"
 
 
@@ -130,6 +147,17 @@ def splash_blocks(device: Target, *, queries: int, head_dim: int) -> Blocks:
     sequences take tiles of their whole length (a multiple of 128). Other TPUs use the
     same tiles (not measured on them)."""
     return Blocks(1024, 1024, fused=True)
+
+
+def flash_blocks(device: Target, *, queries: int, head_dim: int) -> FlashBlocks:
+    """Tile sizes of kdist's flash kernels on ``device``: 512-query tiles over 512-key
+    chunks in both passes (clipped to shorter sequences).
+
+    Measured on a TPU v5e (``benchmarks/attention.py``; forward + backward): the fastest of
+    nine tilings at gpt2-small's (16, 1024, 12 x 64), gpt2-medium's (8, 1024, 16 x 64) and
+    the Llama-style (4, 2048, 12/4 x 128) shapes, or within 2 % of it; 256-key chunks took
+    13-19 % longer, 1024-query tiles 1-6 %. Other TPUs use the same tiles (not measured)."""
+    return FlashBlocks()
 
 
 def device_memory(device: Target | None = None) -> int | None:
@@ -172,12 +200,15 @@ def step_bytes(cost, mesh: dict[str, int], batch: int, length: int, remat) -> fl
 
 def attention_keeps_scores(config: dict, length: int) -> bool:
     """Whether a model of ``config`` keeps ``(B, N, T, T)`` attention probabilities for the
-    backward pass on the target device (XLA's attention does; chunked and splash do not)."""
+    backward pass on the target device (XLA's attention does; chunked, splash and flash do
+    not)."""
     name = config.get("attention_implementation", "auto")
     if name == "auto":
-        head_dim = config["hidden_dim"] // config["num_heads"]
-        name = attention_for(target(), queries=length, keys=length, head_dim=head_dim,
-                             arbitrary_mask=False, chunk_size=config.get("attention_chunk_size"))
+        heads = config["num_heads"]
+        name = attention_for(target(), queries=length, keys=length,
+                             head_dim=config["hidden_dim"] // heads, arbitrary_mask=False,
+                             chunk_size=config.get("attention_chunk_size"),
+                             groups=heads // (config.get("num_key_value_heads") or heads))
     return name == "xla"
 
 
@@ -188,19 +219,20 @@ USABLE_MEMORY = 0.9
 REMAT_ORDER = (False, "minimal", "save_dots", "block")
 
 
-# The batch per device a preset's shape trains with on a device, where it was measured:
-# the step compiled for the chip by its own compiler fits without rematerialisation (XLA's
-# memory analysis, ahead of time on a CPU), and ran there (benchmarks/results/
-# accelerator_tpu_v5e.json): (device kind, preset, sequence length) -> batch. A model of a
-# preset's exact shape takes it; any other model the estimate (step_bytes), which is more
-# cautious: XLA keeps less than the cost model's count.
+# Batches per device of a preset's shape on a device, where they were measured: the
+# largest whose step, compiled for the chip by its own compiler, fits without
+# rematerialisation (XLA's memory analysis, ahead of time on a CPU, and run there), and
+# the fastest of those measured (benchmarks/results/accelerator_tpu_v5e.json):
+# (device kind, preset, sequence length) -> (fits, fastest). A model of a preset's exact
+# shape takes them; any other model the estimate (step_bytes), which is more cautious:
+# XLA keeps less than the cost model's count.
 COMPILED_FITS = {
-    # 9.0 GiB, 126.9k tokens/s. Batch 32 fits too (8.3 GiB compiled); its speed unmeasured.
-    ("TPU v5 lite", "gpt2-small", 1024): 16,
-    # 14.7 GiB, 42.9k tokens/s; batch 8: 11.6 GiB, 43.0k (the same speed).
-    ("TPU v5 lite", "gpt2-medium", 1024): 16,
-    # 12.3 GiB, 36.7k tokens/s; batch 8 needs rematerialisation ("minimal": 16.9 GB).
-    ("TPU v5 lite", "llama-550m", 2048): 4,
+    # 9.2 GiB, 127k tokens/s at 16. Batch 32 fits too (8.3 GiB compiled); speed unmeasured.
+    ("TPU v5 lite", "gpt2-small", 1024): (16, 16),
+    # kdist's flash attention: batch 8 11.4 GiB, 47.6k tokens/s; 16 14.9 GiB, 43.0k.
+    ("TPU v5 lite", "gpt2-medium", 1024): (16, 8),
+    # 12.4 GiB, 36.6k tokens/s; batch 8 needs rematerialisation ("minimal": 16.9 GB).
+    ("TPU v5 lite", "llama-550m", 2048): (4, 4),
 }
 
 
@@ -209,10 +241,10 @@ def _cost(model):
     return model.cost_model() if hasattr(model, "cost_model") else model
 
 
-def compiled_fit(model, length: int) -> int | None:
-    """The batch per device :data:`COMPILED_FITS` holds for ``model`` (a task or its cost
-    model) at ``length`` on the target device, or None (no entry: another device, shape or
-    option)."""
+def compiled_fit(model, length: int, fastest: bool = False) -> int | None:
+    """The largest batch per device (``fastest``: the fastest) :data:`COMPILED_FITS` holds
+    for ``model`` (a task or its cost model) at ``length`` on the target device, or None
+    (no entry: another device, shape or option)."""
     cost = _cost(model)
     config = getattr(cost, "config", None) or {}
     neutral = {"remat": "auto", "attention_implementation": "auto", "attention_chunk_size": None,
@@ -223,7 +255,7 @@ def compiled_fit(model, length: int) -> int | None:
         return None
     kind = target().device_kind.lower()
     name = cost.preset() if hasattr(cost, "preset") else None  # (a GPT cost model's)
-    return next((batch for (k, p, t), batch in COMPILED_FITS.items()
+    return next((batches[fastest] for (k, p, t), batches in COMPILED_FITS.items()
                  if (k.lower(), p, t) == (kind, name, length)), None)
 
 
@@ -263,7 +295,7 @@ def remat_for_data(model, data):
 
 def default_batch(model, sequence_length: int) -> int:
     """Sequences per step the recipes and benchmarks train ``model`` (a task or its cost
-    model) with on the target device: :data:`COMPILED_FITS`' batch for a preset's shape,
+    model) with on the target device: :data:`COMPILED_FITS`' fastest for a preset's shape,
     else the largest power-of-two multiple of the batch axes whose step the estimate fits
     in the device's memory without
     rematerialisation (:func:`step_bytes`), else with ``"minimal"``; on a CPU, or where the
@@ -275,7 +307,7 @@ def default_batch(model, sequence_length: int) -> int:
     memory = device_memory()
     if memory is None:
         return 8 * replicas
-    fit = compiled_fit(model, sequence_length)
+    fit = compiled_fit(model, sequence_length, fastest=True)
     if fit is not None:
         return fit * replicas
     cost = _cost(model)

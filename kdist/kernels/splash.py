@@ -131,9 +131,7 @@ def splash_attention(q, k, v, *, causal: bool, segment_ids=None, blocks: Blocks 
 
     Returns ``(B, T, N, H)`` in the query's dtype.
     """
-    from kdist.parallel import region
-    from kdist.parallel.layout import active
-    from kdist.parallel.mesh import REPLICA_AXES
+    from kdist.kernels.sharding import per_device
 
     if not supports(q.shape[1], k.shape[1], q.shape[-1]):
         raise ValueError(f"Splash attention tiles sequences in multiples of {LANES} tokens; "
@@ -142,36 +140,8 @@ def splash_attention(q, k, v, *, causal: bool, segment_ids=None, blocks: Blocks 
     if segment_ids is not None and k.shape[1] != q.shape[1]:
         raise ValueError("segment_ids are those of self-attention: keys and queries must be "
                          f"the same tokens; got {q.shape[1]} queries over {k.shape[1]} keys.")
-    if region.current().per_device:
-        raise ValueError(
-            "Splash attention cannot run inside a per-device region of kdist's (a pipeline "
-            "stage, the explicit gradient reduction, a replica group): in JAX 0.10 its "
-            "Pallas kernels do not type their outputs for shard_map's checks of what varies "
-            "between devices. Use attention_implementation='auto' (chunked attention there) "
-            "or 'chunked'.")
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     local = functools.partial(_local, causal=causal, blocks=blocks or Blocks(),
                               interpret=interpret)
-    dist = active()
-    if dist is None:
-        return local(q, k, v, segment_ids)
-    sizes = dist.mesh_shape
-    mesh = dist.device_mesh.backend_mesh
-    axes = region.current().automatic(mesh.axis_names)
-    replicas = tuple(a for a in REPLICA_AXES if sizes[a] > 1 and a in axes)
-    # A batch that does not divide over the replicas is computed whole by each of them.
-    rows = replicas if replicas and q.shape[0] % math.prod(sizes[a] for a in replicas) == 0 \
-        else None
-    model = (sizes["model"] > 1 and "model" in axes
-             and q.shape[2] % sizes["model"] == 0 and k.shape[2] % sizes["model"] == 0)
-    heads = jax.sharding.PartitionSpec(rows, None, "model" if model else None, None)
-    if not any(sizes[a] > 1 for a in axes):  # one device
-        return local(q, k, v, segment_ids)
-    ids = () if segment_ids is None else (segment_ids,)
-    in_specs = (heads,) * 3 + (jax.sharding.PartitionSpec(rows, None),) * len(ids)
-    # The kernels cannot type what varies between devices (see above): JAX's checks off.
-    return region.shard_map(lambda q, k, v, *s: local(q, k, v, s[0] if s else None),
-                            mesh=mesh, axes=axes, in_specs=in_specs, out_specs=heads,
-                            batch_axes=rows or (), check_vma=False)(q, k, v, *ids)
-
+    return per_device(local, q, k, v, segment_ids, name="Splash attention")

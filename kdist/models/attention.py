@@ -28,7 +28,7 @@ import keras
 from keras import layers, ops
 
 from kdist import _keras_compat, accelerators
-from kdist.kernels import splash
+from kdist.kernels import flash, splash
 from kdist.models import remat
 from kdist.models.rope import RotaryEmbedding, ScaledRotaryEmbedding, check_rope_scaling
 from kdist.parallel import context
@@ -184,8 +184,8 @@ class CausalSelfAttention(layers.Layer):
     Projections are ``EinsumDense`` with kernels shaped ``(D, N, H)`` (query), ``(D, K, H)``
     (key, value) and ``(N, H, D)`` (output), so tensor parallelism splits the head axes and
     XLA reduces the output projection's partial sums. Attention itself is
-    chosen by ``attention_implementation`` (by default for the device: Pallas splash
-    attention on a TPU, ``keras.ops.dot_product_attention`` elsewhere — cuDNN flash
+    chosen by ``attention_implementation`` (by default for the device: kdist's Pallas flash
+    kernels on a TPU, ``keras.ops.dot_product_attention`` elsewhere — cuDNN flash
     attention on a GPU; logits and softmax in float32 under ``mixed_bfloat16``).
 
     Args:
@@ -206,10 +206,11 @@ class CausalSelfAttention(layers.Layer):
         attention_implementation: how training and evaluation attend (generation with a
             cache always uses ``keras.ops.dot_product_attention``): ``"auto"`` (default)
             the fastest measured for the device the step is compiled for and the shapes
-            (:mod:`kdist.accelerators`: Pallas splash attention on a TPU, XLA's elsewhere);
-            ``"xla"`` ``keras.ops.dot_product_attention`` (cuDNN flash attention on a GPU);
-            ``"chunked"`` :func:`chunked_attention`; ``"splash"``
-            :func:`kdist.kernels.splash.splash_attention` (interpreted off a TPU: tests).
+            (:mod:`kdist.accelerators`: kdist's Pallas flash kernels on a TPU, XLA's
+            elsewhere); ``"xla"`` ``keras.ops.dot_product_attention`` (cuDNN flash attention
+            on a GPU); ``"chunked"`` :func:`chunked_attention`; ``"splash"``
+            :func:`kdist.kernels.splash.splash_attention`; ``"flash"``
+            :func:`kdist.kernels.flash.flash_attention` (both interpreted off a TPU: tests).
         attention_chunk_size: keys per chunk of ``"chunked"``; with ``"auto"``, a request
             for ``"chunked"`` where the device has no faster kernel (the ``(B, N, T, T)``
             probabilities are never kept for the backward pass). None: 128 where chunked.
@@ -334,33 +335,46 @@ class CausalSelfAttention(layers.Layer):
         device = accelerators.target()
         name = self.attention_implementation
         if not (isinstance(queries, int) and isinstance(keys, int)):  # symbolic lengths
-            return "xla" if name in ("auto", "splash") else name
+            return "xla" if name in ("auto", "splash", "flash") else name
         if name == "auto":
             return accelerators.attention_for(
                 device, queries=queries, keys=keys, head_dim=self.head_dim,
-                arbitrary_mask=arbitrary_mask, chunk_size=self.attention_chunk_size)
-        if name == "splash" and (arbitrary_mask or not splash.supports(
-                queries, keys, self.head_dim)):
+                arbitrary_mask=arbitrary_mask, chunk_size=self.attention_chunk_size,
+                groups=self.num_heads // self.kv_heads)
+        if name in ("splash", "flash") and (arbitrary_mask or not self._kernel_takes(
+                name, queries, keys)):
             if _keras_compat.in_shape_inference():  # Keras' stand-in lengths: same shapes
                 return "xla"
             why = ("a mask other than causality and documents (e.g. padded keys)"
-                   if arbitrary_mask else f"{queries} queries over {keys} keys (splash "
-                   f"needs multiples of {splash.LANES})")
-            raise ValueError(f"attention_implementation='splash' cannot take {why}. Use "
+                   if arbitrary_mask else f"{queries} queries over {keys} keys at head size "
+                   f"{self.head_dim} (its tiles need multiples of {splash.LANES}"
+                   + (", and an example's heads whole in VMEM" if name == "flash" else "")
+                   + ")")
+            raise ValueError(f"attention_implementation={name!r} cannot take {why}. Use "
                              f"'auto', 'xla' or 'chunked' for this model.")
         return name
+
+    def _kernel_takes(self, name: str, queries: int, keys: int) -> bool:
+        if name == "splash":
+            return splash.supports(queries, keys, self.head_dim)
+        groups = self.num_heads // self.kv_heads
+        return flash.supports(queries, keys, self.head_dim, groups,
+                              accelerators.flash_blocks(accelerators.target(), queries=queries,
+                                                        head_dim=self.head_dim))
 
     def attend(self, q, k, v, attention_mask=None, segment_ids=None):
         """``q (B, T, N, H)`` over ``k``/``v (B, S, K, H)`` by :meth:`implementation`;
         ``attention_mask`` broadcastable to ``(B, 1, T, S)``, ``segment_ids (B, T)``."""
         name = self.implementation(q.shape[1], k.shape[1], attention_mask is not None)
         q, k, v = remat.named((q, k, v), remat.ATTENTION_INPUTS)
-        if name == "splash":
+        if name in ("splash", "flash"):  # Pallas kernels: interpreted off a TPU (tests)
             device = accelerators.target()
-            blocks = accelerators.splash_blocks(device, queries=q.shape[1],
-                                                head_dim=self.head_dim)
-            return splash.splash_attention(q, k, v, causal=self.causal, segment_ids=segment_ids,
-                                           blocks=blocks, interpret=device.platform != "tpu")
+            kernel, tiles = ((splash.splash_attention, accelerators.splash_blocks)
+                             if name == "splash" else
+                             (flash.flash_attention, accelerators.flash_blocks))
+            return kernel(q, k, v, causal=self.causal, segment_ids=segment_ids,
+                          blocks=tiles(device, queries=q.shape[1], head_dim=self.head_dim),
+                          interpret=device.platform != "tpu")
         if segment_ids is not None:  # (B, 1, T, T): the same document
             same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
             attention_mask = same if attention_mask is None else attention_mask & same
@@ -399,12 +413,13 @@ class CausalSelfAttention(layers.Layer):
                 positions = None if split is None else split[None]  # (1, T)
             q, k = self.rotate(q, positions=positions), self.rotate(k, positions=positions)
             if context.current_layout(length) is not None:  # T split over the seq axis
-                if self.attention_implementation == "splash":
+                if self.attention_implementation in ("splash", "flash"):
                     raise ValueError(
-                        "attention_implementation='splash' does not split a sequence over "
-                        "the 'seq' axis: context parallelism attends with its own online "
-                        "softmax (context_parallel='all_gather' or 'ring'). Use 'auto' "
-                        "(splash where the sequence is whole, context attention where split).")
+                        f"attention_implementation={self.attention_implementation!r} does not "
+                        "split a sequence over the 'seq' axis: context parallelism attends "
+                        "with its own online softmax (context_parallel='all_gather' or "
+                        "'ring'). Use 'auto' (a Pallas kernel where the sequence is whole, "
+                        "context attention where split).")
                 out = context.attention(q, k, v, mask=attention_mask, segment_ids=segment_ids,
                                         causal=self.causal,
                                         chunk_size=self.attention_chunk_size)

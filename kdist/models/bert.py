@@ -76,8 +76,8 @@ class BertBackbone(Backbone, keras.Model):
         attention_chunk_size: attend over chunks of this many keys without keeping the
             attention probabilities for the backward pass (``CausalSelfAttention``).
         attention_implementation: ``"auto"`` (default: by the device; BERT's padded keys
-            are a mask splash does not take, so XLA's or chunked attention), ``"xla"``,
-            ``"chunked"`` or ``"splash"`` (``CausalSelfAttention``).
+            are a mask no Pallas kernel takes, so XLA's or chunked attention), ``"xla"``,
+            ``"chunked"``, ``"splash"`` or ``"flash"`` (``CausalSelfAttention``).
         mlp_activation: the encoder MLP's GELU: ``"gelu"`` (tanh approximation, kdist's
             default) or ``"gelu_exact"`` (erf: the original BERT and Hugging Face's).
         scan_layers: the encoder blocks as one stacked, scanned ``LayerStack``

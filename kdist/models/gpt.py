@@ -84,9 +84,9 @@ class GPTBackbone(Backbone, keras.Model):
         fused_qkv: one fused query/key/value projection per block (``.../attention/qkv``)
             instead of three; off by default.
         attention_implementation: ``"auto"`` (default: the fastest measured for the
-            device the step is compiled for — Pallas splash attention on a TPU, Keras'
+            device the step is compiled for — kdist's Pallas flash kernels on a TPU, Keras'
             attention elsewhere, cuDNN flash attention on a GPU; :mod:`kdist.accelerators`),
-            ``"xla"``, ``"chunked"`` or ``"splash"`` (``CausalSelfAttention``).
+            ``"xla"``, ``"chunked"``, ``"splash"`` or ``"flash"`` (``CausalSelfAttention``).
         attention_chunk_size: keys per chunk of ``"chunked"`` attention, which never keeps
             the attention probabilities for the backward pass; with ``"auto"``, a request
             for it where the device has no faster kernel (CPUs).

@@ -38,7 +38,7 @@ from kdist.kernels.splash import RESIDUALS
 
 REMAT_POLICIES = (False, True, "block", "save_dots", "minimal", "auto")
 # Checkpoint names of what "minimal" keeps: attention's output and softmax statistics
-# (splash attention and kdist's chunked attention name theirs so), attention's inputs (q,
+# (splash, kdist's flash and chunked attention name theirs so), attention's inputs (q,
 # k, v after RoPE), the residual stream between a block's attention and its MLP, the MLP's
 # hidden pre-activations (up, gate).
 ATTENTION = RESIDUALS

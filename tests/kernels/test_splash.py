@@ -10,6 +10,7 @@ import pytest
 
 import kdist
 from kdist.kernels import splash
+from tests.kernels.parity import assert_equals_keras_attention
 
 B, T, N, K, H = 2, 256, 4, 2, 32  # two 128-token tiles; 2 query heads per key/value head
 
@@ -40,21 +41,10 @@ CASES = {  # (causal, documents, key/value heads, tiles)
 def test_value_and_gradients_equal_keras_attention(causal, documents, kv_heads, blocks):
     q, k, v, weights = _inputs(kv_heads=kv_heads)
     segments = jnp.asarray(SEGMENTS) if documents else None
-    mask = None if segments is None else \
-        segments[:, None, :, None] == segments[:, None, None, :]  # (B, 1, T, T)
-
-    def ours(q, k, v):
-        return splash.splash_attention(q, k, v, causal=causal, segment_ids=segments,
-                                       blocks=blocks)
-
-    def keras_attention(q, k, v):
-        return keras.ops.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
-
-    np.testing.assert_allclose(ours(q, k, v), keras_attention(q, k, v), atol=2e-6)
-    loss = [lambda q, k, v, f=f: jnp.sum(f(q, k, v) * weights) for f in (ours, keras_attention)]
-    got, want = (jax.grad(f, argnums=(0, 1, 2))(q, k, v) for f in loss)
-    for g, w, name in zip(got, want, "qkv"):
-        np.testing.assert_allclose(g, w, atol=5e-6, err_msg=f"gradient of {name}")
+    assert_equals_keras_attention(
+        lambda q, k, v: splash.splash_attention(q, k, v, causal=causal, segment_ids=segments,
+                                                blocks=blocks),
+        q, k, v, weights, causal=causal, segments=segments)
 
 
 def test_bfloat16_matches_float32_attention_to_bfloat16_rounding():

@@ -63,8 +63,10 @@ def test_default_batch_is_the_one_compiled_for_the_chip_or_the_estimates():
     lm = build_abstract(lambda: GPTCausalLM.from_preset("gpt2-medium"), None)
     assert accelerators.default_batch(lm, 1024) == 8  # a CPU: 8 per replica
     with accelerators.assume("TPU v5 lite"):
-        assert accelerators.default_batch(lm, 1024) == 16  # COMPILED_FITS
-        assert accelerators.default_batch(lm.cost_model(), 1024) == 16
+        # COMPILED_FITS: 16 fits, 8 is faster (measured on the chip)
+        assert accelerators.default_batch(lm, 1024) == 8
+        assert accelerators.default_batch(lm.cost_model(), 1024) == 8
+        assert accelerators.remat_for(lm, 16, 1024) is False  # 16 fits without recompute
     other = build_abstract(lambda: GPTCausalLM.from_preset("gpt2-medium", num_layers=12),
                            None)
     memory = 16_909_336_064  # a v5e chip's, as JAX reports it
@@ -80,5 +82,5 @@ def test_unknown_policies_are_refused_by_name():
     with pytest.raises(ValueError, match="minimal"):
         GPTBackbone(**TINY_GPT, remat="everything")
     with pytest.raises(ValueError, match="attention_implementation"):
-        GPTBackbone(**TINY_GPT, attention_implementation="flash")
+        GPTBackbone(**TINY_GPT, attention_implementation="cudnn")
     assert kdist.accelerators.ATTENTION_IMPLEMENTATIONS[0] == "auto"

@@ -203,17 +203,17 @@ def test_remat_takes_the_same_values_in_the_recipes_and_kdist_plan():
 
 def test_an_accelerator_trains_the_batch_that_fits_it():
     """On a TPU the default --global-batch-size is kdist.accelerators.default_batch per device
-    (what the step was compiled to fit there); on a CPU, and once typed, the recipe's own."""
+    (the fastest measured there that fits without rematerialisation); on a CPU, and once
+    typed, the recipe's own."""
     config = kdist.models.presets.preset_config(kdist.models.GPT_PRESETS, "gpt2-medium")
     args = parse("gpt_pretrain", ["--preset", "gpt2-medium", "--sequence-length", "1024"])
     assert recipe_run.device_batch(args, config) == []  # a CPU
     with kdist.accelerators.assume("TPU v5 lite"):
         lines = recipe_run.device_batch(args, config)
         devices = jax.device_count()
-        assert args._defaults["global_batch_size"] == 16 * devices
-        assert lines == [f"--global-batch-size {16 * devices} (16 per TPU v5 lite device: the "
-                         f"most that fits without rematerialisation, "
-                         f"kdist.accelerators.default_batch)"]
+        assert args._defaults["global_batch_size"] == 8 * devices
+        assert lines == [f"--global-batch-size {8 * devices} (8 per TPU v5 lite device, "
+                         f"without rematerialisation: kdist.accelerators.default_batch)"]
         typed = parse("gpt_pretrain", ["--preset", "gpt2-medium", "--sequence-length", "1024",
                                        "--global-batch-size", "4"])
         assert recipe_run.device_batch(typed, config) == []
