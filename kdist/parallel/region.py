@@ -42,7 +42,7 @@ class Region:
         batch_axes: the manual axes the rows are split over, in the batch layout's order
             (outermost first): a device's rows are block ``axis_index(batch_axes)``.
         sequence: the token layout the training step set under a ``seq`` axis
-            (:class:`kdist.parallel.context.layout.SequenceLayout`), or None.
+            (:class:`kdist.parallel.context.token_layout.SequenceLayout`), or None.
     """
 
     manual: frozenset = frozenset()

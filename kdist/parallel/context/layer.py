@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdist.parallel import region
 from kdist.parallel.context.attention import local_attention
-from kdist.parallel.context.layout import AXIS, all_tokens, current_layout
+from kdist.parallel.context.token_layout import AXIS, all_tokens, current_layout
 from kdist.parallel.layout import active
 from kdist.parallel.mesh import REPLICA_AXES
 
@@ -44,7 +44,7 @@ def key_valid_from_mask(mask, batch: int, keys: int):
 def attention(q, k, v, *, mask=None, segment_ids=None, causal: bool = True,
               chunk_size: int | None = None):
     """Attention of ``q (B, L, N, H)`` over ``k``/``v (B, L, K, H)`` whose length ``L`` is
-    split over ``seq`` (:func:`~kdist.parallel.context.layout.current_layout` is not None).
+    split over ``seq`` (:func:`~kdist.parallel.context.token_layout.current_layout` is not None).
 
     Args:
         mask: None or a key-padding mask ``(B, 1, 1, L)`` (True: a real key).

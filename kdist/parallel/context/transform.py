@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdist.parallel import region
 from kdist.parallel.constraints import shard_batch
-from kdist.parallel.context.layout import AXIS, SequenceLayout, sequence_layout, step_layout
+from kdist.parallel.context.token_layout import AXIS, SequenceLayout, sequence_layout, step_layout
 from kdist.parallel.layout import active
 from kdist.parallel.mesh import REPLICA_AXES
 from kdist.parallel.transform import Transform, declares
