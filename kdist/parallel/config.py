@@ -19,6 +19,7 @@ import math
 import numbers
 
 from kdist.parallel import combinations
+from kdist.parallel import mesh as _mesh
 from kdist.parallel.group_jobs import JobGroups
 from kdist.parallel.mesh import MESH_AXES, mesh_spec, parse_mesh
 
@@ -104,6 +105,18 @@ class Parallelism:
     def splits_sequence(self) -> bool:
         """Whether a ``seq`` axis splits every sequence's tokens."""
         return self.mesh["seq"] > 1
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes of size > 1 that split the batch, outermost first
+        (:func:`kdist.parallel.mesh.batch_axes`)."""
+        return _mesh.batch_axes(self.mesh)
+
+    @property
+    def summed_axes(self) -> tuple[str, ...]:
+        """The axes a per-device gradient is partial over: the batch axes but ``replica``,
+        and ``seq`` (:func:`kdist.parallel.mesh.summed_axes`)."""
+        return _mesh.summed_axes(self.mesh)
 
     @property
     def has_replicas(self) -> bool:

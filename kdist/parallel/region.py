@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import threading
 
-from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel import mesh as _mesh
 
 _stack = threading.local()
 
@@ -69,7 +69,7 @@ class Region:
         batch = {*self.batch_axes, *batch_axes}
         return dataclasses.replace(
             self, manual=self.manual | frozenset(axes),
-            batch_axes=tuple(a for a in REPLICA_AXES if a in batch))
+            batch_axes=_mesh.batch_axes(None, among=batch))
 
     def with_sequence(self, layout) -> Region:
         return dataclasses.replace(self, sequence=layout)

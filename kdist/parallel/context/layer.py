@@ -18,7 +18,7 @@ from kdist.parallel import region
 from kdist.parallel.context.attention import local_attention
 from kdist.parallel.context.token_layout import AXIS, all_tokens, current_layout
 from kdist.parallel.layout import active
-from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.mesh import batch_axes
 
 
 def key_valid_from_mask(mask, batch: int, keys: int):
@@ -69,7 +69,7 @@ def attention(q, k, v, *, mask=None, segment_ids=None, causal: bool = True,
     sizes = dist.mesh_shape
     mesh = dist.device_mesh.backend_mesh
     axes = region.current().automatic(mesh.axis_names)  # a replica group's are its own
-    replicas = tuple(a for a in REPLICA_AXES if sizes[a] > 1 and a in axes)
+    replicas = batch_axes(sizes, axes)
     # A batch that does not divide over the replicas (one prompt) is computed by each.
     rows = replicas if replicas and q.shape[0] % math.prod(sizes[a] for a in replicas) == 0 \
         else None
