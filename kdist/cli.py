@@ -32,7 +32,7 @@ from kdist.run_report import REPORT_PNG, read_rows, trained_tokens, write_report
 def _run_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if (run_dir / "manifest.json").is_file() and (run_dir / "rounds").is_dir():
-        from kdist.groups.report import job_lines  # a replica store: the job's history
+        from kdist.groups.history import job_lines  # a replica store: the job's history
 
         print("\n".join(job_lines(run_dir)))
         return 0

@@ -4,11 +4,12 @@
 program's ``memory_analysis()`` — the only figure that includes XLA's temporaries — would
 cost a second compilation (80 s for a gpt2-medium step on a TPU). :class:`CompiledStep`
 compiles the same jitted function the way ``jit`` would, once per argument signature
-(``lower(*args).compile()``, JAX's ahead-of-time API, the persistent compilation cache
-included), then calls that executable — whose dispatch is jit's own C++ fast path — and
-keeps its :class:`ProgramMemory`. kdist's tasks build their train function with it
-(:func:`install`), and ``kdist.callbacks.Throughput`` installs it for any other Keras model;
-reading :attr:`CompiledStep.memory` is a Python attribute read: no device or state sync.
+(:func:`signature`: shapes, dtypes and shardings; ``lower(*args).compile()``, JAX's
+ahead-of-time API, the persistent compilation cache included), then calls that executable
+— whose dispatch is jit's own C++ fast path — and keeps its :class:`ProgramMemory`.
+kdist's tasks build their train function with it (:func:`install`), and
+``kdist.callbacks.Throughput`` installs it for any other Keras model; reading
+:attr:`CompiledStep.memory` is a Python attribute read: no device or state sync.
 
 Which sum is the peak (:attr:`ProgramMemory.peak`): what the runtime holds on one device
 for the program — its **arguments** (the training state and the batch, resident from its
@@ -72,37 +73,37 @@ class ProgramMemory:
 
 
 class CompiledStep:
-    """A jitted step called through executables compiled ahead, one per signature of the
-    arguments in ``key_argnums`` (the batch: a smaller last batch is another program, as
-    under ``jit``). A call whose other arguments no longer match the executable (the state
-    changed shape or placement) goes through ``jitted`` itself, which compiles as usual.
+    """A jitted step called through executables compiled ahead, one per signature of its
+    arguments: the tree structure and every leaf's shape, dtype (weak or not) and
+    sharding. A smaller last batch is another program, as under ``jit``; so is a state that
+    changed shape, dtype or placement. Nothing is retried: an error the step raises (while
+    tracing, or from the running program) reaches the caller as it is.
 
     Args:
         jitted: the ``jax.jit``-wrapped step (its donation and shardings are kept).
-        key_argnums: the arguments whose shapes, dtypes and shardings select a program.
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> step = CompiledStep(jax.jit(lambda state, x: (x.sum(), state)))
         >>> _ = step(jnp.zeros(2), jnp.ones(3)); _ = step(jnp.zeros(2), jnp.ones(5))
+        >>> _ = step(jnp.zeros(2), jnp.ones(3))
         >>> step.programs
         2
     """
 
-    def __init__(self, jitted, key_argnums: tuple[int, ...] = (1,)):
+    def __init__(self, jitted):
         self.jitted = jitted
-        self.key_argnums = key_argnums
         self._executables: dict[Any, Any] = {}
         self.memory: ProgramMemory | None = None  # the largest program's, so far
 
     @property
     def programs(self) -> int:
-        """How many programs were compiled ahead (one per batch signature seen)."""
+        """How many programs were compiled ahead (one per argument signature seen)."""
         return len(self._executables)
 
     def prepare(self, *args):
         """The executable for ``args``, compiled now if it is not yet (nothing runs)."""
-        key = self._key(args)
+        key = signature(args)
         executable = self._executables.get(key)
         if executable is None:
             executable = self._executables[key] = self.jitted.lower(*args).compile()
@@ -112,18 +113,36 @@ class CompiledStep:
         return executable
 
     def __call__(self, *args):
-        executable = self.prepare(*args)
-        try:
-            return executable(*args)
-        except (TypeError, ValueError):  # raised before running: other avals or shardings
-            return self.jitted(*args)
+        return self.prepare(*args)(*args)
 
-    def _key(self, args) -> tuple:
-        import jax
 
-        leaves, tree = jax.tree.flatten(tuple(args[i] for i in self.key_argnums))
-        return tree, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))),
-                            getattr(x, "sharding", None)) for x in leaves)
+def signature(args) -> tuple:
+    """What selects a compiled program for ``args``: their tree structure and, per leaf, its
+    abstract value (shape, dtype, weak type) and sharding — what an executable checks its
+    arguments against. A leaf that is not a JAX array (a NumPy array, a Python number)
+    counts by its shape and dtype, or its type.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> signature((jnp.ones(2),)) == signature((jnp.zeros(2),))
+        True
+        >>> signature((jnp.ones(2),)) == signature((jnp.ones(2, "bfloat16"),))
+        False
+    """
+    import jax
+
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple(_leaf_signature(x) for x in leaves)
+
+
+def _leaf_signature(x) -> tuple:
+    aval = getattr(x, "aval", None)
+    if aval is not None:  # a jax.Array
+        return aval, x.sharding
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return tuple(shape), str(x.dtype), None
+    return type(x), None, None
 
 
 def install(model) -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kdist.callbacks.throughput import JSONL_NAME
-from kdist.groups.report import round_lines
+from kdist.groups.history import round_lines
 from kdist.planning.units import format_bytes
 
 REPORT_PNG = "report.png"

@@ -58,11 +58,62 @@ def test_fit_compiles_the_step_once_and_keeps_its_memory(compile_log):
     assert step.memory == full and full.peak > independent_memory(model, x[:4], x[:4]).peak
 
 
-def test_a_call_the_executable_refuses_goes_through_jit():
-    step = CompiledStep(jax.jit(lambda state, x: (x.sum(), state * 2.0), donate_argnums=0))
-    _, state = step(jnp.ones(3), jnp.ones(2))
-    assert step.programs == 1
-    # The state changed dtype: the ahead-compiled program refuses it before running, and
-    # jit compiles anew (the batch key is unchanged, so no second program is recorded).
+class Counted:
+    """A jitted step whose lowerings and direct calls are counted."""
+
+    def __init__(self, jitted):
+        self.jitted, self.lowered, self.called = jitted, 0, 0
+
+    def lower(self, *args):
+        self.lowered += 1
+        return self.jitted.lower(*args)
+
+    def __call__(self, *args):
+        self.called += 1
+        return self.jitted(*args)
+
+
+def test_each_argument_signature_compiles_once_and_is_reused():
+    jitted = Counted(jax.jit(lambda state, x: (x.sum(), state * 2.0), donate_argnums=0))
+    step = CompiledStep(jitted)
+    state = jnp.ones(3)
+    for rows in (2, 5, 5, 2):  # a second batch shape: compiled once, then reused
+        logs, state = step(state, jnp.ones(rows))
+        assert float(logs) == rows
+    assert step.programs == 2 and jitted.lowered == 2
+    # The state changed dtype: another signature, its own program (never a retry via jit).
     logs, state = step(jnp.ones(3, "bfloat16"), jnp.ones(2))
-    assert state.dtype == jnp.bfloat16 and float(logs) == 2.0 and step.programs == 1
+    assert state.dtype == jnp.bfloat16 and float(logs) == 2.0
+    assert step.programs == 3 and jitted.lowered == 3 and jitted.called == 0
+
+
+def test_a_value_error_raised_in_the_step_reaches_the_caller():
+    def train_step(state, x):
+        if x.shape[0] % 2:
+            raise ValueError(f"the batch must have an even number of rows; got {x.shape[0]}")
+        return x.sum(), state
+
+    jitted = Counted(jax.jit(train_step))
+    step = CompiledStep(jitted)
+    step(jnp.ones(3), jnp.ones(2))
+    with pytest.raises(ValueError, match="even number of rows; got 3"):
+        step(jnp.ones(3), jnp.ones(3))
+    assert step.programs == 1 and jitted.called == 0
+
+    class Refusing:  # a program that raises when it runs: nothing retries it through jit
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            return self
+
+        def memory_analysis(self):
+            return None  # no figures: ProgramMemory reads zeros
+
+        def __call__(self, *args):
+            raise ValueError("raised by the step")
+
+    refusing = Counted(Refusing())
+    with pytest.raises(ValueError, match="raised by the step"):
+        CompiledStep(refusing)(jnp.ones(2))
+    assert refusing.lowered == 1 and refusing.called == 0

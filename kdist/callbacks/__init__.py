@@ -10,7 +10,7 @@
 ``run_log``       JSONL and TensorBoard records of a run
 ``event_file``    TensorBoard event files written without TensorFlow
 ``stragglers``    per-process input wait; the slow process named
-``devices``       the devices a ``fit`` runs on, as the callbacks count them
+``fit_devices``   the devices a ``fit`` runs on, as the callbacks count them
 ``checkpoint``    ``Checkpoint`` (re-exported from :mod:`kdist.checkpointing`)
 ================  ==========================================================================="""
 

@@ -40,7 +40,7 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
-from kdist.callbacks.devices import fit_devices
+from kdist.callbacks.fit_devices import fit_devices
 from kdist.callbacks.mfu import ModelFlops, interval_rates, shown_mfu
 from kdist.callbacks.peak import device_peak
 from kdist.callbacks.run_log import (

@@ -27,7 +27,7 @@ directory: a local disk, NFS, a mounted bucket), never through a server of kdist
   own checkpoint's.
 * :mod:`kdist.groups.fingerprints` — what must be the same in every group of a job, and
   the words for what differs.
-* :mod:`kdist.groups.rounds`, :mod:`kdist.groups.report` — what each outer round cost a
+* :mod:`kdist.groups.rounds`, :mod:`kdist.groups.history` — what each outer round cost a
   group (from its throughput log); the groups' part of ``kdist report``.
 * :mod:`kdist.groups.supervisor` — the launcher's group mode: starts G groups, restarts a
   failed one or starts a spare in its place, ends the job when fewer than a minimum remain.

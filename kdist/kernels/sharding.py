@@ -28,7 +28,7 @@ def per_device(local, q, k, v, segment_ids, *, name: str):
     per-device region."""
     from kdist.parallel import region
     from kdist.parallel.layout import active
-    from kdist.parallel.mesh import REPLICA_AXES
+    from kdist.parallel.mesh import batch_axes
 
     if region.current().per_device:
         raise ValueError(
@@ -45,7 +45,7 @@ def per_device(local, q, k, v, segment_ids, *, name: str):
     axes = region.current().automatic(mesh.axis_names)
     if not any(sizes[a] > 1 for a in axes):  # one device
         return local(q, k, v, segment_ids)
-    replicas = tuple(a for a in REPLICA_AXES if sizes[a] > 1 and a in axes)
+    replicas = batch_axes(sizes, among=axes)
     # A batch that does not divide over the replicas is computed whole by each of them.
     rows = replicas if replicas and q.shape[0] % math.prod(sizes[a] for a in replicas) == 0 \
         else None

@@ -150,7 +150,7 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int, length: int | None 
     distribution, or None when there is none (one device)."""
     from kdist.parallel import region
     from kdist.parallel.layout import active
-    from kdist.parallel.mesh import REPLICA_AXES
+    from kdist.parallel.mesh import batch_axes, summed_axes
 
     dist = active()
     if dist is None:
@@ -159,10 +159,10 @@ def _mesh_axes(batch: int, vocabulary: int, hidden_dim: int, length: int | None 
     shape = dist.mesh_shape
     if all(a in manual for a, n in shape.items() if n > 1):
         return None  # every axis already manual: per device
-    if manual and all(a in manual for a in (*REPLICA_AXES, "seq") if shape[a] > 1):
+    if manual and {*batch_axes(shape), *summed_axes(shape)} <= manual:  # rows and tokens
         return None  # already per device (kdist.parallel.reduction): model left to XLA
     # In a replica group's region (kdist.groups.diloco) the others axes are its own.
-    replicas = tuple(a for a in REPLICA_AXES if shape[a] > 1 and a not in manual)
+    replicas = batch_axes(shape, region.current().automatic(shape))
     model = dist.mesh_axis_for("vocab")  # the table's vocabulary axis: model (or stage)
     if model == "stage" and vocabulary % shape["stage"]:
         model = None  # the layout's fallback does not apply: the table is replicated

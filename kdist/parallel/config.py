@@ -19,8 +19,9 @@ import math
 import numbers
 
 from kdist.parallel import combinations
+from kdist.parallel import mesh as _mesh
 from kdist.parallel.group_jobs import JobGroups
-from kdist.parallel.mesh import MESH_AXES, mesh_spec, parse_mesh
+from kdist.parallel.mesh import MESH_AXES, full_mesh, mesh_spec, parse_mesh
 
 GRADIENT_REDUCTIONS = (None, "float32", "bfloat16", "float8", "int8")
 COMPRESSED = ("float8", "int8")  # 8-bit codes on the wire
@@ -106,6 +107,18 @@ class Parallelism:
         return self.mesh["seq"] > 1
 
     @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes of size > 1 that split the batch, outermost first
+        (:func:`kdist.parallel.mesh.batch_axes`)."""
+        return _mesh.batch_axes(self.mesh)
+
+    @property
+    def summed_axes(self) -> tuple[str, ...]:
+        """The axes a per-device gradient is partial over: the batch axes but ``replica``,
+        and ``seq`` (:func:`kdist.parallel.mesh.summed_axes`)."""
+        return _mesh.summed_axes(self.mesh)
+
+    @property
     def has_replicas(self) -> bool:
         """Whether the ``replica`` axis trains DiLoCo groups (also one group)."""
         return self.replicas is not None
@@ -139,18 +152,18 @@ class Parallelism:
             ...     "pipeline_microbatches"]
             4
         """
-        pipe, context, groups = self.pipeline, self.context, self.replicas
+        context, groups = self.context, self.replicas
         return {
             "gradient_reduction": self.gradients.reduction,
             "error_feedback": self.gradients.error_feedback,
-            "sync_every": None if groups is None else groups.sync_every,
+            "sync_every": self.sync_every,
             "outer_learning_rate": 0.7 if groups is None else groups.outer_learning_rate,
             "outer_momentum": 0.9 if groups is None else groups.outer_momentum,
             "outer_nesterov": True if groups is None else groups.outer_nesterov,
-            "pipeline_microbatches": None if pipe is None else pipe.microbatches,
-            "pipeline_repeats": 1 if pipe is None else pipe.repeats,
+            "pipeline_microbatches": self.microbatches,
+            "pipeline_repeats": self.repeats,
             "pipeline_schedule": self.schedule,
-            "context_parallel": "all_gather" if context is None else context.variant,
+            "context_parallel": self.context_variant,
             "load_balance": True if context is None else context.load_balance,
         }
 
@@ -189,6 +202,50 @@ class Parallelism:
         )
         combinations.check(config.features, spec)
         return config
+
+    @classmethod
+    def unchecked(cls, sizes, *, gradient_reduction=None, sync_every=None,
+                  pipeline_microbatches=None, pipeline_repeats=1, pipeline_schedule="gpipe",
+                  context_parallel="all_gather", load_balance=True) -> Parallelism:
+        """The records :meth:`build` makes of these settings on the axis ``sizes`` (a dict;
+        absent axes have size 1), nothing checked: what the planner's analytic figures
+        assume of any mesh, also one the distribution refuses (:mod:`kdist.planning`). As
+        in :meth:`build`, a feature whose axis is off has no record, and the microbatches
+        default to one per stage; ``sync_every`` alone makes the replica record.
+
+        Example:
+            >>> Parallelism.unchecked({"stage": 2, "seq": 2}, context_parallel="ring").pipeline
+            Pipeline(microbatches=2, repeats=1, schedule='gpipe')
+        """
+        sizes = full_mesh(sizes)
+        stages = sizes["stage"]
+        return cls(
+            sizes=tuple(sizes.items()),
+            pipeline=(Pipeline(stages if pipeline_microbatches is None else pipeline_microbatches,
+                               pipeline_repeats, pipeline_schedule) if stages > 1 else None),
+            context=Context(context_parallel, load_balance) if sizes["seq"] > 1 else None,
+            replicas=Replicas(sync_every) if sync_every else None,
+            gradients=Gradients(gradient_reduction))
+
+    @property
+    def microbatches(self) -> int | None:
+        """The pipeline's microbatches (None without a pipeline)."""
+        return None if self.pipeline is None else self.pipeline.microbatches
+
+    @property
+    def repeats(self) -> int:
+        """The pipeline's circular repeats (1 without a pipeline)."""
+        return 1 if self.pipeline is None else self.pipeline.repeats
+
+    @property
+    def context_variant(self) -> str:
+        """How attention crosses a ``seq`` split (``"all_gather"`` without one)."""
+        return "all_gather" if self.context is None else self.context.variant
+
+    @property
+    def sync_every(self) -> int | None:
+        """DiLoCo's inner steps between syncs (None without replica groups)."""
+        return None if self.replicas is None else self.replicas.sync_every
 
 
 def _gradients(reduction, error_feedback) -> Gradients:

@@ -20,7 +20,7 @@ from keras.distribution import TensorLayout
 
 from kdist.parallel import region
 from kdist.parallel.layout import BatchLayout, active
-from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.mesh import batch_axes
 
 
 def _constrain(x, axes, dist):
@@ -59,7 +59,7 @@ def shard_batch(x):
     if dist is None or not isinstance(batch, int):
         return x
     manual = region.current().manual
-    axes = tuple(a for a in REPLICA_AXES if dist.mesh_shape[a] > 1 and a not in manual)
+    axes = batch_axes(dist.mesh_shape, region.current().automatic(dist.mesh_shape))
     seq = dist.mesh_shape.get("seq", 1)
     split = seq > 1 and "seq" not in manual and len(x.shape) > 1 and isinstance(
         x.shape[1], int) and x.shape[1] % seq == 0

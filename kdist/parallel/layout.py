@@ -27,7 +27,7 @@ from kdist import _keras_compat
 from kdist.parallel import auto, rules
 from kdist.parallel import group_jobs as groups_job
 from kdist.parallel.config import Parallelism
-from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, device_grid, mesh_spec
+from kdist.parallel.mesh import MESH_AXES, REPLICA_AXES, batch_axes, device_grid, mesh_spec
 
 # Weights with at most this many elements may have no logical axes and are then
 # replicated (seed-generator states, metric accumulators, scalar counters).
@@ -83,7 +83,7 @@ class KdistDistribution(ModelParallel):
 
     @property
     def num_model_replicas(self) -> int:
-        return math.prod(self.mesh_shape[a] for a in REPLICA_AXES)
+        return math.prod(self.mesh_shape[a] for a in batch_axes(self.mesh_shape))
 
     @property
     def spec(self) -> str:
@@ -115,8 +115,7 @@ class KdistDistribution(ModelParallel):
         rows, replicas = process_rows * jax.process_count(), self.num_model_replicas
         if rows % replicas == 0:
             return
-        axes = ", ".join(f"{a}={self.mesh_shape[a]}" for a in REPLICA_AXES
-                         if self.mesh_shape[a] > 1)
+        axes = ", ".join(f"{a}={self.mesh_shape[a]}" for a in batch_axes(self.mesh_shape))
         below = rows // replicas * replicas
         sizes = " or ".join(str(b) for b in (below, below + replicas) if b)
         raise ValueError(
@@ -326,7 +325,7 @@ def replica_count() -> int:
     """Number of model replicas the batch is split over under the active distribution
     (with separate group jobs, every group's: ``replica`` counts the jobs)."""
     shape = current_mesh_shape()
-    return math.prod(shape[a] for a in REPLICA_AXES) * _job_groups()[1]
+    return math.prod(shape[a] for a in batch_axes(shape)) * _job_groups()[1]
 
 
 def _job_groups() -> tuple[int, int]:

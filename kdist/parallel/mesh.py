@@ -21,6 +21,7 @@ A *mesh spec* names axis sizes: ``"fsdp=8"``, ``"data=2,model=4"``, ``"stage=4,f
 from __future__ import annotations
 
 import math
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
 
@@ -59,6 +60,39 @@ AXES: tuple[MeshAxis, ...] = (
 MESH_AXES: tuple[str, ...] = tuple(a.name for a in AXES)
 REPLICA_AXES: tuple[str, ...] = tuple(a.name for a in AXES if a.batch)
 _SHORTHANDS = {a.shorthand: a.name for a in AXES if a.shorthand}
+
+
+def batch_axes(sizes: Mapping[str, int] | None,
+               among: Container[str] | None = None) -> tuple[str, ...]:
+    """The axes that split the batch (:data:`REPLICA_AXES`), in the batch layout's order
+    (outermost first): those of size > 1 in ``sizes`` (every one when ``sizes`` is None),
+    and of those only the ones in ``among`` when given (e.g. the axes still automatic in a
+    region). The one definition of "which axes split the rows".
+
+    Example:
+        >>> batch_axes({"replica": 2, "data": 1, "fsdp": 4, "seq": 2})
+        ('replica', 'fsdp')
+        >>> batch_axes({"replica": 2, "fsdp": 4}, among={"fsdp", "seq"})
+        ('fsdp',)
+    """
+    return tuple(a for a in REPLICA_AXES if (sizes is None or sizes.get(a, 1) > 1)
+                 and (among is None or a in among))
+
+
+def summed_axes(sizes: Mapping[str, int],
+                among: Container[str] | None = None) -> tuple[str, ...]:
+    """The axes (of size > 1, and in ``among`` when given) a gradient computed per device
+    is partial over: the batch axes but ``replica`` (DiLoCo's groups sum nothing per step;
+    they average parameters in the sync step), and ``seq`` (each device its tokens).
+
+    Example:
+        >>> summed_axes({"replica": 2, "data": 2, "seq": 2, "stage": 2})
+        ('data', 'seq')
+        >>> summed_axes({"data": 2, "seq": 2}, among={"data", "replica"})
+        ('data',)
+    """
+    tokens = ("seq",) if sizes.get("seq", 1) > 1 and (among is None or "seq" in among) else ()
+    return tuple(a for a in batch_axes(sizes, among) if a != "replica") + tokens
 
 
 def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:

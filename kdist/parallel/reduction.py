@@ -49,7 +49,7 @@ from kdist.parallel import compression, region
 from kdist.parallel.context import transform as context_step
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import BatchLayout, active
-from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.mesh import REPLICA_AXES, summed_axes
 from kdist.parallel.region import varying_axes
 from kdist.parallel.transform import Transform, step_owner, training_only
 
@@ -59,23 +59,11 @@ RESIDUAL_SUFFIX = "_gradient_residual"
 _LOSS_REDUCTIONS = ("sum_over_batch_size", "mean_with_sample_weight", "sum")
 
 
-def summed_axes(axes, sizes) -> tuple[str, ...]:
-    """Of a per-device region's manual ``axes``, those a gradient computed in it is partial
-    over (sizes > 1): the batch axes but ``replica`` (DiLoCo's groups sum nothing per step;
-    they average parameters in the sync step), and ``seq`` (each device its tokens). The one
-    definition the per-device loss and the pipeline's stages share.
-
-    Example:
-        >>> summed_axes({"replica", "data", "seq", "stage"}, {"replica": 2, "data": 2, "seq": 2})
-        ('data', 'seq')
-    """
-    return tuple(a for a in (*REPLICA_AXES, "seq")
-                 if a in axes and a != "replica" and sizes.get(a, 1) > 1)
-
-
 def gradient_axes(dist) -> tuple[str, ...]:
-    """The batch axes a step's gradients are summed over (:func:`summed_axes` of them)."""
-    return summed_axes(REPLICA_AXES, dist.mesh_shape)
+    """The batch axes a step's gradients are summed over: the summed axes
+    (:func:`kdist.parallel.mesh.summed_axes`) that split rows; ``seq`` joins them while a
+    split sequence is traced (:func:`kdist.parallel.context.transform.summed_axes`)."""
+    return summed_axes(dist.mesh_shape, among=REPLICA_AXES)
 
 
 def gradient_plan(layout_axes, manual, summed, sizes, reduction: str = "float32",
@@ -179,7 +167,7 @@ class _Plan:
 def residual_axes(dist) -> tuple[str, ...]:
     """The axes along which devices hold different error-feedback residuals: those their
     partial gradients differ along — the batch axes, and ``seq`` (each device's tokens)."""
-    return gradient_axes(dist) + (("seq",) if dist.mesh_shape.get("seq", 1) > 1 else ())
+    return summed_axes(dist.mesh_shape)
 
 
 def residual_layout(dist, variable):

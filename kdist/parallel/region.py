@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import threading
 
-from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel import mesh as _mesh
 
 _stack = threading.local()
 
@@ -42,7 +42,7 @@ class Region:
         batch_axes: the manual axes the rows are split over, in the batch layout's order
             (outermost first): a device's rows are block ``axis_index(batch_axes)``.
         sequence: the token layout the training step set under a ``seq`` axis
-            (:class:`kdist.parallel.context.layout.SequenceLayout`), or None.
+            (:class:`kdist.parallel.context.token_layout.SequenceLayout`), or None.
     """
 
     manual: frozenset = frozenset()
@@ -69,7 +69,7 @@ class Region:
         batch = {*self.batch_axes, *batch_axes}
         return dataclasses.replace(
             self, manual=self.manual | frozenset(axes),
-            batch_axes=tuple(a for a in REPLICA_AXES if a in batch))
+            batch_axes=_mesh.batch_axes(None, among=batch))
 
     def with_sequence(self, layout) -> Region:
         return dataclasses.replace(self, sequence=layout)

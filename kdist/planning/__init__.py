@@ -237,6 +237,10 @@ def plan(
             raise ValueError(f"{target.how}; an estimate needs the model's cost model (a "
                              f"kdist preset, or a model with a cost_model() method).")
 
+    # The distribution's settings, once: what the search weighs of them, and the rest.
+    settings = dict(context_parallel=context_parallel,
+                    pipeline_microbatches=pipeline_microbatches,
+                    pipeline_repeats=pipeline_repeats, sync_every=sync_every)
     mesh_choice = None
     if mesh.strip().lower() == "auto":
         if cost is None:
@@ -248,11 +252,9 @@ def plan(
         chosen, table, mesh_choice = choose_mesh(
             cost, target.num_devices, device_memory, global_batch_size, sequence_length,
             precision=policy, remat=remat, grad_accum=grad_accum,
-            context_parallel=context_parallel,
-            pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats,
-            sync_every=sync_every, devices_per_host=target.link_group,
-            pipeline_schedule=pipeline_schedule, host_link_slowdown=target.slowdown,
-            boundary=f"{target.group_name}s")
+            devices_per_host=target.link_group, pipeline_schedule=pipeline_schedule,
+            host_link_slowdown=target.slowdown, boundary=f"{target.group_name}s",
+            **settings)
         mesh = mesh_spec(chosen)
         auto_candidates = sorted((r for r in table if r.get("rank") is not None),
                                  key=lambda r: r["rank"])[:AUTO_TRIES]
@@ -279,18 +281,18 @@ def plan(
             return pipeline_schedule, None
         return choose_schedule(cost, sizes, device_memory, global_batch_size, sequence_length,
                                precision=policy, remat=remat, grad_accum=grad_accum,
-                               context_parallel=context_parallel, sync_every=sync_every,
-                               pipeline_microbatches=pipeline_microbatches,
-                               pipeline_repeats=pipeline_repeats)
+                               **settings)
+
+    def settings_for(sizes, remat, grad_accum):  # every setting, for this mesh
+        staged = sizes["stage"] > 1  # (a mesh "auto" chose may have no stage axis)
+        return dict(settings, gradient_reduction=gradient_reduction, load_balance=load_balance,
+                    pipeline_microbatches=pipeline_microbatches if staged else None,
+                    pipeline_repeats=pipeline_repeats if staged else 1,
+                    pipeline_schedule=schedule_for(sizes, remat, grad_accum)[0])
 
     def parallelism_for(sizes, remat, grad_accum):  # the distribution's one settings object
-        staged = sizes["stage"] > 1  # (a mesh "auto" chose may have no stage axis)
-        return Parallelism.build(
-            mesh_spec(sizes), math.prod(sizes.values()), gradient_reduction=gradient_reduction,
-            context_parallel=context_parallel, load_balance=load_balance,
-            pipeline_microbatches=pipeline_microbatches if staged else None,
-            pipeline_repeats=pipeline_repeats if staged else 1,
-            pipeline_schedule=schedule_for(sizes, remat, grad_accum)[0], sync_every=sync_every)
+        return Parallelism.build(mesh_spec(sizes), math.prod(sizes.values()),
+                                 **settings_for(sizes, remat, grad_accum))
 
     def run(sizes, remat, grad_accum):
         # A preset is rebuilt with the remat asked for; a model function as it is.
@@ -299,12 +301,11 @@ def plan(
                             global_batch_size // grad_accum, sequence_length, grad_accum,
                             optimizer or adamw, batch, auto_shard)
 
-    if not target.compiled:
-        result = estimated_plan(target, model_name, cost, mesh, sizes, mesh_choice, policy,
+    if not target.compiled:  # the figures of the settings as given; then the checked object
+        assumed = Parallelism.unchecked(sizes, **settings_for(sizes, remat, grad_accum))
+        result = estimated_plan(target, model_name, cost, mesh, assumed, mesh_choice, policy,
                                 remat, grad_accum, global_batch_size, sequence_length,
-                                gradient_reduction, context_parallel, pipeline_microbatches,
-                                pipeline_repeats, schedule_for(sizes, remat, grad_accum),
-                                sync_every, suggest)
+                                schedule_for(sizes, remat, grad_accum)[1], suggest)
         result.parallelism = parallelism_for(sizes, remat, grad_accum)
         return result
 
@@ -318,17 +319,17 @@ def plan(
     if cost is None:
         cost = task_cost_model(model_obj)
     num = math.prod(sizes.values())
-    schedule = (pipeline_microbatches, pipeline_repeats)
-    pipeline_schedule, schedule_choice = schedule_for(sizes, remat, grad_accum)
+    config = parallelism_for(sizes, remat, grad_accum)
+    schedule_choice = schedule_for(sizes, remat, grad_accum)[1]
     # The program compiled under DiLoCo is a sync step: its theory counts one sync.
-    terms = theory_terms(cost, sizes, global_batch_size // grad_accum, sequence_length,
-                           policy, gradient_reduction, grad_accum, context_parallel,
-                           (*schedule, pipeline_schedule), 1 if sizes["replica"] > 1 else None)
+    terms = theory_terms(cost, config, global_batch_size // grad_accum, sequence_length,
+                         policy, grad_accum)
     # kdist.hlo reads XLA:CPU's collectives; a TPU program's are asynchronous, decomposed
     # and looped (collective matmuls), which it does not count right yet: the theoretical
     # figures stand alone there, and the report says so.
-    summary = (dict(stages.summary(cost, sizes, global_batch_size, sequence_length, *schedule,
-                                   compute_bytes(policy), grad_accum, pipeline_schedule),
+    summary = (dict(stages.summary(cost, sizes, global_batch_size, sequence_length,
+                                   config.microbatches, config.repeats, compute_bytes(policy),
+                                   grad_accum, config.schedule),
                     choice=schedule_choice)
                if sizes.get("stage", 1) > 1 and cost is not None else None)
     # An interpreted schedule's branches counted as often as the table runs them
@@ -359,7 +360,7 @@ def plan(
         mesh_choice=mesh_choice,
         device_memory_source=target.memory_source,
         target=target.describe(), method=target.method, links=axis_links(target, sizes),
-        pipeline=summary, parallelism=parallelism_for(sizes, remat, grad_accum),
+        pipeline=summary, parallelism=config,
     )
     if suggest and not result.fits:
         result.suggestion = _report.suggest(

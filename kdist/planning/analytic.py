@@ -11,9 +11,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
+from kdist.parallel.config import Replicas
 from kdist.planning import report as _report
 from kdist.planning import stages, traffic
 from kdist.planning.estimate import collective_terms, compute_bytes, dimensions, estimate
@@ -32,32 +34,29 @@ def axis_links(target: Target, sizes: dict[str, int]) -> dict[str, Any]:
             "slow_share": {a: round(f, 4) for a, f in crossing.items()}}
 
 
-def estimated_plan(target, model_name, cost, mesh, sizes, mesh_choice, policy, remat,
-                   grad_accum, global_batch_size, sequence_length, gradient_reduction,
-                   context_parallel, pipeline_microbatches, pipeline_repeats, schedule,
-                   sync_every, suggest) -> Plan:
+def estimated_plan(target, model_name, cost, mesh, config, mesh_choice, policy, remat,
+                   grad_accum, global_batch_size, sequence_length, schedule_choice,
+                   suggest) -> Plan:
     """The plan from the analytic cost model alone (``target.method == "estimate"``): the
     memory of :func:`~kdist.planning.estimate.estimate`, the formula's FLOPs and the
-    theoretical collectives, per axis with the link each one uses. Nothing is compiled."""
+    theoretical collectives, per axis with the link each one uses, of ``config`` (the
+    :class:`~kdist.parallel.config.Parallelism` planned, its schedule chosen). Nothing is
+    compiled."""
     start = time.perf_counter()
-    pipeline_schedule, schedule_choice = schedule
-    e = estimate(cost, sizes, global_batch_size, sequence_length, precision=policy,
-                 remat=remat, grad_accum=grad_accum, context_parallel=context_parallel,
-                 pipeline_microbatches=pipeline_microbatches,
-                 pipeline_repeats=pipeline_repeats, pipeline_schedule=pipeline_schedule)
+    sizes = config.mesh
+    e = estimate(cost, config, global_batch_size, sequence_length, precision=policy,
+                 remat=remat, grad_accum=grad_accum)
     named = ("parameters", "optimizer_state", "gradients")
     memory = {k: float(e[k]) for k in named}
     memory["activations_and_temporaries"] = float(e["activations"])
     memory["batch_and_other"] = float(e["total"] - sum(memory.values()))  # pipeline, groups
     memory["total"] = float(e["total"])
-    terms = theory_terms(cost, sizes, global_batch_size // grad_accum, sequence_length, policy,
-                    gradient_reduction, grad_accum, context_parallel,
-                    (pipeline_microbatches, pipeline_repeats, pipeline_schedule),
-                    1 if sizes["replica"] > 1 else None)
+    terms = theory_terms(cost, config, global_batch_size // grad_accum, sequence_length,
+                         policy, grad_accum)
     result = Plan(
         config=dict(model=model_name, mesh=mesh, global_batch_size=global_batch_size,
                     sequence_length=sequence_length, precision=policy, remat=remat,
-                    grad_accum=grad_accum, sync_every=sync_every),
+                    grad_accum=grad_accum, sync_every=config.sync_every),
         mesh=sizes, parameters=int(cost.parameters), memory=memory, xla_memory={},
         device_memory=target.device_memory,
         flops={"xla": float("nan"), "program": float("nan"),
@@ -69,9 +68,9 @@ def estimated_plan(target, model_name, cost, mesh, sizes, mesh_choice, policy, r
         mesh_choice=mesh_choice, device_memory_source=target.memory_source,
         target=target.describe(), method=target.method, links=axis_links(target, sizes),
         pipeline=(dict(stages.summary(cost, sizes, global_batch_size, sequence_length,
-                                      pipeline_microbatches, pipeline_repeats,
-                                      compute_bytes(policy), grad_accum, pipeline_schedule),
-                       choice=schedule_choice) if sizes.get("stage", 1) > 1 else None),
+                                      config.microbatches, config.repeats,
+                                      compute_bytes(policy), grad_accum, config.schedule),
+                       choice=schedule_choice) if sizes["stage"] > 1 else None),
     )
     result.compile_seconds = time.perf_counter() - start
     if suggest and not result.fits:
@@ -79,23 +78,19 @@ def estimated_plan(target, model_name, cost, mesh, sizes, mesh_choice, policy, r
             result, remat_ratio(cost, sequence_length, remat), None)
     return result
 
-
-
-def theory_terms(cost, sizes, micro, sequence_length, policy, gradient_reduction, grad_accum,
-            context_parallel="all_gather", schedule=(None, 1, "gpipe"),
-            sync_every=None) -> list:
-    """The theoretical minimum's terms per optimizer step (none when it cannot be
-    counted: no cost model, or one without the dimensions its axes need)."""
+def theory_terms(cost, config, micro, sequence_length, policy, grad_accum) -> list:
+    """The theoretical minimum's terms per optimizer step of ``config`` (a
+    :class:`~kdist.parallel.config.Parallelism`; none when it cannot be counted: no cost
+    model, or one without the dimensions its axes need). Under DiLoCo the program planned
+    is a sync step: it counts one sync."""
+    sizes = config.mesh
     needs = {"hidden_dim", "num_layers"} | ({"num_heads"} if sizes["seq"] > 1 else set())
     if cost is None or ((sizes["model"] > 1 or sizes["seq"] > 1 or sizes["stage"] > 1)
                         and not needs <= set(dimensions(cost))):
         return []
-    terms = collective_terms(
-        cost, sizes, micro, sequence_length, compute_bytes(policy),
-        gradient_bytes={"bfloat16": 2, "float8": 1, "int8": 1}.get(gradient_reduction),
-        context_parallel=context_parallel,
-        pipeline_microbatches=schedule[0], pipeline_repeats=schedule[1],
-        pipeline_schedule=schedule[2], sync_every=sync_every)
+    if sizes["replica"] > 1:
+        config = dataclasses.replace(config, replicas=Replicas(1))
+    terms = collective_terms(cost, config, micro, sequence_length, compute_bytes(policy))
     return [traffic.Traffic(t.kind, t.axes, t.bytes * grad_accum) for t in terms]
 
 

@@ -16,9 +16,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from kdist.parallel.config import Parallelism
 from kdist.planning import stages, traffic
 
 # Transformer dimensions the tensor-parallel (``model``) axis splits; a cost model that
@@ -26,6 +28,28 @@ from kdist.planning import stages, traffic
 SPLIT_BY_MODEL_AXIS = ("num_heads", "num_key_value_heads", "intermediate_dim",
                        "vocabulary_size")
 DIMENSIONS = ("hidden_dim", "num_layers", *SPLIT_BY_MODEL_AXIS)
+# Bytes per gradient value a distribution's gradient_reduction sends (None: the weights').
+GRADIENT_BYTES = {"bfloat16": 2, "float8": 1, "int8": 1}
+
+
+def planned(mesh: Mapping[str, int] | Parallelism, settings: dict) -> Parallelism:
+    """The settings a figure is of, as one object: ``mesh`` itself when it is a
+    :class:`~kdist.parallel.config.Parallelism` (then no ``settings``), else the axis sizes
+    ``mesh`` with ``settings`` — :meth:`~kdist.parallel.config.Parallelism.build`'s
+    keywords — unchecked (:meth:`~kdist.parallel.config.Parallelism.unchecked`: a figure
+    may be asked of a mesh the distribution refuses).
+
+    Example:
+        >>> planned({"stage": 2, "data": 4}, {"pipeline_microbatches": 8}).microbatches
+        8
+    """
+    if isinstance(mesh, Parallelism):
+        if settings:
+            raise TypeError(f"{', '.join(sorted(settings))} given with a Parallelism, which "
+                            f"holds every setting: pass the Parallelism alone, or a mesh "
+                            f"dict with the settings.")
+        return mesh
+    return Parallelism.unchecked(mesh, **settings)
 
 
 def precision_policy(precision: str) -> str:
@@ -121,15 +145,11 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
-def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_size: int,
-                                 sequence_length: int, compute_bytes: int = 4,
-                                 parameter_bytes: int = 4,
-                                 gradient_bytes: int | None = None,
-                                 context_parallel: str = "all_gather",
-                                 activations: bool = True,
-                                 pipeline_microbatches: int | None = None,
-                                 pipeline_repeats: int = 1,
-                                 sync_every: int | None = None) -> dict[str, float]:
+def theoretical_collective_bytes(model: Any, mesh: Mapping[str, int] | Parallelism,
+                                 global_batch_size: int, sequence_length: int,
+                                 compute_bytes: int = 4, parameter_bytes: int = 4,
+                                 gradient_bytes: int | None = None, *,
+                                 activations: bool = True, **settings) -> dict[str, float]:
     """The minimum ring wire bytes per device per step, by collective kind, for a strategy:
     :func:`collective_terms` summed per kind (its arguments; per axis:
     :func:`kdist.planning.traffic.by_axis` of the same terms).
@@ -141,22 +161,23 @@ def theoretical_collective_bytes(model: Any, mesh: dict[str, int], global_batch_
     """
     return traffic.by_kind(collective_terms(
         model, mesh, global_batch_size, sequence_length, compute_bytes, parameter_bytes,
-        gradient_bytes, context_parallel, activations, pipeline_microbatches,
-        pipeline_repeats, sync_every))
+        gradient_bytes, activations=activations, **settings))
 
 
-def collective_terms(model: Any, mesh: dict[str, int], global_batch_size: int,
-                     sequence_length: int, compute_bytes: int = 4, parameter_bytes: int = 4,
-                     gradient_bytes: int | None = None, context_parallel: str = "all_gather",
-                     activations: bool = True, pipeline_microbatches: int | None = None,
-                     pipeline_repeats: int = 1, sync_every: int | None = None,
-                     pipeline_schedule: str = "gpipe") -> list[traffic.Traffic]:
+def collective_terms(model: Any, mesh: Mapping[str, int] | Parallelism,
+                     global_batch_size: int, sequence_length: int, compute_bytes: int = 4,
+                     parameter_bytes: int = 4, gradient_bytes: int | None = None, *,
+                     activations: bool = True, **settings) -> list[traffic.Traffic]:
     """The minimum ring wire bytes per device per step of a strategy, one
     :class:`~kdist.planning.traffic.Traffic` term (kind, axes, bytes) per collective.
 
-    ``model`` is anything :func:`cost_model_of` reads; ``global_batch_size`` the sequences
-    of one (micro-)step over all groups. With P the parameter bytes, r/d/f/s/m the
-    replica/data/fsdp/seq/model axis sizes and ``ring(n) = (n-1)/n``:
+    ``model`` is anything :func:`cost_model_of` reads; ``mesh`` a
+    :class:`~kdist.parallel.config.Parallelism`, or axis sizes with the distribution's
+    ``settings`` (:func:`planned`: ``context_parallel``, ``pipeline_microbatches``,
+    ``pipeline_repeats``, ``pipeline_schedule``, ``sync_every``, ``gradient_reduction``);
+    ``global_batch_size`` the sequences of one (micro-)step over all groups. With P the
+    parameter bytes, r/d/f/s/m the replica/data/fsdp/seq/model axis sizes and
+    ``ring(n) = (n-1)/n``:
 
     * fsdp: all-gather the weights for the forward and again for the backward pass
       (``2 ring(f) P/m``), reduce-scatter the gradients (``ring(f) P/m``);
@@ -183,34 +204,36 @@ def collective_terms(model: Any, mesh: dict[str, int], global_batch_size: int,
 
     ``activations=False`` leaves out the model and seq axes' per-layer activation traffic
     (the weights' and gradients' only). Gradients are reduced in ``gradient_bytes`` per
-    value (default: ``parameter_bytes``; 2 with ``gradient_reduction="bfloat16"``). Small
+    value (default: :data:`GRADIENT_BYTES` of the ``gradient_reduction``, else
+    ``parameter_bytes``: 2 with ``gradient_reduction="bfloat16"``). Small
     all-reduces (loss, gradient norm, softmax statistics) are not counted.
 
     Example:
         >>> [t.axes for t in collective_terms("gpt-nano", {"data": 2, "seq": 2}, 4, 64)]
         [('data', 'seq'), ('seq',), ('seq',)]
     """
-    cost = cost_model_of(model)
-    r = mesh.get("replica", 1)
-    if r > 1 and not sync_every:
+    config = planned(mesh, settings)
+    mesh, cost = config.mesh, cost_model_of(model)
+    r = mesh["replica"]
+    if r > 1 and not config.sync_every:
         raise ValueError(f"A 'replica' axis of {r} groups trains with DiLoCo and needs "
                          f"sync_every (the steps between syncs) to count its traffic.")
+    gradient_bytes = gradient_bytes or GRADIENT_BYTES.get(config.gradients.reduction)
     group_batch = global_batch_size / r
     dims = dimensions(model)
-    if mesh.get("stage", 1) > 1:
+    if mesh["stage"] > 1:
         terms = stages.collective_terms(
             cost, mesh, group_batch, sequence_length, compute_bytes, dims,
-            pipeline_microbatches, pipeline_repeats, parameter_bytes, gradient_bytes,
-            context_parallel, activations, pipeline_schedule)
+            config.microbatches, config.repeats, parameter_bytes, gradient_bytes,
+            config.context_variant, activations, config.schedule)
     else:
         terms = _terms(cost, dims, mesh, group_batch, sequence_length, compute_bytes,
-                       parameter_bytes, gradient_bytes, context_parallel, activations)
+                       parameter_bytes, gradient_bytes, config.context_variant, activations)
     if r > 1:
-        held = estimate(cost, {**mesh, "replica": 1}, group_batch, sequence_length,
-                        pipeline_microbatches=pipeline_microbatches,
-                        pipeline_repeats=pipeline_repeats)["parameters"]
+        one_group = dataclasses.replace(config, sizes=tuple({**mesh, "replica": 1}.items()))
+        held = estimate(cost, one_group, group_batch, sequence_length)["parameters"]
         terms.append(traffic.Traffic("all-reduce", ("replica",),
-                                     2 * _ring(r) * held / sync_every))
+                                     2 * _ring(r) * held / config.sync_every))
     return [t for t in terms if t.bytes > 0]
 
 
@@ -236,12 +259,14 @@ def _terms(cost, dims, mesh, batch, length, value_bytes, parameter_bytes, gradie
     return terms
 
 
-def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
-             *, precision: str = "float32", remat: bool = False, grad_accum: int = 1,
-             context_parallel: str = "all_gather", pipeline_microbatches: int | None = None,
-             pipeline_repeats: int = 1, pipeline_schedule: str = "gpipe") -> dict:
+def estimate(model: Any, mesh: Mapping[str, int] | Parallelism, global_batch_size: int,
+             sequence_length: int, *, precision: str = "float32", remat: bool = False,
+             grad_accum: int = 1, **settings) -> dict:
     """Analytic per-device bytes (weights, optimizer, gradients, activations) of a model on a
-    mesh. ``model`` is anything :func:`cost_model_of` reads. Weights are float32 (mixed
+    mesh. ``model`` is anything :func:`cost_model_of` reads; ``mesh`` a
+    :class:`~kdist.parallel.config.Parallelism`, or axis sizes with the distribution's
+    ``settings`` (:func:`planned`: ``context_parallel``, ``pipeline_microbatches``,
+    ``pipeline_repeats``, ``pipeline_schedule``). Weights are float32 (mixed
     precision keeps float32 variables); activations use the compute dtype (the cost model's
     ``activation_bytes_per_token``); gradient accumulation adds a float32 accumulator per
     weight. A ``seq`` axis keeps ``1/seq`` of each sequence's tokens per device, and no
@@ -265,16 +290,17 @@ def estimate(model: Any, mesh: dict[str, int], global_batch_size: int, sequence_
         >>> d["replica_groups"] == 3 * d["parameters"]
         True
     """
-    cost = cost_model_of(model)
-    r = mesh.get("replica", 1)
+    config = planned(mesh, settings)
+    mesh, cost = config.mesh, cost_model_of(model)
+    r = mesh["replica"]
     group_batch = global_batch_size / r
-    if mesh.get("stage", 1) > 1:
+    if mesh["stage"] > 1:
         out = stages.memory(cost, mesh, group_batch, sequence_length, compute_bytes(precision),
-                            remat, grad_accum, pipeline_microbatches, pipeline_repeats,
-                            dimensions(model), context_parallel, pipeline_schedule)
+                            remat, grad_accum, config.microbatches, config.repeats,
+                            dimensions(model), config.context_variant, config.schedule)
     else:
         out = _memory(cost, dimensions(model), mesh, group_batch, sequence_length, precision,
-                      remat, grad_accum, context_parallel)
+                      remat, grad_accum, config.context_variant)
     if r > 1:
         out["replica_groups"] = 3 * out["parameters"]
     out["total"] = sum(v for k, v in out.items() if k != "total")

@@ -12,10 +12,12 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
+from kdist.parallel.config import Parallelism
 from kdist.parallel.mesh import full_mesh, mesh_spec
 from kdist.parallel.pipeline.settings import bubble_fraction
 from kdist.planning import traffic
@@ -26,6 +28,7 @@ from kdist.planning.estimate import (
     cost_model_of,
     dimensions,
     estimate,
+    planned,
 )
 from kdist.planning.traffic import HOST_LINK_SLOWDOWN
 from kdist.planning.units import USABLE_FRACTION, format_bytes
@@ -190,13 +193,14 @@ def replica_counts(num_devices: int, devices_per_host: int | None,
     return [r for r in counts if num_devices % r == 0 and global_batch_size % r == 0]
 
 
-def choose_schedule(model: Any, mesh: Mapping[str, int], device_memory: float,
+def choose_schedule(model: Any, mesh: Mapping[str, int] | Parallelism, device_memory: float,
                     global_batch_size: int, sequence_length: int, *,
                     precision: str = "float32", remat: bool = False, grad_accum: int = 1,
-                    context_parallel: str = "all_gather",
-                    pipeline_microbatches: int | None = None, pipeline_repeats: int = 1,
-                    sync_every: int | None = None) -> tuple[str, str]:
-    """``pipeline_schedule="auto"``: GPipe if its analytic estimate fits in
+                    **settings) -> tuple[str, str]:
+    """``pipeline_schedule="auto"`` for ``mesh`` (a :class:`~kdist.parallel.config.
+    Parallelism`, or axis sizes with the distribution's ``settings``: ``context_parallel``,
+    ``pipeline_microbatches``, ``pipeline_repeats``, ``sync_every``; its own schedule is
+    not read): GPipe if its analytic estimate fits in
     ``device_memory`` (it recomputes nothing and sends half the activations), else the
     1F1B of the same chunks (``1f1b``, or ``interleaved_1f1b`` with ``pipeline_repeats``
     > 1), whose activations do not grow with the microbatches, if the mesh allows it; if
@@ -211,9 +215,8 @@ def choose_schedule(model: Any, mesh: Mapping[str, int], device_memory: float,
         ...                 pipeline_microbatches=16)[0]
         '1f1b'
     """
-    from kdist.parallel.config import Parallelism
-
-    mesh = full_mesh(dict(mesh))
+    config = planned(mesh, settings)
+    mesh = config.mesh
     if mesh["stage"] == 1:
         return "gpipe", "no pipeline"
     cost = cost_model_of(model)
@@ -225,20 +228,15 @@ def choose_schedule(model: Any, mesh: Mapping[str, int], device_memory: float,
                          f"tokens, which needs one target per token; "
                          f"{type(cost).__name__}'s task has others (masked positions)")
     budget = device_memory * USABLE_FRACTION
-    settings = dict(pipeline_microbatches=pipeline_microbatches,
-                    pipeline_repeats=pipeline_repeats)
     memory = {}
-    for schedule in ("gpipe", "1f1b" if pipeline_repeats == 1 else "interleaved_1f1b"):
-        try:
-            Parallelism.build(mesh_spec(mesh), math.prod(mesh.values()), sync_every=sync_every,
-                              context_parallel=context_parallel, pipeline_schedule=schedule,
-                              **settings)
-        except ValueError:
+    for schedule in ("gpipe", "1f1b" if config.repeats == 1 else "interleaved_1f1b"):
+        scheduled = dataclasses.replace(
+            config, pipeline=dataclasses.replace(config.pipeline, schedule=schedule))
+        if checked(scheduled) is None:
             continue
         memory[schedule] = estimate(
-            cost, mesh, global_batch_size, sequence_length, precision=precision, remat=remat,
-            grad_accum=grad_accum, context_parallel=context_parallel,
-            pipeline_schedule=schedule, **settings)["total"]
+            cost, scheduled, global_batch_size, sequence_length, precision=precision,
+            remat=remat, grad_accum=grad_accum)["total"]
     if not memory:  # the distribution refuses the mesh whatever the schedule
         return "gpipe", f"mesh {mesh_spec(mesh)} is refused"
     fitting = [s for s in memory if memory[s] <= budget]
@@ -257,20 +255,37 @@ def choose_schedule(model: Any, mesh: Mapping[str, int], device_memory: float,
     return chosen, why
 
 
+def checked(config: Parallelism) -> Parallelism | None:
+    """``config`` as the distribution builds it (:meth:`Parallelism.build` of its spec and
+    settings: the combination table, every setting checked), or None if it refuses it.
+
+    Example:
+        >>> checked(Parallelism.unchecked({"replica": 2, "data": 4})) is None  # no sync_every
+        True
+    """
+    try:
+        return Parallelism.build(config.spec, math.prod(config.mesh.values()),
+                                 **config.settings)
+    except ValueError:
+        return None
+
+
 def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_size: int,
                 sequence_length: int, *, precision: str = "float32", remat: bool = False,
-                grad_accum: int = 1, context_parallel: str = "all_gather",
-                pipeline_microbatches: int | None = None,
-                pipeline_repeats: int = 1, sync_every: int | None = None,
-                devices_per_host: int | None = None, pipeline_schedule: str = "gpipe",
-                host_link_slowdown: float = HOST_LINK_SLOWDOWN, boundary: str = "hosts"
-                ) -> tuple[dict[str, int], list[dict], str]:
+                grad_accum: int = 1, devices_per_host: int | None = None,
+                pipeline_schedule: str = "gpipe",
+                host_link_slowdown: float = HOST_LINK_SLOWDOWN, boundary: str = "hosts",
+                **settings) -> tuple[dict[str, int], list[dict], str]:
     """The mesh that fits in memory with the least communication per step (analytic).
 
     ``model`` is a preset name, a task, a cost model (or a GPT config dict); see
-    :func:`~kdist.planning.estimate.cost_model_of`. Returns ``(mesh, table, why)``: the
-    table has one row per candidate (estimated bytes, wire bytes per axis, the axes that
-    cross hosts, ranking cost, fits).
+    :func:`~kdist.planning.estimate.cost_model_of`. ``settings``: the distribution's
+    (:meth:`~kdist.parallel.config.Parallelism.build`'s keywords: ``context_parallel``,
+    ``pipeline_microbatches``, ``pipeline_repeats``, ``sync_every``); each candidate mesh
+    is planned as the :class:`~kdist.parallel.config.Parallelism` the distribution builds
+    of them. Returns ``(mesh, table, why)``: the table has one row per candidate (its
+    ``parallelism``, estimated bytes, wire bytes per axis, the axes that cross hosts,
+    ranking cost, fits).
 
     The search: every (data, fsdp, seq, model) mesh (:func:`candidate_meshes`); only if
     none fits, every pipeline (:func:`pipeline_meshes`: a stage axis with data, fsdp, seq
@@ -298,17 +313,15 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
         ...                       devices_per_host=8)[0])
         'replica=2,data=8'
     """
-    from kdist.parallel.config import Parallelism
-
     cost = cost_model_of(model)
     dims_source = model if isinstance(model, (str, Mapping)) else cost
     budget = device_memory * USABLE_FRACTION
     value_bytes = compute_bytes(precision)
     micro = global_batch_size // grad_accum
+    sync_every = settings.get("sync_every")
     groups = replica_counts(num_devices, devices_per_host, micro) if sync_every else [1]
-
-    schedule = dict(pipeline_microbatches=pipeline_microbatches,
-                    pipeline_repeats=pipeline_repeats)
+    # The schedule's settings belong to a pipeline: a mesh without one is built without.
+    unstaged = {k: v for k, v in settings.items() if not k.startswith("pipeline_")}
 
     picked: dict[str, str] = {}
 
@@ -319,58 +332,49 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
         if spec not in picked:
             picked[spec] = choose_schedule(
                 cost, mesh, device_memory, global_batch_size, sequence_length,
-                precision=precision, remat=remat, grad_accum=grad_accum,
-                context_parallel=context_parallel, sync_every=sync_every, **schedule)[0]
+                precision=precision, remat=remat, grad_accum=grad_accum, **settings)[0]
         return picked[spec]
 
-    def axis_bytes(mesh, activations=True):
-        terms = collective_terms(dims_source, mesh, micro, sequence_length, value_bytes,
-                                 context_parallel=context_parallel, activations=activations,
-                                 sync_every=sync_every, pipeline_schedule=schedule_of(mesh),
-                                 **schedule)
-        return {a: b * grad_accum for a, b in traffic.by_axis(terms, mesh).items()}
+    def config_of(mesh):  # the distribution's settings on this mesh, nothing checked yet
+        if mesh["stage"] == 1:
+            return Parallelism.unchecked(mesh, **unstaged)
+        return Parallelism.unchecked(mesh, **settings, pipeline_schedule=schedule_of(mesh))
 
-    def row(mesh):
-        memory = estimate(cost, mesh, global_batch_size, sequence_length, precision=precision,
-                          remat=remat, grad_accum=grad_accum, context_parallel=context_parallel,
-                          pipeline_schedule=schedule_of(mesh), **schedule)["total"]
-        per_axis, quiet = axis_bytes(mesh), axis_bytes(mesh, activations=False)
+    def axis_bytes(config, activations=True):
+        terms = collective_terms(dims_source, config, micro, sequence_length, value_bytes,
+                                 activations=activations)
+        return {a: b * grad_accum for a, b in traffic.by_axis(terms, config.mesh).items()}
+
+    def row(config):
+        mesh = config.mesh
+        memory = estimate(cost, config, global_batch_size, sequence_length,
+                          precision=precision, remat=remat, grad_accum=grad_accum)["total"]
+        per_axis, quiet = axis_bytes(config), axis_bytes(config, activations=False)
         # Tensor parallelism's activation all-reduces and context parallelism's keys and
         # values sit on the critical path (each layer waits for them); gradient all-reduces
         # and weight all-gathers overlap with compute. So their bytes weigh double.
         ranked = {a: 2 * b - quiet.get(a, 0.0) for a, b in per_axis.items()}
         crossing = traffic.crossing_fractions(mesh, devices_per_host)
         stages = mesh["stage"]
-        bubble = bubble_fraction(stages, pipeline_microbatches or stages, pipeline_repeats)
-        return {"mesh": mesh_spec(mesh), "memory": memory,
+        bubble = bubble_fraction(stages, config.microbatches or stages, config.repeats)
+        return {"mesh": mesh_spec(mesh), "parallelism": config, "memory": memory,
                 "wire_bytes": sum(per_axis.values()), "axis_bytes": per_axis,
                 "crosses_hosts": {a: round(f, 4) for a, f in crossing.items()},
                 "cost": traffic.weighted_bytes(ranked, crossing, host_link_slowdown),
                 "fits": memory <= budget, "bubble": bubble, "_mesh": mesh,
-                **({"schedule": schedule_of(mesh)} if stages > 1 else {})}
+                **({"schedule": config.schedule} if stages > 1 else {})}
 
-    def allowed(mesh):
-        # The schedule's settings belong to a pipeline: a mesh without one is built without.
-        try:
-            Parallelism.build(mesh_spec(mesh), num_devices, sync_every=sync_every,
-                              context_parallel=context_parallel,
-                              **({**schedule, "pipeline_schedule": schedule_of(mesh)}
-                                 if mesh["stage"] > 1 else {}))
-        except ValueError:
-            return False
-        return True
-
-    def searched(meshes_of):
-        return [row(full_mesh({**m, "replica": r})) for r in groups
-                for m in meshes_of(num_devices // r, global_batch_size // r)
-                if allowed(full_mesh({**m, "replica": r}))]
+    def searched(meshes_of):  # a candidate the distribution refuses is never a row
+        configs = (checked(config_of(full_mesh({**m, "replica": r}))) for r in groups
+                   for m in meshes_of(num_devices // r, global_batch_size // r))
+        return [row(config) for config in configs if config is not None]
 
     rows = searched(lambda n, batch: candidate_meshes(n, dims_source, batch, grad_accum,
                                                       sequence_length))
     if not any(r["fits"] for r in rows):  # then a pipeline, if one fits
         rows += searched(lambda n, batch: pipeline_meshes(
-            n, dims_source, batch, grad_accum, pipeline_microbatches, pipeline_repeats,
-            sequence_length))
+            n, dims_source, batch, grad_accum, settings.get("pipeline_microbatches"),
+            settings.get("pipeline_repeats", 1), sequence_length))
     if not rows:
         raise ValueError(
             f"No mesh over {num_devices} devices suits this model and a global batch of "

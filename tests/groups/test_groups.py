@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from kdist.checkpointing.state import restore_tree
-from kdist.groups.report import job_lines
+from kdist.groups.history import job_lines
 from kdist.groups.store import Store
 from kdist.parallel.group_jobs import REFUSED
 from kdist.run_report import read_rows, summarize

@@ -142,7 +142,7 @@ def test_a_store_no_group_can_write_is_an_error_before_training(tmp_path):
 def test_the_report_names_each_failure_its_round_and_when_the_group_rejoined(tmp_path):
     import json
 
-    from kdist.groups.report import job_lines, round_lines
+    from kdist.groups.history import job_lines, round_lines
 
     store = Store(tmp_path, 0)
     store.check_writable()

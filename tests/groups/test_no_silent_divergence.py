@@ -310,7 +310,7 @@ def test_a_configuration_error_in_a_group_exits_refused(capsys):
 def test_the_report_says_how_far_behind_the_job_a_group_rejoined(tmp_path):
     import json
 
-    from kdist.groups.report import job_lines
+    from kdist.groups.history import job_lines
 
     store = Store(tmp_path, 1)
     store.check_writable()

@@ -4,7 +4,7 @@ Activations ``(B, T, D)`` are split over ``seq`` along T (``shard_batch`` pins t
 MLPs and projections run on each device's tokens unchanged. What needs the whole sequence:
 
 * positions — each token's true position, read from the sequence's layout
-  (:mod:`.layout`: contiguous, or balanced "zigzag" chunks for causal models), by learned
+  (:mod:`.token_layout`: contiguous, or balanced "zigzag" chunks for causal models), by learned
   and rotary position embeddings and document positions;
 * attention — each device's queries over every key (:mod:`.attention`: all-gather of the
   keys and values, or a ring of ``ppermute``), entered from the attention layer
@@ -25,7 +25,7 @@ Example:
 
 from kdist.parallel.context.attention import DEFAULT_CHUNK, local_attention
 from kdist.parallel.context.layer import attention
-from kdist.parallel.context.layout import (
+from kdist.parallel.context.token_layout import (
     SequenceLayout,
     current_layout,
     document_positions,

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from kdist.parallel.config import CONTEXT_PARALLEL
-from kdist.parallel.context.layout import AXIS, SequenceLayout
+from kdist.parallel.context.token_layout import AXIS, SequenceLayout
 from kdist.parallel.online_softmax import (
     chunk_gradients,
     online_finish,
@@ -350,7 +350,7 @@ def local_attention(q, k, v, *, layout: SequenceLayout, variant: str = "all_gath
     Args:
         q: this device's queries ``(B, T / n, N, H)``; ``k``, ``v``: its keys and values
             ``(B, T / n, K, H)``, ``N % K == 0``; tokens in ``layout`` order.
-        layout: the split (:class:`~kdist.parallel.context.layout.SequenceLayout`).
+        layout: the split (:class:`~kdist.parallel.context.token_layout.SequenceLayout`).
         variant: ``"all_gather"`` or ``"ring"``.
         causal: a query sees the keys at true positions up to its own.
         segments: ``(B, T)`` document ids of every token (layout order): a query sees only

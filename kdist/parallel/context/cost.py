@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from kdist.parallel.context.attention import chunk_for
-from kdist.parallel.context.layout import SequenceLayout
+from kdist.parallel.context.token_layout import SequenceLayout
 
 
 def tile_counts(layout: SequenceLayout, chunk_size: int | None = None,

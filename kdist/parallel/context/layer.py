@@ -16,9 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 from kdist.parallel import region
 from kdist.parallel.context.attention import local_attention
-from kdist.parallel.context.layout import AXIS, all_tokens, current_layout
+from kdist.parallel.context.token_layout import AXIS, all_tokens, current_layout
 from kdist.parallel.layout import active
-from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.mesh import batch_axes
 
 
 def key_valid_from_mask(mask, batch: int, keys: int):
@@ -44,7 +44,7 @@ def key_valid_from_mask(mask, batch: int, keys: int):
 def attention(q, k, v, *, mask=None, segment_ids=None, causal: bool = True,
               chunk_size: int | None = None):
     """Attention of ``q (B, L, N, H)`` over ``k``/``v (B, L, K, H)`` whose length ``L`` is
-    split over ``seq`` (:func:`~kdist.parallel.context.layout.current_layout` is not None).
+    split over ``seq`` (:func:`~kdist.parallel.context.token_layout.current_layout` is not None).
 
     Args:
         mask: None or a key-padding mask ``(B, 1, 1, L)`` (True: a real key).
@@ -69,7 +69,7 @@ def attention(q, k, v, *, mask=None, segment_ids=None, causal: bool = True,
     sizes = dist.mesh_shape
     mesh = dist.device_mesh.backend_mesh
     axes = region.current().automatic(mesh.axis_names)  # a replica group's are its own
-    replicas = tuple(a for a in REPLICA_AXES if sizes[a] > 1 and a in axes)
+    replicas = batch_axes(sizes, axes)
     # A batch that does not divide over the replicas (one prompt) is computed by each.
     rows = replicas if replicas and q.shape[0] % math.prod(sizes[a] for a in replicas) == 0 \
         else None

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kdist.parallel import mesh as _mesh
 from kdist.parallel import region
 from kdist.parallel.constraints import shard_batch
-from kdist.parallel.context.layout import AXIS, SequenceLayout, sequence_layout, step_layout
+from kdist.parallel.context.token_layout import AXIS, SequenceLayout, sequence_layout, step_layout
 from kdist.parallel.layout import active
-from kdist.parallel.mesh import REPLICA_AXES
 from kdist.parallel.transform import Transform, declares
 
 
@@ -89,7 +89,9 @@ def loss_and_updates(model, compute, x, y, sample_weight, *, reorder: bool):
 
 
 def _divides(a, dist) -> bool:
-    rows = math.prod(dist.mesh_shape[a] for a in region.current().automatic(REPLICA_AXES))
+    sizes = dist.mesh_shape
+    automatic = region.current().automatic(sizes)
+    rows = math.prod(sizes[a] for a in _mesh.batch_axes(sizes, automatic))
     return a.shape[0] % rows == 0
 
 

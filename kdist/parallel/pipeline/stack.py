@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdist.parallel import region, rules
 from kdist.parallel.layout import active, divisors
-from kdist.parallel.mesh import REPLICA_AXES
+from kdist.parallel.mesh import REPLICA_AXES, batch_axes, summed_axes
 from kdist.parallel.pipeline.settings import Schedule
 from kdist.parallel.region import to_varying
 
@@ -107,8 +107,8 @@ def schedule_for(batch, num_layers: int, training=None) -> Schedule | None:
     # Rows are cut into microbatches per replica group; inside a region that splits rows
     # already (per-device loss, replica groups) ``batch`` is a block, and only the replica
     # axes still automatic divide it further.
-    automatic = region.current().automatic(REPLICA_AXES)
-    replicas = math.prod(dist.mesh_shape.get(a, 1) for a in REPLICA_AXES if a in automatic)
+    automatic = region.current().automatic(dist.mesh_shape)
+    replicas = math.prod(dist.mesh_shape[a] for a in batch_axes(dist.mesh_shape, automatic))
     if not isinstance(batch, int) or batch % (replicas * microbatches):
         if not training:
             return None
@@ -199,7 +199,7 @@ def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None)
     if layouts is None:
         layouts = [(None,) * (lead - 1) + (AXIS,) for _ in weights]
     w_specs = [P(*(a if a in new else None for a in axes)) for axes in layouts]
-    summed = reduction.summed_axes(new, sizes)
+    summed = summed_axes(sizes, among=new)
     inside = tuple(sorted(region.current().automatic(sizes) - new))  # model
     plans = tuple(reduction.gradient_plan(axes, new, summed, sizes, automatic=inside)
                   for axes in layouts)
@@ -228,7 +228,7 @@ def _stage_program(layer, schedule: Schedule, lead, per_row, plans, weights, xm,
     if seed is not None:  # each device's rows their own dropout masks
         # (over the axes of size > 1 only: the same index, and the seed then varies only
         # where the carry does, as the scan over ticks needs)
-        split = tuple(a for a in REPLICA_AXES if jax.lax.axis_size(a) > 1)
+        split = batch_axes({a: jax.lax.axis_size(a) for a in REPLICA_AXES})
         seed = jax.random.fold_in(seed, jax.lax.axis_index(split) if split else 0)
     weights = [reduction.use(w, None, plan) for w, plan in zip(weights, plans)]
     return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed)
@@ -357,10 +357,10 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     axes = [(None,) * (2 - lead) + tuple(a if a in split else None for a in layout)
             for layout in layouts]
     per_stage = schedule.layers_per_stage
-    rows = tuple(a for a in REPLICA_AXES if sizes.get(a, 1) > 1)  # a device's rows: its seed
+    rows = batch_axes(sizes)  # a device's rows: its seed
     # The schedule's region splits the rows over the batch axes still automatic here; those
     # an enclosing region made manual (DiLoCo's replica groups) are not its to split or sum.
-    batch_axes = tuple(a for a in rows if a in region.current().automatic(rows))
+    row_axes = batch_axes(sizes, region.current().automatic(rows))
     # Under a seq axis (not made manual around us) every stage holds its share of each
     # sequence's tokens, and so does the loss on the last: targets must be per token.
     tokens = tuple(a for a in region.current().automatic({"seq"}) if sizes.get(a, 1) > 1)
@@ -375,7 +375,7 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
                 f"tokens, so every target must hold one value per token (axis 1 of length "
                 f"{length}); this task's targets have shapes {not_per_token} (e.g. masked "
                 f"positions). Use pipeline_schedule='gpipe' on this mesh, or no 'seq' axis.")
-    manual = set(batch_axes) | set(tokens)
+    manual = set(row_axes) | set(tokens)
 
     def spec(logical):  # a microbatched array (M, ...) with these logical axes
         return P(None, *rules.activation_spec(logical, sizes, manual))
@@ -402,7 +402,7 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
 
     return schedule_region.scheduled_loss(
         table, stage_fn, microbatch_loss, chunks, loss_weights,
-        _to_microbatches(x, schedule), data, shared, mesh=schedule.mesh, batch_axes=batch_axes,
+        _to_microbatches(x, schedule), data, shared, mesh=schedule.mesh, batch_axes=row_axes,
         weight_axes=axes, token_axes=tokens, specs=specs,
         # ring attention's permutes over seq (manual here or in an enclosing region, as
         # kdist's gradient reduction's): every stage runs every tick's kind of task
