@@ -151,7 +151,24 @@ def compile_train_step(model: keras.Model, x, y, dist: KdistDistribution | None)
     # As keras/src/backend/jax/trainer.py's make_train_function: donated state, state
     # outputs pinned to the state's shardings.
     step = jax.jit(model.train_step, donate_argnums=0, out_shardings=(None, shardings))
-    return step.lower(state, data).compile(), state
+    with _lowering_for(dist):
+        return step.lower(state, data).compile(), state
+
+
+def _lowering_for(dist: KdistDistribution | None):
+    """Pallas kernels ask JAX's default device what chip they lower for (its VMEM, its
+    tiling): a step compiled ahead of time for another platform (a TPU topology's devices
+    from a CPU) names the distribution's first device as that default while it lowers."""
+    import contextlib
+
+    import jax
+
+    if dist is None:
+        return contextlib.nullcontext()
+    device = dist.device_mesh.backend_mesh.devices.flat[0]
+    if device.platform == jax.default_backend():
+        return contextlib.nullcontext()
+    return jax.default_device(device)
 
 
 def compile_plan(model_fn, parallelism, devices, policy, micro_batch, sequence_length,

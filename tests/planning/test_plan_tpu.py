@@ -103,8 +103,14 @@ from kdist.planning import plan
 p = plan("gpt-nano", mesh="fsdp=4", global_batch_size=8, sequence_length=128,
          device="tpu-v5e", num_devices=4, compile="tpu", suggest=False,
          model_overrides={"num_layers": 1, "vocabulary_size": 512})
+# One chip: no mesh region around the Pallas attention kernel, which asks JAX's default
+# device what it lowers for (the planner names the chip while lowering).
+one = plan("gpt-nano", mesh="data=1", global_batch_size=2, sequence_length=128,
+           device="tpu-v5e", num_devices=1, compile="tpu", suggest=False,
+           model_overrides={"num_layers": 1, "vocabulary_size": 512})
 print(json.dumps({"method": p.method, "target": p.target, "memory": p.xla_memory,
-                  "total": p.total, "flops": p.flops["xla"], "report": p.report()}))
+                  "total": p.total, "flops": p.flops["xla"], "report": p.report(),
+                  "one_chip": [one.method, one.total]}))
 """
 
 
@@ -129,6 +135,7 @@ def test_the_tpu_compiler_plans_a_v5e_slice_from_this_cpu():
     assert m["argument"] > 0 and m["generated_code"] > 0
     assert p["total"] == m["argument"] + m["temp"] + m["output"] - m["alias"] + m["generated_code"]
     assert p["flops"] > 0 and "memory per chip (the TPU compiler's" in p["report"]
+    assert p["one_chip"][0] == "tpu" and p["one_chip"][1] > 0
 
 
 def test_a_run_on_a_tpu_slice_weighs_dcn_at_its_slice_boundary():
