@@ -10,6 +10,10 @@ values in float32. Here:
   ``block_kv``, in two loops whose bounds are computed from the tile's position: chunks
   wholly in the past without a mask, chunks crossing the diagonal with it, chunks in the
   future not at all;
+- it computes the logits as keys x queries, ``k q^T``: the softmax's running maximum and
+  sum reduce over sublanes (cheap) rather than across lanes, and its statistics are rows,
+  stored as they are (splash keeps 128 lane copies of each); measured, this orientation
+  took 0.81x the time of queries x keys at gpt2-medium's shape;
 - both matmuls take bfloat16 operands (float32 accumulation), the softmax statistics
   float32;
 - one backward kernel per ``(key/value head, key block)`` makes dk, dv and dq: it walks the
