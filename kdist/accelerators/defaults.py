@@ -117,9 +117,9 @@ def attention_for(device: Target, *, queries: int, keys: int, head_dim: int,
     On a TPU: kdist's flash kernels where an example's heads fit them whole, splash beyond
     (long sequences); inside kdist's per-device regions, where no Pallas kernel runs,
     chunked attention. Measured on a TPU v5e (``benchmarks/attention.py``,
-    forward + backward, causal, bfloat16; ``benchmarks/results/attention.json``): flash
-    takes 0.78-0.89x splash's time at gpt2-small's, gpt2-medium's and a Llama-style shape,
-    0.29-0.40x XLA's.
+    forward + backward, causal, bfloat16; ``benchmarks/results/attention_flash.json``):
+    flash takes 0.78x, 0.80x and 0.92x splash's time at gpt2-small's, gpt2-medium's and a
+    Llama-style shape, 0.30-0.40x XLA's.
     """
     if device.platform == "tpu" and not arbitrary_mask:
         from kdist.kernels import flash
@@ -227,11 +227,13 @@ REMAT_ORDER = (False, "minimal", "save_dots", "block")
 # shape takes them; any other model the estimate (step_bytes), which is more cautious:
 # XLA keeps less than the cost model's count.
 COMPILED_FITS = {
-    # 9.2 GiB, 127k tokens/s at 16. Batch 32 fits too (8.3 GiB compiled); speed unmeasured.
+    # 9.2 GiB, 127k tokens/s at 16 (the first flash kernel). Batch 32 fits too (8.3 GiB
+    # compiled); its speed unmeasured.
     ("TPU v5 lite", "gpt2-small", 1024): (16, 16),
     # kdist's flash attention: batch 8 11.4 GiB, 47.6k tokens/s; 16 14.9 GiB, 43.0k.
     ("TPU v5 lite", "gpt2-medium", 1024): (16, 8),
-    # 12.4 GiB, 36.6k tokens/s; batch 8 needs rematerialisation ("minimal": 16.9 GB).
+    # 12.4 GiB, 36.6k tokens/s (the first flash kernel); batch 8 needs rematerialisation
+    # ("minimal": 16.9 GB).
     ("TPU v5 lite", "llama-550m", 2048): (4, 4),
 }
 

@@ -9,6 +9,7 @@ of what varies between devices, and ``attention_implementation="auto"`` attends 
 there.
 
 Example:
+    >>> import jax.numpy as jnp
     >>> per_device(lambda q, k, v, s: q, *(jnp.ones((1, 128, 2, 64)),) * 3, None,
     ...            name="a kernel").shape  # no distribution: called as it is
     (1, 128, 2, 64)
