@@ -63,6 +63,7 @@ class KdistDistribution(ModelParallel):
     that path and shape gets; ``mesh_shape`` gives the axis sizes.
 
     Example:
+        >>> import jax
         >>> dist = distribution("data=2,model=4", jax.devices())
         >>> dist.mesh_shape["model"], dist.spec, dist.config.pipeline
         (4, 'data=2,model=4', None)

@@ -101,8 +101,9 @@ def row_spec(array, batch_axes) -> P:
     a per-token array of a split sequence, tokens over ``seq``.
 
     Example:
+        >>> import jax.numpy as jnp
         >>> row_spec(jnp.zeros((8, 16)), ("data",))
-        PartitionSpec('data',)
+        P('data',)
     """
     layout = step_layout()
     rows = batch_axes or None
