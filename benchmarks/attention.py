@@ -3,7 +3,7 @@ the shapes kdist trains, in one run — the measurements behind ``kdist.accelera
 
 For each shape ``(B, T, N, K, H)`` (batch, length, query heads, key/value heads, head size)
 and each implementation — XLA's (``keras.ops.dot_product_attention``), kdist's chunked
-online softmax (``kdist.models.attention.chunked_attention``) at several chunk sizes,
+online softmax (``kdist.models.chunked_attention.chunked_attention``) at several chunk sizes,
 Pallas splash attention through kdist's wrapper (``kdist.kernels.splash``) at several tile
 sizes, kdist's own Pallas kernels (``kdist.kernels.flash``) at several tile sizes, and
 JAX's older Pallas ``flash_attention`` kernel — it times a jitted gradient of
@@ -57,7 +57,7 @@ def implementations(dry_run: bool, platform: str, only=None):
     from keras import ops
 
     from kdist.kernels import splash
-    from kdist.models.attention import chunked_attention
+    from kdist.models.chunked_attention import chunked_attention
 
     out = [("xla", {}, lambda q, k, v: ops.dot_product_attention(q, k, v, is_causal=True))]
     for c in CHUNKS[:1] if dry_run else CHUNKS:

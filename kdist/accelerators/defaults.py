@@ -11,7 +11,7 @@ device to compile for when it is not the one JAX runs on (planning a TPU step on
 ``"xla"``      ``keras.ops.dot_product_attention``: XLA's attention (cuDNN's flash
                attention on an NVIDIA GPU, where Keras picks it); keeps ``(B, N, T, S)``
                float32 probabilities for the backward pass elsewhere
-``"chunked"``  :func:`kdist.models.attention.chunked_attention`: an online softmax over key
+``"chunked"``  :func:`kdist.models.chunked_attention.chunked_attention`: an online softmax over key
                chunks in plain JAX, any mask, any length
 ``"splash"``   :func:`kdist.kernels.splash.splash_attention`: Pallas flash attention on a
                TPU (interpreted elsewhere): causal or not, documents by segment ids

@@ -7,7 +7,9 @@
 ``cost``                        ``CostModel``: what planning, FLOPs and throughput read of a
                                 family
 ``gpt_cost``, ``bert_cost``     their parameters, FLOPs and activation bytes per token
-``layers``, ``attention``       Transformer blocks; attention (XLA, chunked, splash)
+``layers``, ``attention``       Transformer blocks; the attention layer (XLA, chunked, or a
+                                Pallas kernel of ``kdist.kernels``)
+``chunked_attention``           attention over key chunks with an online softmax (plain JAX)
 ``embeddings``, ``rope``        token and position embeddings; rotary positions
 ``losses``                      the fused (chunked) cross-entropy
 ``scan``, ``stacking``          ``LayerStack`` (blocks as one scan; a pipeline's stack);

@@ -1,5 +1,5 @@
 """The online-softmax recurrences of blockwise attention, shared by one-device chunked
-attention (:func:`kdist.models.attention.chunked_attention`) and attention across a sequence
+attention (:func:`kdist.models.chunked_attention.chunked_attention`) and attention across a sequence
 split over devices (:mod:`kdist.parallel.context`).
 
 Queries are ``q (B, T, K, G, H)``: K key/value heads, G query heads per key/value head (G = 1

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kdist.models import GPTBackbone, GPTCausalLM
-from kdist.models.attention import chunked_attention
+from kdist.models.chunked_attention import chunked_attention
 from tests.bert_helpers import mlm_batches, tiny_bert_mlm, train_mlm
 from tests.helpers import TINY_GPT, TINY_LLAMA, tiny_gpt, token_batches, train
 
