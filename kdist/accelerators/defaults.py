@@ -36,6 +36,7 @@ import dataclasses
 import threading
 
 from kdist.kernels.flash import FlashBlocks
+from kdist.kernels.flash import supports as flash_supports
 from kdist.kernels.splash import Blocks, supports
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "chunked", "splash", "flash")
@@ -122,12 +123,11 @@ def attention_for(device: Target, *, queries: int, keys: int, head_dim: int,
     Llama-style shape, 0.30-0.40x XLA's.
     """
     if device.platform == "tpu" and not arbitrary_mask:
-        from kdist.kernels import flash
         from kdist.parallel import region
 
         if region.current().per_device:  # no Pallas kernel in a kdist region (JAX 0.10)
             return "chunked"
-        if flash.supports(queries, keys, head_dim, groups,
+        if flash_supports(queries, keys, head_dim, groups,
                           flash_blocks(device, queries=queries, head_dim=head_dim)):
             return "flash"
         if supports(queries, keys, head_dim):
