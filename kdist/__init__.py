@@ -60,6 +60,11 @@ with native_noise_filtered():
             f"the JAX backend when none was chosen), or set KERAS_BACKEND=jax in the "
             f"environment."
         )
+    # Keras imports TensorFlow where it is installed in every get_config and seed, to
+    # recognise TensorFlow's objects: only once something else has imported it.
+    from kdist._keras_compat import tensorflow_only_when_loaded
+
+    tensorflow_only_when_loaded()
 
     from kdist import (
         callbacks,

@@ -391,3 +391,49 @@ def in_shape_inference() -> bool:
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     return in_symbolic_scope()
+
+
+# --- Keras: TensorFlow where nobody asked for it ------------------------------------------
+
+# Keras modules whose only use of TensorFlow is to recognise TensorFlow's objects
+# (``isinstance(obj, tf.TensorShape)`` in serialisation) or to seed it: an object of
+# TensorFlow's cannot exist, nor needs seeding, before TensorFlow is imported.
+_RECOGNISE_ONLY = ("keras.src.saving.serialization_lib", "keras.src.utils.rng_utils")
+
+
+class _TensorFlowIfLoaded:
+    """Keras' lazy ``tensorflow`` module, available only once something imported TensorFlow.
+
+    Keras asks ``tf.available`` (which imports TensorFlow, ~5-8 s and ~1 GiB of address
+    space) in every ``get_config`` and in ``keras.utils.set_random_seed``; where TensorFlow is
+    installed, every training process loaded it. Asked again each time, so a later
+    ``import tensorflow`` is seen."""
+
+    def __init__(self, lazy):
+        self._lazy = lazy
+
+    @property
+    def available(self) -> bool:
+        return "tensorflow" in sys.modules and self._lazy.available
+
+    def __getattr__(self, name):
+        return getattr(self._lazy, name)
+
+
+def tensorflow_only_when_loaded() -> None:
+    """Makes Keras' serialisation and seeding use TensorFlow only where it
+    is already imported (the module attribute ``tf`` of each of ``_RECOGNISE_ONLY``, Keras
+    3.15's ``keras.src.utils.module_utils.tensorflow``). Keras' preprocessing layers, which
+    need TensorFlow, keep importing it. What changes: ``keras.utils.set_random_seed`` seeds
+    TensorFlow only if it was imported first (kdist's data never draws from TensorFlow's
+    generator)."""
+    import importlib
+
+    for name in _RECOGNISE_ONLY:
+        try:
+            module = importlib.import_module(name)
+            lazy = module.tf
+        except (ImportError, AttributeError) as e:
+            raise _missing(f"{name}.tf (Keras' lazy TensorFlow module)", e) from e
+        if not isinstance(lazy, _TensorFlowIfLoaded):
+            module.tf = _TensorFlowIfLoaded(lazy)

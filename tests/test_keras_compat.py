@@ -178,3 +178,18 @@ def test_a_progress_bar_figure_prints_without_four_decimals(capsys):
     out = capsys.readouterr().out
     assert "tok/s: 1,504" in out and out.count("tok/s: 12.3") == 2 and "0000" not in out
     assert "12.34" not in out
+
+
+def test_keras_asks_for_tensorflow_only_once_it_is_loaded():
+    """Keras' serialisation and seeding see TensorFlow exactly when it is imported (this
+    process has it, from the data tests), and import kdist installed the view once."""
+    import importlib
+    import sys
+
+    compat.tensorflow_only_when_loaded()  # again: idempotent
+    for name in compat._RECOGNISE_ONLY:
+        view = importlib.import_module(name).tf
+        assert isinstance(view, compat._TensorFlowIfLoaded), name
+        assert view.available == ("tensorflow" in sys.modules)
+    config = keras.layers.Dense(2).get_config()
+    assert keras.layers.Dense.from_config(config).units == 2

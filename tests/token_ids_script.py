@@ -7,10 +7,10 @@ run wrote.
     python tests/token_ids_script.py OUT_DIR [--not-installed]
 
 ``--not-installed`` makes those packages fail to import as if they were not installed
-(``sys.modules[name] = None``), which is what a core install (``pip install kdist``) is: Keras
-itself tries ``import tensorflow`` where it is installed (``keras.utils.set_random_seed``,
-every ``get_config``: its ``LazyModule``) and uses it if present, so only a machine
-without TensorFlow shows a run without it. ``tests/test_optional.py`` runs this script in
+(``sys.modules[name] = None``), which is what a core install (``pip install kdist``) is.
+Installed, none of them is loaded either: Keras' ``LazyModule`` imported TensorFlow in
+``keras.utils.set_random_seed`` and every ``get_config`` until ``import kdist`` made it
+ask only once TensorFlow is loaded. ``tests/test_optional.py`` runs this script in
 a fresh process; it also runs in a core-only install (it imports only kdist, keras, numpy).
 """
 
