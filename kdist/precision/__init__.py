@@ -7,6 +7,7 @@ Keras layers the models build their projections with. See ``docs/precision.md``.
 ``quantize``    dynamic symmetric scales and int8 / float8 codes
 ``matmul``      quantized matmuls whose backward products are quantized too (custom VJP)
 ``layers``      ``QuantizedDense``, ``QuantizedEinsumDense``; the models' factories
+``peak``        the peak MFU divides by under a quantized policy (``kdist plan``)
 ==============  ==============================================================================
 
 Example:
