@@ -51,8 +51,9 @@ def product(a, b, quantize_a, quantize_b, accumulate):
 
     Example:
         >>> a = jnp.array([[1.0, 2.0]]); b = jnp.array([[3.0], [4.0]])
-        >>> product(a, b, quantize.int8, quantize.int8, jnp.int32).tolist()
-        [[11.0]]
+        >>> y = product(a, b, quantize.int8, quantize.int8, jnp.int32)  # exactly: 11
+        >>> round(float(y[0, 0]), 3)
+        11.016
     """
     codes_a, scale_a = quantize_a(a, axis=1)  # (M, K), (M, 1)
     codes_b, scale_b = quantize_b(b, axis=0)  # (K, N), (1, N)
