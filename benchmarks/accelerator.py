@@ -25,11 +25,16 @@ step's seconds (compilation), and kdist's speed as a ratio of each reference's.
 
 ``--sweep``: kdist only, the candidate settings the device's defaults were chosen from
 (batch, rematerialisation, attention) at each shape. ``--dry-run``: tiny shapes on a CPU
-(Pallas interpreted), for CI. JSON in ``benchmarks/results/``.
+(Pallas interpreted), for CI. ``--matmul-precision int8`` adds a kdist row per shape under
+``matmul_precision="int8"`` at the bf16 row's batch (its MFU still against the bf16 peak;
+``kdist plan --matmul-precision int8`` gives the blended peak). JSON in
+``benchmarks/results/``.
 
     python benchmarks/accelerator.py                # one TPU v5e chip: ~15 minutes
     python benchmarks/accelerator.py --sweep        # the defaults' evidence
     python benchmarks/accelerator.py --dry-run      # CPU
+    python benchmarks/accelerator.py --only gpt2-medium llama-550m --sides kdist \
+        --matmul-precision int8                     # int8 matmuls vs bf16 (TPU v5e: unmeasured)
     python benchmarks/accelerator.py --pipeline     # 2+ devices: benchmarks/multi_device.py
 """
 
@@ -315,6 +320,9 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="skip what is left once this much time has passed")
     p.add_argument("--output", default="accelerator", help="result name under results/")
+    p.add_argument("--matmul-precision", nargs="*", default=[], choices=("int8", "fp8"),
+                   help="also kdist with these matmul_precision policies (kdist.precision), "
+                        "at the bf16 row's batch: the 'vs bf16' column is their speed-up")
     args = p.parse_args(argv)
 
     import jax
@@ -366,6 +374,14 @@ def main(argv=None):
                 continue
             row = kdist_row(preset, length, None, {}, args.dry_run)
             ours = add(row, preset, length, row["flops_per_token"])
+            for precision in args.matmul_precision:  # same batch: tokens/s comparable
+                if over_budget(f"{preset} {precision}"):
+                    continue
+                row = kdist_row(preset, length, ours["batch"],
+                                {"matmul_precision": precision}, args.dry_run)
+                row = add({**row, "side": f"kdist {precision}"}, preset, length,
+                          row["flops_per_token"])
+                row["vs bf16"] = row["tokens_per_s"] / ours["tokens_per_s"]
             for side, measure in (("keras-hub", keras_hub_row), ("plain JAX", plain_jax_row)):
                 if side not in args.sides or over_budget(f"{preset} {side}"):
                     continue
@@ -384,7 +400,8 @@ def main(argv=None):
                  ("MFU", "mfu", ".1%"), ("MFU/matmul", "mfu_vs_matmul", ".1%"),
                  ("peak GiB", "peak_gib", ".2f"), ("first step s", "first_step_s", ".1f"),
                  ("vs keras-hub", "vs keras-hub", ".2f"), ("vs plain JAX", "vs plain JAX",
-                                                           ".2f")])
+                                                           ".2f"),
+                 ("vs bf16", "vs bf16", ".2f")])
     if skipped:
         print(f"skipped (time budget): {', '.join(skipped)}")
     name = args.output + ("_sweep" if args.sweep else "") + ("_dry_run" if args.dry_run else "")

@@ -16,6 +16,7 @@ The package's map:
 ``parallel``                   devices and sharding; the training step's transforms
 ``models``                     model families (GPT, BERT) as Keras layers and tasks
 ``data``                       corpora, tokenizers, deterministic batches
+``precision``                  ``kdist.precision("int8")``: quantized (int8, fp8) matmul training
 ``optim``                      AdamW, schedules, weight-decay mask, clipping, accumulation
 ``callbacks``                  throughput, MFU, memory, run logs (Keras callbacks)
 ``checkpointing``              checkpoints: format, integrity, exact resume, the callback
@@ -75,6 +76,7 @@ with native_noise_filtered():
         models,
         optim,
         parallel,
+        precision,  # matmul_precision: int8 / fp8 matmul training
     )
     from kdist.multihost import initialize
     from kdist.parallel import KdistDistribution, distribution, force_host_devices, parse_mesh
@@ -87,7 +89,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KdistDistribution", "callbacks", "data", "distribution", "flops", "force_host_devices",
-    "groups", "hf", "models", "optim", "parallel", "parse_mesh",
+    "groups", "hf", "models", "optim", "parallel", "parse_mesh", "precision",
     "initialize",
     "hlo", "plan", "planning",
 ]

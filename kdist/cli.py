@@ -86,7 +86,11 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     wanted = args.devices or mesh_devices(args.mesh, 8)
     if args.device is not None:
-        accelerator(args.device)  # an unknown name is refused before anything starts
+        device = accelerator(args.device)  # an unknown name is refused before anything starts
+        if args.matmul_precision != "bf16":  # and a precision it has no peak for
+            from kdist.precision.peak import fast_peak
+
+            fast_peak(device, args.matmul_precision)
     # This machine's devices are compiled on: for a plan of them, or standing in for a
     # named accelerator's (--compile host). A named TPU is compiled for by the TPU compiler
     # (no devices here: kdist.planning.target), else estimated.
@@ -99,7 +103,10 @@ def _run_plan(args: argparse.Namespace) -> int:
 
         devices = jax.devices()[:wanted]
     overrides = ({"max_sequence_length": args.max_sequence_length}
-                 if args.max_sequence_length else None)
+                 if args.max_sequence_length else {})
+    if args.matmul_precision != "bf16":  # the quantized projections are compiled too
+        overrides["matmul_precision"] = args.matmul_precision
+    overrides = overrides or None
     result = plan(args.preset, mesh=args.mesh, global_batch_size=args.global_batch_size,
                   sequence_length=args.sequence_length, precision=args.precision,
                   remat=False if args.remat in ("auto", "none") else args.remat,
@@ -114,10 +121,29 @@ def _run_plan(args: argparse.Namespace) -> int:
                   pipeline_schedule=args.pipeline_schedule, sync_every=args.sync_every,
                   devices_per_host=args.devices_per_host)
     print(result.report())
+    if args.matmul_precision != "bf16":
+        print(_precision_line(args, result, overrides))
     if args.json:
         Path(args.json).write_text(json.dumps(result.as_dict(), indent=2, default=str))
         print(f"plan written to {args.json}")
     return 0 if result.fits else 1
+
+
+def _precision_line(args, result, overrides) -> str:
+    """Which peak a quantized step's MFU divides by (kdist.precision.peak)."""
+    from kdist.accelerators import accelerator, for_device_kind, target
+    from kdist.planning import cost_model_of
+    from kdist.precision.peak import peak_line
+
+    device = (accelerator(args.device) if args.device is not None
+              else for_device_kind(target().device_kind))
+    if device is None:
+        return (f"matmul precision {args.matmul_precision}: no int8 peak for "
+                f"{target().device_kind} (kdist's table holds TPUs and GPUs); pass --device "
+                f"(e.g. tpu-v5e) for the peak MFU divides by")
+    cost = cost_model_of(args.preset, **(overrides or {}))
+    return peak_line(device, args.matmul_precision,
+                     cost.flops_per_token(result.config["sequence_length"]))
 
 
 def add_plan_parser(subparsers) -> None:
@@ -131,6 +157,9 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--preset", default="gpt-nano",
                    help="a kdist preset of any family, e.g. gpt2-xl, llama-1b, bert-base")
     p.add_argument("--mesh", default="auto", help="e.g. fsdp=8, data=2,model=4, or auto")
+    p.add_argument("--matmul-precision", default="bf16", choices=["bf16", "int8", "fp8"],
+                   help="the blocks' projections quantized (kdist.precision); int8: MFU's "
+                        "peak blends the device's int8 and bf16 peaks")
     p.add_argument("--global-batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--sequence-length", type=int, default=None,
                    help="tokens per sequence (default: the preset's context)")

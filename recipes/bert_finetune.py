@@ -174,11 +174,13 @@ def main(argv=None):
     if args.init_from is not None:  # streamed into the sharded backbone
         backbone = kdist.models.BertBackbone.from_pretrained(
             args.init_from, dropout=args.dropout, remat=run.remat(args),
-            attention_implementation=args.attention_implementation)
+            attention_implementation=args.attention_implementation,
+            matmul_precision=args.matmul_precision)
     else:
         backbone = kdist.models.BertBackbone(**{
             **config, "dropout": args.dropout, "remat": run.remat(args),
-            "attention_implementation": args.attention_implementation})
+            "attention_implementation": args.attention_implementation,
+            "matmul_precision": args.matmul_precision})
     model = kdist.models.BertClassifier(backbone, data.num_classes,
                                         classifier_dropout=args.classifier_dropout)
     if args.init_from is not None:

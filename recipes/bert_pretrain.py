@@ -140,7 +140,8 @@ def main(argv=None):
     )
     model = kdist.models.BertMaskedLM.from_preset(
         args.preset, vocabulary_size=data.vocabulary_size, dropout=args.dropout,
-        remat=run.remat(args), attention_implementation=args.attention_implementation)
+        remat=run.remat(args), attention_implementation=args.attention_implementation,
+        matmul_precision=args.matmul_precision)
     model.compile(
         optimizer=kdist.optim.adamw(
             args.learning_rate,

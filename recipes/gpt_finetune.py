@@ -125,7 +125,8 @@ def main(argv=None):
         encoding=args.encoding, tokenizer=tokenizer, end_of_text=end_of_text(tokenizer))
     start = time.time()
     overrides = dict(remat=run.remat(args), attention_chunk_size=args.attention_chunk_size,
-                     attention_implementation=args.attention_implementation)
+                     attention_implementation=args.attention_implementation,
+                     matmul_precision=args.matmul_precision)
     if args.dropout is not None:
         overrides["dropout"] = args.dropout
     model = kdist.models.GPTCausalLM.from_pretrained(args.init_from, **overrides)

@@ -20,6 +20,7 @@ With --grad-accum N, each step is N micro-batches of 16 / N sequences: same toke
     python recipes/gpt_pretrain.py --mesh seq=8 --context-parallel ring --global-batch-size 1 \
         --sequence-length 16384 --max-sequence-length 16384      # context parallelism
     python recipes/gpt_pretrain.py --steps 50 --profile-steps 20:22; kdist report runs/gpt_pretrain
+    python recipes/gpt_pretrain.py --matmul-precision int8    # int8 matmul training
     python recipes/gpt_pretrain.py --data tfds:tiny_shakespeare --tfds-manual-dir ~/downloads
     python -m kdist.launch --processes 2 --devices-per-process 4 recipes/gpt_pretrain.py --steps 50
 Checkpoints go to OUTPUT_DIR/checkpoints; running the same command again resumes exactly, and
@@ -155,6 +156,7 @@ def main(argv=None):
         document_mask=args.document_mask,
         attention_chunk_size=args.attention_chunk_size,
         attention_implementation=args.attention_implementation,
+        matmul_precision=args.matmul_precision,
         max_sequence_length=config["max_sequence_length"],
     )
     model.compile(

@@ -249,8 +249,10 @@ def compiled_fit(model, length: int, fastest: bool = False) -> int | None:
     (no entry: another device, shape or option)."""
     cost = _cost(model)
     config = getattr(cost, "config", None) or {}
+    # Measured at these settings only (a quantized step's temporaries are not measured).
     neutral = {"remat": "auto", "attention_implementation": "auto", "attention_chunk_size": None,
-               "scan_layers": False, "dropout": 0.0, "document_mask": False}
+               "scan_layers": False, "dropout": 0.0, "document_mask": False,
+               "matmul_precision": "bf16"}
     if not config or any(config.get(k, v) != v and not (k == "scan_layers" and
                                                          config.get(k) is None)
                          for k, v in neutral.items()):

@@ -15,6 +15,8 @@ from kdist.models.chunked_attention import chunked_attention
 from kdist.models.rope import RotaryEmbedding, ScaledRotaryEmbedding, check_rope_scaling
 from kdist.parallel import context
 from kdist.parallel.rules import build_with_axes
+from kdist.precision import layers as precision_layers
+from kdist.precision.policy import check as check_precision
 
 
 def _normal(stddev: float) -> keras.initializers.Initializer:
@@ -58,6 +60,9 @@ class CausalSelfAttention(layers.Layer):
         attention_chunk_size: keys per chunk of ``"chunked"``; with ``"auto"``, a request
             for ``"chunked"`` where the device has no faster kernel (the ``(B, N, T, T)``
             probabilities are never kept for the backward pass). None: 128 where chunked.
+        matmul_precision: ``"bf16"`` (the dtype policy's matmuls), ``"int8"`` or ``"fp8"``:
+            the query/key/value (or fused qkv) and output projections' matmuls quantized
+            (:mod:`kdist.precision`); attention's own matmuls and softmax are unchanged.
 
     Example:
         >>> attn = CausalSelfAttention(num_heads=4, head_dim=16, num_key_value_heads=2,
@@ -80,9 +85,11 @@ class CausalSelfAttention(layers.Layer):
         attention_chunk_size: int | None = None,
         rope_scaling: dict | None = None,
         attention_implementation: str = "auto",
+        matmul_precision: str = "bf16",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.matmul_precision = check_precision(matmul_precision)
         self.attention_implementation = accelerators.check_implementation(
             attention_implementation)
         if attention_chunk_size is not None and (
@@ -122,9 +129,10 @@ class CausalSelfAttention(layers.Layer):
         hidden_dim = input_shape[-1]
 
         def projection(name, heads, heads_axis):
-            layer = layers.EinsumDense(
+            layer = precision_layers.einsum_dense(
                 "btd,dnh->btnh",
                 output_shape=(None, heads, self.head_dim),
+                matmul_precision=self.matmul_precision,
                 bias_axes="nh" if self.use_bias else None,
                 kernel_initializer=_normal(self.initializer_range),
                 dtype=self.dtype_policy,
@@ -136,9 +144,10 @@ class CausalSelfAttention(layers.Layer):
 
         if self.fused_qkv:
             groups = self.num_heads // self.kv_heads
-            self.qkv = layers.EinsumDense(
+            self.qkv = precision_layers.einsum_dense(
                 "btd,dkgh->btkgh",
                 output_shape=(None, self.kv_heads, groups + 2, self.head_dim),
+                matmul_precision=self.matmul_precision,
                 bias_axes="kgh" if self.use_bias else None,
                 kernel_initializer=_normal(self.initializer_range),
                 dtype=self.dtype_policy,
@@ -150,9 +159,10 @@ class CausalSelfAttention(layers.Layer):
             self.query = projection("query", self.num_heads, "heads")
             self.key = projection("key", self.kv_heads, "kv_heads")
             self.value = projection("value", self.kv_heads, "kv_heads")
-        self.attention_output = layers.EinsumDense(
+        self.attention_output = precision_layers.einsum_dense(
             "btnh,nhd->btd",
             output_shape=(None, hidden_dim),
+            matmul_precision=self.matmul_precision,
             bias_axes="d" if self.use_bias else None,
             kernel_initializer=_normal(self.output_initializer_range or self.initializer_range),
             dtype=self.dtype_policy,
@@ -296,4 +306,5 @@ class CausalSelfAttention(layers.Layer):
             "attention_chunk_size": self.attention_chunk_size,
             "rope_scaling": self.rope_scaling,
             "attention_implementation": self.attention_implementation,
+            "matmul_precision": self.matmul_precision,
         }

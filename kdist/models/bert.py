@@ -83,6 +83,8 @@ class BertBackbone(Backbone, keras.Model):
         scan_layers: the encoder blocks as one stacked, scanned ``LayerStack``
             (``encoder_blocks/...``); None: when the distribution has a ``stage`` axis
             (see ``GPTBackbone``).
+        matmul_precision: ``"bf16"`` (default), ``"int8"`` or ``"fp8"``: the encoder blocks'
+            projections quantized (:mod:`kdist.precision`; the pooler and MLM head are not).
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -116,6 +118,7 @@ class BertBackbone(Backbone, keras.Model):
         mlp_activation: str = "gelu",
         scan_layers: bool | None = None,
         attention_implementation: str = "auto",
+        matmul_precision: str = "bf16",
         **kwargs,
     ):
         if mlp_activation not in ("gelu", "gelu_exact"):
@@ -162,6 +165,7 @@ class BertBackbone(Backbone, keras.Model):
                 attention_chunk_size=attention_chunk_size,
                 mlp_activation=mlp_activation,
                 attention_implementation=attention_implementation,
+                matmul_precision=matmul_precision,
                 dtype=dtype,
                 name=name,
             )
@@ -208,6 +212,7 @@ class BertBackbone(Backbone, keras.Model):
         self.mlp_activation = mlp_activation
         self.scan_layers = scan_layers
         self.attention_implementation = attention_implementation
+        self.matmul_precision = matmul_precision
 
     def embed(self, token_ids, segment_ids, training=None):
         """Token + position + segment embeddings, normalised, with dropout: ``(B, T)`` ids

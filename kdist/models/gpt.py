@@ -103,6 +103,9 @@ class GPTBackbone(Backbone, keras.Model):
             compiles one block, not L), and the layers splittable into pipeline stages
             (the ``stage`` mesh axis). None (default): stacked when the distribution has
             a ``stage`` axis. ``kdist.models.stacking`` converts weights between the two.
+        matmul_precision: ``"bf16"`` (default: the dtype policy's matmuls), ``"int8"`` or
+            ``"fp8"``: every block's attention and MLP projections quantized forward and
+            backward (:mod:`kdist.precision`); embeddings, head, norms, softmax, loss unchanged.
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -144,6 +147,7 @@ class GPTBackbone(Backbone, keras.Model):
         rope_scaling: dict | None = None,
         scan_layers: bool | None = None,
         attention_implementation: str = "auto",
+        matmul_precision: str = "bf16",
         **kwargs,
     ):
         if hidden_dim % num_heads:
@@ -216,6 +220,7 @@ class GPTBackbone(Backbone, keras.Model):
                 attention_chunk_size=attention_chunk_size,
                 rope_scaling=rope_scaling if rotary else None,
                 attention_implementation=attention_implementation,
+                matmul_precision=matmul_precision,
                 dtype=dtype,
                 name=name,
             )
@@ -265,6 +270,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.rope_scaling = rope_scaling
         self.scan_layers = scan_layers
         self.attention_implementation = attention_implementation
+        self.matmul_precision = matmul_precision
 
     @property
     def head_dim(self) -> int:
@@ -351,11 +357,11 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
     def compile(self, optimizer="adamw", loss=None, **kwargs):
         # The fused cross-entropy computes exactly the default loss; a loss or metrics of
         # the user's need logits.
-        default = (_is_default_loss(loss) and not kwargs.get("metrics")
+        default = (losses.is_default_loss(loss) and not kwargs.get("metrics")
                    and not kwargs.get("weighted_metrics"))
         self._fused_loss = self.loss_chunk_size not in (None, 0) and default
         schedule = pipeline.scheduled_name()
-        if schedule != "gpipe" and not _is_default_loss(loss):
+        if schedule != "gpipe" and not losses.is_default_loss(loss):
             raise ValueError(
                 f"pipeline_schedule={schedule!r} computes the default loss (sparse categorical "
                 f"cross-entropy on the logits) inside the pipeline, microbatch by microbatch; "
@@ -447,13 +453,3 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
         """
         return GPTCostModel(GPTBackbone.full_config(backbone_config))
 
-
-def _is_default_loss(loss) -> bool:
-    """None, or the loss compile() defaults to (as a reloaded model's compile config has it):
-    the fused cross-entropy computes exactly that."""
-    if loss is None:
-        return True
-    return (isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
-            and loss.get_config().get("from_logits") is True
-            and loss.get_config().get("ignore_class") is None
-            and loss.reduction == "sum_over_batch_size")

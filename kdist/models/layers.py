@@ -17,6 +17,8 @@ from kdist.parallel import context
 from kdist.parallel.constraints import shard_batch
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.rules import build_with_axes
+from kdist.precision import layers as precision_layers
+from kdist.precision.policy import check as check_precision
 
 # Logical axes of a norm's scale and offset (never sharded over model; split over fsdp).
 NORM_AXES = dict(gamma=("norm",), beta=("norm",), scale=("norm",))
@@ -51,6 +53,8 @@ class MLP(layers.Layer):
     ``activation="gelu"``: ``down(gelu(up(x)))`` with GELU's tanh approximation (GPT-2's
     ``gelu_new``); ``"gelu_exact"``: the exact, erf form (Hugging Face BERT's ``gelu``).
     ``activation="swiglu"``: ``down(silu(gate(x)) * up(x))`` (Llama).
+    ``matmul_precision``: ``"bf16"`` (the dtype policy's matmuls), ``"int8"`` or ``"fp8"``
+    (:mod:`kdist.precision`: the up/gate/down matmuls quantized, weights unchanged).
 
     Example:
         >>> MLP(intermediate_dim=128, activation="swiglu")(keras.ops.ones((2, 8, 64))).shape
@@ -64,9 +68,11 @@ class MLP(layers.Layer):
         use_bias: bool = True,
         initializer_range: float = 0.02,
         output_initializer_range: float | None = None,
+        matmul_precision: str = "bf16",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.matmul_precision = check_precision(matmul_precision)
         if activation not in MLP_ACTIVATIONS:
             raise ValueError(f"Unknown MLP activation '{activation}'. Use one of "
                              f"{MLP_ACTIVATIONS} ('gelu' is the tanh approximation).")
@@ -77,8 +83,9 @@ class MLP(layers.Layer):
         self.output_initializer_range = output_initializer_range
 
     def _dense(self, units, stddev, name, input_shape, kernel_axes, bias_axes):
-        layer = layers.Dense(
+        layer = precision_layers.dense(
             units,
+            self.matmul_precision,
             use_bias=self.use_bias,
             kernel_initializer=_normal(stddev),
             dtype=self.dtype_policy,
@@ -119,6 +126,7 @@ class MLP(layers.Layer):
             "use_bias": self.use_bias,
             "initializer_range": self.initializer_range,
             "output_initializer_range": self.output_initializer_range,
+            "matmul_precision": self.matmul_precision,
         }
 
 
@@ -160,10 +168,12 @@ class PreNormBlock(layers.Layer):
         attention_chunk_size: int | None = None,
         rope_scaling: dict | None = None,
         attention_implementation: str = "auto",
+        matmul_precision: str = "bf16",
         **kwargs,
     ):
         super().__init__(**kwargs)
         remat_policies.check(remat)
+        self.matmul_precision = check_precision(matmul_precision)
         self.fused_qkv = fused_qkv
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -195,6 +205,7 @@ class PreNormBlock(layers.Layer):
             attention_chunk_size=attention_chunk_size,
             rope_scaling=rope_scaling,
             attention_implementation=attention_implementation,
+            matmul_precision=matmul_precision,
             dtype=dtype,
             name="attention",
         )
@@ -205,6 +216,7 @@ class PreNormBlock(layers.Layer):
             use_bias=use_bias,
             initializer_range=initializer_range,
             output_initializer_range=output_initializer_range,
+            matmul_precision=matmul_precision,
             dtype=dtype,
             name="mlp",
         )
@@ -261,6 +273,7 @@ class PreNormBlock(layers.Layer):
             "attention_chunk_size": self.attention_chunk_size,
             "rope_scaling": self.rope_scaling,
             "attention_implementation": self.attention_implementation,
+            "matmul_precision": self.matmul_precision,
         }
 
 
@@ -273,7 +286,8 @@ class PostNormBlock(layers.Layer):
     mixed precision. ``remat`` is a :mod:`kdist.models.remat` policy (``True``: keep only
     the block input);
     ``attention_chunk_size`` and ``attention_implementation`` are ``CausalSelfAttention``'s;
-    ``mlp_activation`` is ``MLP``'s ``"gelu"`` (tanh) or ``"gelu_exact"`` (HF BERT's erf).
+    ``mlp_activation`` is ``MLP``'s ``"gelu"`` (tanh) or ``"gelu_exact"`` (HF BERT's erf);
+    ``matmul_precision`` (``"bf16"``, ``"int8"``, ``"fp8"``) quantizes the projections.
 
     Example:
         >>> block = PostNormBlock(num_heads=4, head_dim=16, intermediate_dim=128)
@@ -293,9 +307,11 @@ class PostNormBlock(layers.Layer):
         attention_chunk_size: int | None = None,
         mlp_activation: str = "gelu",
         attention_implementation: str = "auto",
+        matmul_precision: str = "bf16",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.matmul_precision = check_precision(matmul_precision)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.intermediate_dim = intermediate_dim
@@ -310,12 +326,14 @@ class PostNormBlock(layers.Layer):
         self.attention = CausalSelfAttention(
             num_heads, head_dim, causal=False, initializer_range=initializer_range,
             attention_chunk_size=attention_chunk_size,
-            attention_implementation=attention_implementation, dtype=dtype, name="attention",
+            attention_implementation=attention_implementation,
+            matmul_precision=matmul_precision, dtype=dtype, name="attention",
         )
         self.attention_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="attention_norm")
         self.mlp = MLP(intermediate_dim, activation=mlp_activation,
-                       initializer_range=initializer_range, dtype=dtype, name="mlp")
+                       initializer_range=initializer_range, matmul_precision=matmul_precision,
+                       dtype=dtype, name="mlp")
         self.mlp_norm = layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=dtype, name="mlp_norm")
         self.attention_dropout = Dropout(dropout, dtype=dtype)
@@ -352,6 +370,7 @@ class PostNormBlock(layers.Layer):
             "attention_chunk_size": self.attention_chunk_size,
             "mlp_activation": self.mlp_activation,
             "attention_implementation": self.attention_implementation,
+            "matmul_precision": self.matmul_precision,
         }
 
 

@@ -106,6 +106,11 @@ TABLE: list[Row] = [
     # fsdp=8 in bfloat16: tests/parallel/test_reduction.py (that it is not float32's).
     trains("data=2,fsdp=2,model=2", "gpt", gradient_reduction="int8", tolerance="8bit"),
     # float8 with error feedback on data=2,fsdp=4: tests/parallel/test_reduction.py.
+    # --- matmul_precision='int8' (kdist.precision): one device's int8 training -----------
+    trains("fsdp=4,model=2", "gpt", config={"matmul_precision": "int8"}, tolerance="int8"),
+    trains("seq=2,data=4", "gpt", config={"matmul_precision": "int8"}, tolerance="int8"),
+    trains("stage=2,data=4", "gpt", config={**CONFIGS["scanned"], "matmul_precision": "int8"},
+           pipeline_schedule="1f1b", tolerance="int8_microbatches", slow=True),
     # --- stage: pipelines over a scanned layer stack --------------------------------------
     trains("stage=8", "gpt", config="deep", rows=16),  # 1 layer per stage, M = S = 8
     trains("stage=4,data=2", "gpt", config="deep", rows=16, pipeline_microbatches=8),  # M = 2S

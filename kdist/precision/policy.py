@@ -1,0 +1,64 @@
+"""The matmul precision policy: which arithmetic the Transformer's large matmuls use.
+
+``"bf16"`` (default) leaves them to Keras' dtype policy (bfloat16 under
+``mixed_bfloat16``, float32 under ``float32``): nothing is quantized. ``"int8"`` runs the
+forward matmul and both backward matmuls with int8 operands and int32 accumulation
+(:func:`kdist.precision.matmul.int8_matmul`); ``"fp8"`` with float8 operands, e4m3 forward
+and e5m2 gradients (:func:`kdist.precision.matmul.fp8_matmul`). Weights, optimizer state,
+softmax, norms and the loss are the dtype policy's under every precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+PRECISIONS = ("bf16", "int8", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """A checked matmul precision: its ``name`` and the peak (``kdist.accelerators``'
+    table's column) its matmuls are counted against.
+
+    Example:
+        >>> precision("int8").quantized, precision("bf16").peak
+        (True, 'bf16')
+    """
+
+    name: str
+
+    @property
+    def quantized(self) -> bool:
+        return self.name != "bf16"
+
+    @property
+    def peak(self) -> str:
+        """The peak-table column of the quantized matmuls' rate."""
+        return self.name
+
+
+def check(name, argument: str = "matmul_precision") -> str:
+    """``name`` if it is one of :data:`PRECISIONS`, else a ``ValueError`` naming
+    ``argument``, what it got and what to pass.
+
+    Example:
+        >>> check("int8")
+        'int8'
+    """
+    if name not in PRECISIONS:
+        raise ValueError(f"{argument}={name!r} is not a matmul precision. Pass one of "
+                         f"{', '.join(repr(p) for p in PRECISIONS)} ('bf16': the dtype "
+                         f"policy's unquantized matmuls; 'int8'/'fp8': quantized matmuls).")
+    return name
+
+
+def precision(name: str = "bf16") -> Precision:
+    """The matmul precision policy ``name`` (``"bf16"``, ``"int8"`` or ``"fp8"``), checked.
+    Pass its name as a backbone's ``matmul_precision`` to train under it.
+
+    Example:
+        >>> import kdist
+        >>> kdist.precision("fp8").name
+        'fp8'
+    """
+    return Precision(check(name, "precision"))
