@@ -26,8 +26,8 @@ step's seconds (compilation), and kdist's speed as a ratio of each reference's.
 ``--sweep``: kdist only, the candidate settings the device's defaults were chosen from
 (batch, rematerialisation, attention) at each shape. ``--dry-run``: tiny shapes on a CPU
 (Pallas interpreted), for CI. ``--matmul-precision int8`` adds a kdist row per shape under
-``matmul_precision="int8"`` at the bf16 row's batch (its MFU still against the bf16 peak;
-``kdist plan --matmul-precision int8`` gives the blended peak). JSON in
+``matmul_precision="int8"`` at the bf16 row's batch (its MFU against the int8/bf16 blend
+that ``kdist plan --matmul-precision int8`` divides by, ``mfu_peak``). JSON in
 ``benchmarks/results/``.
 
     python benchmarks/accelerator.py                # one TPU v5e chip: ~15 minutes
@@ -183,7 +183,8 @@ def kdist_row(preset, length, batch, options, dry_run) -> dict:
     chosen = kdist.accelerators.remat_for(model, batch, length)
     return {"side": "kdist", "batch": batch, "tokens_per_s": rate, "first_step_s": first,
             "loss": loss, "flops_per_token": flops.training, "convention": flops.convention,
-            "peak_bytes": memory.peak, "remat": options.get("remat", chosen),
+            "flops_breakdown": flops, "peak_bytes": memory.peak,
+            "remat": options.get("remat", chosen),
             "attention": next(
                 layer for layer in model.backbone._flatten_layers()
                 if isinstance(layer, kdist.models.attention.CausalSelfAttention)
@@ -365,6 +366,7 @@ def main(argv=None):
                 continue
             row = kdist_row(preset, length, 4 if args.dry_run else batch, options,
                             args.dry_run)
+            row.pop("flops_breakdown")
             add({**row, "options": options}, preset, length, row["flops_per_token"])
     else:
         for preset, length in DRY_SHAPES if args.dry_run else SHAPES:
@@ -373,15 +375,20 @@ def main(argv=None):
             if over_budget(preset):
                 continue
             row = kdist_row(preset, length, None, {}, args.dry_run)
+            row.pop("flops_breakdown")
             ours = add(row, preset, length, row["flops_per_token"])
             for precision in args.matmul_precision:  # same batch: tokens/s comparable
                 if over_budget(f"{preset} {precision}"):
                     continue
                 row = kdist_row(preset, length, ours["batch"],
                                 {"matmul_precision": precision}, args.dry_run)
+                blended = kdist.callbacks.peak.matmul_peak(
+                    peak, row.pop("flops_breakdown"), matmul_precision=precision)
                 row = add({**row, "side": f"kdist {precision}"}, preset, length,
                           row["flops_per_token"])
                 row["vs bf16"] = row["tokens_per_s"] / ours["tokens_per_s"]
+                if "tflops" in row:  # MFU against the int8/bf16 blend (the plan's)
+                    row.update(mfu_peak=blended.tflops, mfu=row["tflops"] / blended.tflops)
             for side, measure in (("keras-hub", keras_hub_row), ("plain JAX", plain_jax_row)):
                 if side not in args.sides or over_budget(f"{preset} {side}"):
                     continue

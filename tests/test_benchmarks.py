@@ -31,10 +31,15 @@ def test_attention_benchmark_times_every_implementation(tmp_path):
 
 
 def test_accelerator_benchmark_compares_the_three_sides(tmp_path):
-    stdout = _dry_run(tmp_path, "accelerator.py", "--only", "llama-550m")
+    stdout = _dry_run(tmp_path, "accelerator.py", "--only", "llama-550m",
+                      "--matmul-precision", "int8")
     result = json.loads((tmp_path / "accelerator_dry_run.json").read_text())
     sides = {r["side"]: r for r in result["rows"]}
-    assert set(sides) == {"kdist", "keras-hub", "plain JAX"}, result["rows"]
+    assert set(sides) == {"kdist", "kdist int8", "keras-hub", "plain JAX"}, result["rows"]
+    int8 = sides.pop("kdist int8")  # same batch, MFU against the int8/bf16 blend (a CPU's
+    assert int8["batch"] == sides["kdist"]["batch"]  # measured peak: unchanged)
+    assert int8["vs bf16"] == pytest.approx(int8["tokens_per_s"] / sides["kdist"]["tokens_per_s"])
+    assert int8["mfu"] == pytest.approx(int8["tflops"] / int8["mfu_peak"])
     ours = sides["kdist"]
     for name in ("keras-hub", "plain JAX"):
         assert ours[f"vs {name}"] == pytest.approx(

@@ -70,6 +70,44 @@ class Peak:
         return f"{self.tflops:.4g} TFLOP/s {self.dtype} per device ({source}: {self.device_kind})"
 
 
+def matmul_peak(peak: Peak, flops, model=None, matmul_precision: str | None = None) -> Peak:
+    """``peak`` for a step of ``flops`` training FLOPs per token (a
+    ``kdist.flops.FlopsPerToken``) under ``matmul_precision`` (default: ``model``'s
+    backbone's, ``"bf16"`` for a model without one). ``"bf16"``:
+    ``peak`` itself. Quantized, with a table peak: the blend of the chip's int8 and
+    ``peak.dtype`` rates by the quantized share of the FLOPs
+    (:func:`kdist.precision.peak.peak_tflops`, what ``kdist plan`` divides by). A
+    measured or given peak, or a chip with no published figure for the precision: ``peak``
+    unchanged, its note saying the quantized matmuls are counted at it.
+
+    Example:
+        >>> from kdist.flops import transformer_flops_per_token
+        >>> f = transformer_flops_per_token(4, 256, 4, 1024, 8192, 256)
+        >>> v5e = Peak(197.0, "table", "TPU v5 lite", "bfloat16")
+        >>> round(matmul_peak(v5e, f, matmul_precision="int8").tflops, 1)
+        275.5
+    """
+    from kdist.precision import peak as blended
+
+    if matmul_precision is None:
+        backbone = getattr(model, "backbone", model)
+        matmul_precision = getattr(backbone, "matmul_precision", None) or "bf16"
+    if matmul_precision == "bf16" or flops is None:
+        return peak
+    entry = accelerators.for_device_kind(peak.device_kind) if peak.source == "table" else None
+    try:
+        if entry is None:
+            raise ValueError(f"a {peak.source} peak")
+        tflops = blended.peak_tflops(entry, matmul_precision, flops, peak.dtype)
+    except ValueError as e:
+        why = str(e).split(" (")[0] if entry is not None else f"a {peak.source} peak"
+        note = (f"{peak.note}; " if peak.note else "") + (
+            f"{matmul_precision} matmuls counted at this {peak.dtype} peak ({why})")
+        return dataclasses.replace(peak, note=note)
+    return dataclasses.replace(peak, tflops=tflops, note=blended.peak_line(
+        entry, matmul_precision, flops))
+
+
 def table_peak_tflops(device_kind: str, dtype: str = "bfloat16") -> float | None:
     """The data-sheet dense peak for a JAX ``device_kind`` (:mod:`kdist.accelerators`), or
     None if it is not in the table.

@@ -13,11 +13,10 @@ What is measured, and how (all wall-clock, ``time.perf_counter()`` on the host):
 * **MFU** = model FLOPs per token x tokens/s per device / the device's dense peak. FLOPs:
   the model's cost model (any family with ``cost_model()``; remat recompute excluded),
   else ``flops_per_token=``, else ``6 x trainable parameters`` (so labelled); with remat,
-  **HFU** too. The peak: the data-sheet table's, the user's, or measured here and kept per
-  machine (:mod:`kdist.callbacks.peak`). **An MFU above 1 is never reported**
-  (:mod:`kdist.callbacks.mfu`): ``mfu`` is None and ``mfu_unreliable`` says why; a peak
-  measured under load is flagged in every row, and such MFU is kept out of the progress bar
-  (said once, in a line of its own).
+  **HFU** too. The peak (:mod:`kdist.callbacks.peak`): the table's (int8 ``matmul_precision``:
+  blended with its int8 rate), the user's, or measured here and kept per machine. **No MFU
+  above 1** (:mod:`kdist.callbacks.mfu`): ``mfu`` is None and ``mfu_unreliable`` says why;
+  a peak measured under load is flagged in every row, its MFU kept out of the progress bar.
 * **Loss**: ``loss`` is Keras' running epoch mean; ``step_losses`` each step's own
   (:mod:`kdist.callbacks.step_loss`), which ``kdist report`` plots. **Rounds** of separate
   replica group jobs: :mod:`kdist.groups.rounds`.
@@ -42,7 +41,7 @@ import numpy as np
 from kdist import _keras_compat
 from kdist.callbacks.fit_devices import fit_devices
 from kdist.callbacks.mfu import ModelFlops, interval_rates, shown_mfu
-from kdist.callbacks.peak import device_peak
+from kdist.callbacks.peak import device_peak, matmul_peak
 from kdist.callbacks.run_log import (
     JSONL_NAME,
     TENSORBOARD_DIR,
@@ -163,7 +162,8 @@ class Throughput(keras.callbacks.Callback):
         self._first_process = process == 0  # the one that prints and writes
         self._is_writer = self._first_process and self.log_dir is not None
         dtype = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
-        self._peak = device_peak(self._local_devices, dtype, self.peak_tflops)
+        peak = device_peak(self._local_devices, dtype, self.peak_tflops)
+        self._peak = matmul_peak(peak, self._flops.breakdown, model)
         self._reset_counters()
         steps = (self.params or {}).get("steps")  # an epoch entered half-way: see step_loss
         self._step_losses = StepLosses(self._initial_fit_steps // steps if steps and

@@ -224,25 +224,50 @@ def test_the_compiled_steps_peak_is_logged_beside_the_live_memory(tmp_path):
     assert "live buffers" in note and "compiled_peak_unavailable" not in intervals[-1]
 
 
-def test_mfu_divides_by_the_device_kinds_table_peak_and_names_it(monkeypatch):
-    """On a TPU v5e the denominator is Google's 197 TFLOP/s bf16, named with its source.
-    The run is on this CPU; only the devices the callback accounts for are v5e chips."""
+@pytest.mark.parametrize("matmul_precision", ["bf16", "int8"])
+def test_mfu_divides_by_the_device_kinds_table_peak_and_names_it(monkeypatch, matmul_precision):
+    """On a TPU v5e the denominator is Google's 197 TFLOP/s bf16, named with its source;
+    under int8 matmuls the blend of it and the chip's 393 TOP/s int8 by the quantized
+    share of the FLOPs (what `kdist plan --matmul-precision int8` divides by). The run is
+    on this CPU; only the devices the callback accounts for are v5e chips."""
+    from kdist.accelerators import accelerator
+    from kdist.precision import peak as blended
+
     chip = SimpleNamespace(device_kind="TPU v5 lite", platform="tpu", process_index=0,
                            memory_stats=lambda: None)
     monkeypatch.setattr(throughput, "fit_devices", lambda: ([chip], [chip], 0))
     keras.config.set_dtype_policy("mixed_bfloat16")
-    model = tiny_gpt()
+    model = tiny_gpt(matmul_precision=matmul_precision)
     model.compile(optimizer=parity_optimizer())
     cb = Throughput(BATCH, LENGTH, log_every=2, tensorboard=False)
     model.fit(*data(4), batch_size=BATCH, verbose=0, shuffle=False, callbacks=[cb])
     config = cb.rows[0]
+    peak = 197.0
+    if matmul_precision == "int8":
+        peak = blended.peak_tflops(accelerator("tpu-v5e"), "int8", cb._flops.breakdown)
+        assert 197.0 < peak < 393.0
+        assert "matmul precision int8" in config["peak"]
+    else:
+        assert config["peak"] == ("197 TFLOP/s bfloat16 per device (table, tpu-v5e in Google "
+                                  "Cloud TPU docs, page 'TPU v5e': TPU v5 lite)")
     assert (config["device_kind"], config["peak_tflops_per_device"], config["peak_source"]) \
-        == ("TPU v5 lite", 197.0, "table")
-    assert config["peak"] == ("197 TFLOP/s bfloat16 per device (table, tpu-v5e in Google "
-                              "Cloud TPU docs, page 'TPU v5e': TPU v5 lite)")
+        == ("TPU v5 lite", peak, "table")
     timed = [r for r in cb.rows if r.get("tflops_per_device")]
-    assert timed and all(r["mfu"] == pytest.approx(r["tflops_per_device"] / 197.0)
+    assert timed and all(r["mfu"] == pytest.approx(r["tflops_per_device"] / peak)
                          for r in timed)
+
+
+def test_a_measured_peak_says_int8_matmuls_are_counted_at_it():
+    from kdist.flops import transformer_flops_per_token
+
+    flops = transformer_flops_per_token(4, 256, 4, 1024, 8192, 256)
+    measured = peaks.Peak(0.2, "measured", "cpu", "float32")
+    assert peaks.matmul_peak(measured, flops, matmul_precision="bf16") is measured
+    said = peaks.matmul_peak(measured, flops, matmul_precision="int8")
+    assert said.tflops == 0.2 and "int8 matmuls counted at this float32 peak" in said.note
+    fp8 = peaks.matmul_peak(peaks.Peak(197.0, "table", "TPU v5 lite", "bfloat16"), flops,
+                            matmul_precision="fp8")
+    assert fp8.tflops == 197.0 and "has no fp8 peak" in fp8.note
 
 
 def test_an_mfu_against_a_peak_measured_under_load_stays_out_of_the_progress_bar(
