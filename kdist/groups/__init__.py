@@ -21,7 +21,8 @@ directory: a local disk, NFS, a mounted bucket), never through a server of kdist
   :mod:`kdist.groups.store_io` how it writes its files (once, or waiting out a full store).
 * :mod:`kdist.groups.sync` — the outer step between inner steps, on the host: publish, wait
   for the quorum, average in a fixed order, step; join and catch up
-  (:mod:`kdist.groups.catch_up`); the arrays' part in :mod:`kdist.groups.outer_arrays`, the
+  (:mod:`kdist.groups.catch_up`); end with the job's last round (:mod:`kdist.groups.
+  job_end`); the arrays' part in :mod:`kdist.groups.outer_arrays`, the
   host's (output that never raises, the heartbeat thread) in :mod:`kdist.groups.host`.
 * :mod:`kdist.groups.rejoin` — where a restarted group resumes: the job's step, not its
   own checkpoint's.

@@ -60,13 +60,14 @@ from kdist.groups import fingerprints
 from kdist.groups import outer_arrays as arrays
 from kdist.groups.catch_up import CatchUp
 from kdist.groups.host import Heartbeat, agree, alive, guard_output, say
+from kdist.groups.job_end import JobEnd
 from kdist.groups.store import POLL, STALE_AFTER, Store, StoreError
 from kdist.parallel.group_jobs import GroupRefused, JobGroups
 
 KEEP_PENDING = 3  # rounds an applied outer state waits to be checked against its commit
 
 
-class OuterSync(CatchUp):
+class OuterSync(CatchUp, JobEnd):
     """The host side of one group's DiLoCo in a job of separate groups.
 
     :func:`kdist.groups.diloco.make_train_function` calls :meth:`join` before the first
@@ -234,40 +235,6 @@ class OuterSync(CatchUp):
         self.beat(state="finished" if self._last_round() else "training", round=r)
         return state
 
-    def _job_ended_at(self, r: int) -> bool:
-        """Whether round ``r`` was the job's last: a member published it from the last step
-        of its ``fit`` (quorum rounds, where every group trains the same steps)."""
-        if r < 1 or self.job.mode != "quorum":
-            return False
-        ended = False
-        if self.process == 0:
-            record = self.store.quorum(r) or {}
-            published = self.store.published(r)
-            ended = any(published.get(g, {}).get("final") for g in record.get("members", []))
-        return bool(agree(int(ended)))
-
-    def _end_with_job(self, state, r: int, step: int):
-        """The job ended at round ``r`` while this group, which joined behind the job's
-        step, still has steps of its ``fit`` left: it ends with the job's outer state
-        instead of training rounds alone (which would leave its final weights unlike every
-        other group's), and stops ``fit``; the steps left are what its late rejoin cost."""
-        theta, momenta, _ = self._parts(state)
-        state = self._with(state, theta, momenta)  # the inner weights back to the job's
-        self.ended = r
-        self.model.stop_training = True
-        self._verify_pending(wait=self.job.deadline)  # no later round checks this one
-        if self._last_round():
-            say(f"group {self.job.index}: the job ended at round {r}; this group ends with "
-                f"it at its last step {step}, with the job's outer weights")
-        else:
-            say(f"group {self.job.index}: the job ended at round {r} (the other groups' "
-                f"last step); this group ends with it at its step {step}, with the job's "
-                f"outer weights (its steps after step {step} not trained: it rejoined "
-                f"behind the job's step)")
-        if self.heartbeat is not None:
-            self.heartbeat.beat(state="finished", round=r)
-        return state
-
     def _last_round(self) -> bool:
         """Whether this round ends ``fit`` (its schedule counted the last step)."""
         schedule = getattr(getattr(self.model.optimizer, "groups", None), "schedule", None)
@@ -307,7 +274,8 @@ class OuterSync(CatchUp):
             r = agree(max([self.applied, *closed[-1:]]) + 1)
             # An entry of an earlier attempt (killed after committing round r) stands and
             # counts in round r; this gradient then goes into the next round.
-            ours = self._publish(r, delta, dict(step=step, base=base, time=time.time()))
+            ours = self._publish(r, delta, dict(step=step, base=base, time=time.time(),
+                                                final=self._last_round()))
             record = self.store.quorum(r)
             if record is None and self.process == 0:
                 record = self.store.propose(r, sorted(self.store.published(r)), waited=0.0)
@@ -322,6 +290,7 @@ class OuterSync(CatchUp):
             self._commit(r, theta, momenta, record["members"], self.store.published(r),
                          self.pending.get(r, (None,))[0])
         if self._last_round():
+            state = self._end_with_the_others(state, r)
             self._verify_pending(wait=self.job.deadline)
         self._record(r, record["members"], began, behind=r > base + 1)
         self.beat(state="finished" if self._last_round() else "training", round=r)

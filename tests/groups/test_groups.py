@@ -317,3 +317,6 @@ def test_asynchronous_groups_never_wait_and_still_learn(tmp_path, child_env):
         closed = [r["round"] for r in g["rounds"] if "round" in r]
         assert closed == sorted(set(closed))
     assert Store(tmp_path / "store", 0).closed_rounds()[-1] >= 6  # none waited for another
+    # ... until the end: the group done first waits for the other's last round and ends
+    # with it (kdist.groups.job_end), so both hold the job's last outer weights.
+    assert groups[0]["validation"] == groups[1]["validation"], output
