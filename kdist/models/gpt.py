@@ -25,6 +25,7 @@ from kdist.models.layers import (
     document_positions,
     normalization,
 )
+from kdist.models.moe import block_moe, check_moe
 from kdist.models.presets import GPT_PRESETS
 from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel import pipeline
@@ -103,6 +104,10 @@ class GPTBackbone(Backbone, keras.Model):
             compiles one block, not L), and the layers splittable into pipeline stages
             (the ``stage`` mesh axis). None (default): stacked when the distribution has
             a ``stage`` axis. ``kdist.models.stacking`` converts weights between the two.
+        moe: routed experts in place of the MLP (:mod:`kdist.models.moe`): a dict with
+            ``num_experts`` and optionally ``experts_per_token``, ``expert_dim``, ``every``,
+            ``router``, ``shared_experts``, ``capacity_factor``, ``aux_loss_weight``,
+            ``z_loss_weight`` (``MOE_DEFAULTS``). None (default): dense MLPs.
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -144,8 +149,10 @@ class GPTBackbone(Backbone, keras.Model):
         rope_scaling: dict | None = None,
         scan_layers: bool | None = None,
         attention_implementation: str = "auto",
+        moe: dict | None = None,
         **kwargs,
     ):
+        moe = check_moe(moe, num_layers, intermediate_dim, scan_layers)
         if hidden_dim % num_heads:
             raise ValueError(
                 f"hidden_dim={hidden_dim} must be divisible by num_heads={num_heads} "
@@ -197,7 +204,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.embedding_dropout = Dropout(dropout, dtype=dtype, name="embedding_dropout")
         scan_layers = stacking_default() if scan_layers is None else bool(scan_layers)
 
-        def block(name):
+        def block(name, index=0):
             return PreNormBlock(
                 num_heads,
                 head_dim,
@@ -216,12 +223,13 @@ class GPTBackbone(Backbone, keras.Model):
                 attention_chunk_size=attention_chunk_size,
                 rope_scaling=rope_scaling if rotary else None,
                 attention_implementation=attention_implementation,
+                moe=block_moe(moe, index),
                 dtype=dtype,
                 name=name,
             )
 
         self.blocks = (LayerStack(block("block"), num_layers, dtype=dtype, name="blocks")
-                       if scan_layers else [block(f"block_{i}") for i in range(num_layers)])
+                       if scan_layers else [block(f"block_{i}", i) for i in range(num_layers)])
         self.final_norm = normalization(norm, layer_norm_epsilon, "final_norm", dtype)
         build_with_axes(self.final_norm, (None, None, hidden_dim), **NORM_AXES)
 
@@ -265,6 +273,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.rope_scaling = rope_scaling
         self.scan_layers = scan_layers
         self.attention_implementation = attention_implementation
+        self.moe = moe
 
     @property
     def head_dim(self) -> int:
@@ -351,11 +360,11 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
     def compile(self, optimizer="adamw", loss=None, **kwargs):
         # The fused cross-entropy computes exactly the default loss; a loss or metrics of
         # the user's need logits.
-        default = (_is_default_loss(loss) and not kwargs.get("metrics")
+        default = (losses.is_default_loss(loss) and not kwargs.get("metrics")
                    and not kwargs.get("weighted_metrics"))
         self._fused_loss = self.loss_chunk_size not in (None, 0) and default
         schedule = pipeline.scheduled_name()
-        if schedule != "gpipe" and not _is_default_loss(loss):
+        if schedule != "gpipe" and not losses.is_default_loss(loss):
             raise ValueError(
                 f"pipeline_schedule={schedule!r} computes the default loss (sparse categorical "
                 f"cross-entropy on the logits) inside the pipeline, microbatch by microbatch; "
@@ -446,14 +455,3 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
             124475904
         """
         return GPTCostModel(GPTBackbone.full_config(backbone_config))
-
-
-def _is_default_loss(loss) -> bool:
-    """None, or the loss compile() defaults to (as a reloaded model's compile config has it):
-    the fused cross-entropy computes exactly that."""
-    if loss is None:
-        return True
-    return (isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
-            and loss.get_config().get("from_logits") is True
-            and loss.get_config().get("ignore_class") is None
-            and loss.reduction == "sum_over_batch_size")

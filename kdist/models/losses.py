@@ -29,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import keras
 from jax.sharding import PartitionSpec as P
 
 from kdist.parallel.region import to_varying, varying_axes
@@ -294,3 +295,14 @@ def chunked_cross_entropy(hidden, table, labels, chunk_size: int = 128,
     local = length // _seq_size() if mesh_axes and mesh_axes[4] else length  # per device
     num_chunks = local // _largest_divisor_at_most(local, chunk_size)
     return _fused_cross_entropy(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size)
+
+
+def is_default_loss(loss) -> bool:
+    """None, or the loss compile() defaults to (as a reloaded model's compile config has it):
+    the fused cross-entropy computes exactly that."""
+    if loss is None:
+        return True
+    return (isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
+            and loss.get_config().get("from_logits") is True
+            and loss.get_config().get("ignore_class") is None
+            and loss.reduction == "sum_over_batch_size")

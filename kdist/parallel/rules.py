@@ -39,7 +39,7 @@ LOGICAL_TO_MESH: dict[str, str] = {
 # computes 1/S of the logits, and only activations cross between stages.
 FALLBACK_MESH: dict[str, str] = {"vocab": "stage"}
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "position", "norm",
-                "layers")
+                "layers", "expert")
 # Activations' logical axes -> mesh axes, beside the weights' rules: the batch is split over
 # every replica axis at once, a sequence's tokens over seq (context parallelism), heads
 # over model. The layouts of what crosses into a per-device region (a pipeline's stages,
