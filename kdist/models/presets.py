@@ -30,6 +30,13 @@ GPT_PRESETS: dict[str, dict] = {
     ),
 }
 
+# Mixture of Experts on gpt-nano's width (kdist.models.moe): 8 SwiGLU experts of width 336,
+# each token through 2: 2 x 3 x 256 x 336 = 516,096 active expert weights per block, about
+# gpt-nano's 524,288 (its 1024-wide GELU MLP); 4x the MLP weights in all. Dropless.
+GPT_PRESETS["gpt-nano-moe"] = dict(
+    GPT_PRESETS["gpt-nano"], moe=dict(num_experts=8, experts_per_token=2, expert_dim=336),
+)
+
 # Llama-style decoders: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases.
 _LLAMA = dict(position_embedding="rotary", norm="rms_norm", mlp_activation="swiglu",
               use_bias=False, layer_norm_epsilon=1e-5)
