@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -34,8 +33,16 @@ import jax.numpy as jnp
 import keras
 from keras import layers, ops
 
-from kdist.models.router import ROUTERS, expert_counts, load_balance_loss, route, z_loss
+from kdist.models.router import ROUTERS, load_balance_loss, route, z_loss
 from kdist.models.scan import stacking_default
+from kdist.parallel.experts import (
+    capacity,
+    dispatch_slots,
+    expert_counts,
+    from_buffer,
+    swiglu_batched,
+    to_buffer,
+)
 from kdist.parallel.rules import add_weight
 
 # What a block's `moe` dict may hold, with defaults (GPTBackbone's `moe` argument).
@@ -113,28 +120,12 @@ def block_moe(moe: dict | None, index: int) -> dict | None:
     return {key: value for key, value in moe.items() if key != "every"}
 
 
-def capacity(num_assignments: int, num_experts: int, factor: float) -> int:
-    """Assignments an expert takes on the capacity path: ``ceil(factor x A / E)``.
-
-    Example:
-        >>> capacity(64, 8, 1.25)
-        10
-    """
-    return max(1, math.ceil(factor * num_assignments / num_experts))
-
-
 def swiglu_grouped(x, group_sizes, gate, up, down):
     """Each group of rows of ``x (A, D)`` (sorted by expert; ``group_sizes (E,)``) through
     its expert: ``down_e(silu(x gate_e) * (x up_e))`` -> ``(A, D)``, grouped matmuls."""
     h = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes))  # (A, F)
     h = h * jax.lax.ragged_dot(x, up, group_sizes)
     return jax.lax.ragged_dot(h, down, group_sizes)  # (A, D)
-
-
-def swiglu_batched(x, gate, up, down):
-    """``x (E, C, D)``: each expert's buffer through its own weights -> ``(E, C, D)``."""
-    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x, gate)) * jnp.einsum("ecd,edf->ecf", x, up)
-    return jnp.einsum("ecf,efd->ecd", h, down)
 
 
 def dropless(tokens, experts, counts, gate, up, down):
@@ -144,33 +135,6 @@ def dropless(tokens, experts, counts, gate, up, down):
     order = jnp.argsort(experts.reshape(-1), stable=True)  # (A,): grouped by expert
     sorted_out = swiglu_grouped(tokens[order // k], counts, gate, up, down)  # (A, D)
     return sorted_out[jnp.argsort(order)].reshape(n, k, -1)  # back to token order
-
-
-def dispatch_slots(experts, counts, slots: int):
-    """Where each assignment goes in an ``(E x slots)`` buffer: ``experts (N, k)`` ->
-    ``(A,)`` int32 slot ``e x slots + position`` (position: its rank among its expert's
-    assignments, earlier tokens first), ``E x slots`` for one past capacity (dropped)."""
-    flat = experts.reshape(-1)  # (A,) token-major: token n's choices at n*k ... n*k+k-1
-    order = jnp.argsort(flat, stable=True)
-    starts = jnp.cumsum(counts) - counts  # (E,): first sorted index of each expert
-    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size, dtype=flat.dtype)
-                                              - starts[flat[order]])
-    return jnp.where(rank < slots, flat * slots + rank, counts.size * slots)
-
-
-def to_buffer(tokens, slot, k: int, num_experts: int, slots: int):
-    """``tokens (N, D)`` into the ``(E, slots, D)`` dispatch buffer (dropped: nowhere)."""
-    d = tokens.shape[-1]
-    buffer = jnp.zeros((num_experts * slots + 1, d), tokens.dtype)  # last row: the dropped
-    buffer = buffer.at[slot].set(jnp.repeat(tokens, k, axis=0))
-    return buffer[:-1].reshape(num_experts, slots, d)
-
-
-def from_buffer(buffer, slot, k: int):
-    """``(E, slots, D)`` outputs back to ``(N, k, D)`` per assignment (dropped: zeros)."""
-    d = buffer.shape[-1]
-    rows = jnp.concatenate([buffer.reshape(-1, d), jnp.zeros((1, d), buffer.dtype)])
-    return rows[slot].reshape(-1, k, d)
 
 
 def capacity_limited(tokens, experts, counts, gate, up, down, factor: float):

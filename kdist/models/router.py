@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kdist.parallel.experts import expert_counts  # noqa: F401  (the routers' counts)
+
 ROUTERS = ("softmax", "sigmoid")
 
 
@@ -43,11 +45,6 @@ def route(logits, k: int, kind: str = "softmax"):
     chosen, experts = jax.lax.top_k(scores, k)  # (N, k) each
     weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32), probs
-
-
-def expert_counts(experts, num_experts: int):
-    """How many of the ``(N, k)`` assignments went to each expert: ``(E,)`` int32."""
-    return jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
 
 
 def load_balance_loss(probs, counts):

@@ -15,6 +15,8 @@ Settings and layouts:
 ``devices``         forcing N host (CPU) devices, explicitly
 ``group_jobs``      replica groups as separate jobs: what a group reads from its environment
 ``online_softmax``  the online-softmax recurrences chunked and context-parallel attention share
+``experts``         Mixture-of-Experts dispatch: capacity buffers, the all-to-all that moves
+                    them between experts' devices (not yet a mesh axis)
 ==================  ==========================================================================
 
 The training step, a loop over transforms (outermost first):
