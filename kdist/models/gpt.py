@@ -332,7 +332,8 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
 
     backbone_class = GPTBackbone
     step_features = frozenset({"gradient_reduction", "fused_loss", "context_parallel",
-                               "token_reordering", "pipeline", "scheduled_pipeline"})
+                               "token_reordering", "pipeline", "scheduled_pipeline",
+                               "expert_parallel"})
     token_id_labels = True
 
     def __init__(self, backbone: GPTBackbone, loss_chunk_size: int | str | None = "auto",

@@ -33,8 +33,10 @@ import jax.numpy as jnp
 import keras
 from keras import layers, ops
 
+from kdist import _keras_compat
 from kdist.models.router import ROUTERS, load_balance_loss, route, z_loss
 from kdist.models.scan import stacking_default
+from kdist.parallel import experts as experts_module
 from kdist.parallel.experts import (
     capacity,
     dispatch_slots,
@@ -43,6 +45,7 @@ from kdist.parallel.experts import (
     swiglu_batched,
     to_buffer,
 )
+from kdist.parallel.layout import check_divisible
 from kdist.parallel.rules import add_weight
 
 # What a block's `moe` dict may hold, with defaults (GPTBackbone's `moe` argument).
@@ -90,6 +93,7 @@ def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
     experts, k = moe["num_experts"], moe["experts_per_token"]
     if not isinstance(experts, int) or experts < 1:
         raise ValueError(f"moe['num_experts'] must be a positive int (e.g. 8); got {experts!r}.")
+    check_divisible("moe['num_experts']", experts, axis="expert")  # split over the axis
     if not isinstance(k, int) or not 1 <= k <= experts:
         raise ValueError(f"moe['experts_per_token']={k!r} must be an int in [1, num_experts="
                          f"{experts}]: a token cannot choose more experts than exist. Lower "
@@ -128,12 +132,39 @@ def swiglu_grouped(x, group_sizes, gate, up, down):
     return jax.lax.ragged_dot(h, down, group_sizes)  # (A, D)
 
 
+def swiglu_blocked(x, group_sizes, gate, up, down, block: int = 128):
+    """:func:`swiglu_grouped` by blocks of ``block`` rows of one expert each: every group
+    padded with zero rows to a multiple of ``block`` (at most ``E x (block - 1)`` rows in
+    all), each block through its expert's weights gathered for it (batched matmuls). Exact
+    (padding rows are dropped); for XLA:CPU, which runs ``ragged_dot`` as a dense matmul
+    over every expert with a mask (E x the FLOPs): measured 6.7x faster there, forward and
+    backward, at gpt-nano-moe's shape (A 8192, D 256, F 336, E 8)."""
+    a, d = x.shape
+    e = group_sizes.size
+    block = max(1, min(block, a // e))
+    padded = (group_sizes + block - 1) // block * block  # (E,)
+    ends = jnp.cumsum(padded)
+    expert = jnp.repeat(jnp.arange(e), group_sizes, total_repeat_length=a)  # (A,) row's
+    start = jnp.cumsum(group_sizes) - group_sizes
+    row = (ends - padded)[expert] + jnp.arange(a) - start[expert]  # (A,) padded position
+    blocks = -(-(a + e * (block - 1)) // block)  # static: enough for any group sizes
+    xb = jnp.zeros((blocks * block, d), x.dtype).at[row].set(x).reshape(blocks, block, d)
+    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"),
+                        e - 1)  # (blocks,) expert of each block (unused blocks: any)
+    h = jax.nn.silu(jnp.einsum("nbd,ndf->nbf", xb, gate[owner]))
+    h = h * jnp.einsum("nbd,ndf->nbf", xb, up[owner])  # (blocks, block, F)
+    return jnp.einsum("nbf,nfd->nbd", h, down[owner]).reshape(-1, d)[row]  # (A, D)
+
+
 def dropless(tokens, experts, counts, gate, up, down):
     """``tokens (N, D)``, ``experts (N, k)`` -> every assignment's expert output
-    ``(N, k, D)``: assignments sorted by expert, grouped matmuls, unsorted."""
+    ``(N, k, D)``: assignments sorted by expert, grouped matmuls (``ragged_dot``; blocks on
+    a CPU, :func:`swiglu_blocked`), unsorted."""
     n, k = experts.shape
     order = jnp.argsort(experts.reshape(-1), stable=True)  # (A,): grouped by expert
-    sorted_out = swiglu_grouped(tokens[order // k], counts, gate, up, down)  # (A, D)
+    blocks = jax.default_backend() == "cpu" and isinstance(n, int)  # (not Keras' symbolic
+    grouped = swiglu_blocked if blocks else swiglu_grouped           # shape inference)
+    sorted_out = grouped(tokens[order // k], counts, gate, up, down)  # (A, D)
     return sorted_out[jnp.argsort(order)].reshape(n, k, -1)  # back to token order
 
 
@@ -158,7 +189,8 @@ class MoEFeedForward(layers.Layer):
         expert_dim: F, each expert's width.
         router: ``"softmax"`` (Mixtral) or ``"sigmoid"`` (DeepSeek-V3), :mod:`router`.
         shared_experts: experts every token goes through (DeepSeek, Qwen2-MoE): one SwiGLU
-            :class:`~kdist.models.layers.MLP` of width ``shared_experts x expert_dim``.
+            of width ``shared_experts x expert_dim`` (weights ``shared_gate``,
+            ``shared_up`` ``(D, S)``, ``shared_down`` ``(S, D)``).
         capacity_factor: None (dropless) or the capacity path's factor (module docstring).
         aux_loss_weight: coefficient of the load-balance loss added in training.
         z_loss_weight: coefficient of the router z-loss added in training.
@@ -207,14 +239,14 @@ class MoEFeedForward(layers.Layer):
                              initializer=normal(stddev=std))
         self.down = add_weight(self, "down", (e, f, d), ("expert", "mlp", "embed"),
                                initializer=normal(stddev=out_std))
-        self.shared = None
+        self.shared = None  # DeepSeek's shared experts: one SwiGLU of their summed width
         if self.shared_experts:
-            from kdist.models.layers import MLP  # (layers imports this module for its blocks)
-
-            self.shared = MLP(self.shared_experts * f, activation="swiglu", use_bias=False,
-                              initializer_range=std, output_initializer_range=out_std,
-                              dtype=self.dtype_policy, name="shared_experts")
-            self.shared.build(input_shape)
+            s = self.shared_experts * f
+            self.shared = [add_weight(self, name, shape, axes, initializer=normal(stddev=sd))
+                           for name, shape, axes, sd in (
+                               ("shared_gate", (d, s), ("embed", "mlp"), std),
+                               ("shared_up", (d, s), ("embed", "mlp"), std),
+                               ("shared_down", (s, d), ("mlp", "embed"), out_std))]
         # Statistics of the last batch, for logs (not trained, not part of the function).
         self.load = add_weight(self, "expert_load", (e,), ("expert",), initializer="zeros",
                                trainable=False, dtype="float32")
@@ -230,27 +262,33 @@ class MoEFeedForward(layers.Layer):
                             ops.cast(self.router_kernel, "float32"))  # (N, E) float32
         weights, experts, probs = route(logits, self.experts_per_token, self.router)
         counts = expert_counts(experts, self.num_experts)  # (E,)
-        if self.capacity_factor is None:
+        parallel = experts_module.dispatch(tokens, experts, *kernels, self.capacity_factor)
+        if parallel is not None:  # over the 'expert' mesh axis (kdist.parallel.experts)
+            out, dropped = parallel
+        elif self.capacity_factor is None:
             out, dropped = dropless(tokens, experts, counts, *kernels), jnp.zeros((), "int32")
         else:
             out, dropped = capacity_limited(tokens, experts, counts, *kernels,
                                             self.capacity_factor)
         y = jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype))  # (N, D)
         y = ops.reshape(y, shape)
-        if self.shared is not None:
-            y = y + self.shared(x)
+        if self.shared is not None:  # (..., D) -> (..., S) -> (..., D), every token
+            gate, up, down = (ops.cast(w, x.dtype) for w in self.shared)
+            y = y + ops.matmul(ops.silu(ops.matmul(x, gate)) * ops.matmul(x, up), down)
         stats = MoEStats(load_balance_loss(probs, counts), z_loss(logits),
                          counts.astype("float32") / experts.size, dropped.astype("float32"))
         return y, stats
 
     def record(self, stats: MoEStats, training=None) -> None:
-        """The weighted losses added to the model's loss (training only: validation loss
-        stays the language-model loss) and the load statistics kept."""
-        if training:
-            if self.aux_loss_weight:
-                self.add_loss(self.aux_loss_weight * stats.aux_loss)
-            if self.z_loss_weight:
-                self.add_loss(self.z_loss_weight * stats.z_loss)
+        """The weighted losses added to the model's loss and the load statistics kept — in
+        training only: validation loss stays the language-model loss, and the statistics
+        are the last training batch's whatever was evaluated since."""
+        if not training:
+            return
+        if self.aux_loss_weight:
+            self.add_loss(self.aux_loss_weight * stats.aux_loss)
+        if self.z_loss_weight:
+            self.add_loss(self.z_loss_weight * stats.z_loss)
         self.load.assign(stats.load)
         self.dropped.assign(stats.dropped)
 
@@ -281,7 +319,7 @@ def expert_load(model) -> dict[str, dict[str, float]]:
         0.0
     """
     found = {}
-    for layer in [model, *model._flatten_layers(include_self=False)]:
+    for layer in _keras_compat.all_layers(model):
         if isinstance(layer, MoEFeedForward) and layer.built:
             load = ops.convert_to_numpy(layer.load)
             found[layer.path] = {"min_share": float(load.min()), "max_share": float(load.max()),

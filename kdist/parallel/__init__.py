@@ -15,8 +15,6 @@ Settings and layouts:
 ``devices``         forcing N host (CPU) devices, explicitly
 ``group_jobs``      replica groups as separate jobs: what a group reads from its environment
 ``online_softmax``  the online-softmax recurrences chunked and context-parallel attention share
-``experts``         Mixture-of-Experts dispatch: capacity buffers, the all-to-all that moves
-                    them between experts' devices (not yet a mesh axis)
 ==================  ==========================================================================
 
 The training step, a loop over transforms (outermost first):
@@ -31,6 +29,8 @@ The training step, a loop over transforms (outermost first):
 ``reduction``       explicit gradient reduction (one collective per weight), with
                     ``compression`` (8-bit codes) and ``dropout`` (each device's mask rows)
 ``pipeline``        the ``stage`` axis: GPipe, and the schedules run by an interpreter
+``experts``         the ``expert`` axis: MoE layers' capacity buffers, the all-to-all that
+                    moves them between the experts' devices
 ``train_step``      Keras' train step with error-feedback residuals carried
 ==================  ==========================================================================
 

@@ -11,8 +11,14 @@ source), runs its E/P experts over the ``P x C`` rows each received, and sends t
 back the same way. With ``slots = n x k`` no assignment can overflow, and the result is the
 dropless layer's (tested); fewer slots drop the late assignments and count them.
 
-Not wired into :class:`kdist.models.moe.MoEFeedForward` or the mesh yet (issue 47, part 3):
-the ``expert`` mesh axis, its sharding rule and its row in the combination table are to come.
+Under a distribution with an ``expert`` axis, :class:`kdist.models.moe.MoEFeedForward`
+routes every token first (XLA's partitioner: the router, its losses and the load see the
+whole batch, as on one device), then :func:`dispatch` runs only the experts' compute here,
+in a ``shard_map`` manual over the batch's axes (``expert`` among them: the rows enter as
+they lie; ``model`` is left to XLA). A dropless
+layer gets ``slots = n x k`` (nothing can overflow: exact, at E x the buffer memory of a
+tuned capacity); a ``capacity_factor`` gets ``ceil(factor x n x k / E)`` per source device.
+:data:`TRANSFORM` is the axis's entry in the step: it refuses a model without experts.
 
 Example:
     >>> out, dropped = expert_parallel_outputs(tokens, experts, gate, up, down, mesh,
@@ -26,6 +32,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from kdist import _keras_compat
+from kdist.parallel.layout import active
+from kdist.parallel.mesh import batch_axes
+from kdist.parallel.transform import Transform
 
 
 def expert_counts(experts, num_experts: int):
@@ -89,24 +100,71 @@ def _return(outputs, axis: str, devices: int):
     return back.reshape(devices * local, c, d)
 
 
-def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, slots: int):
-    """Every assignment's expert output ``(N, k, D)`` and the dropped count, with tokens
-    ``(N, D)`` and their experts ``(N, k)`` split over mesh axis ``axis`` and the expert
-    weights ``(E, ...)`` split over it too. ``slots``: C per expert and source device."""
+def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, slots: int,
+                            token_axes: tuple[str, ...] | None = None):
+    """Every assignment's expert output ``(N, k, D)`` and the dropped count, with the expert
+    weights ``(E, ...)`` split over mesh axis ``axis`` and tokens ``(N, D)`` and their
+    experts ``(N, k)`` split over ``token_axes`` (default ``(axis,)``; the batch's axes, in
+    its layout's order, so that the rows enter as they lie). ``slots``: C per expert and
+    source device. The region is manual over ``token_axes``: a weight's shards over the
+    other batch axes (fsdp's) are gathered on the way in, as XLA gathers them for a matmul,
+    and its gradient summed over them on the way out (``shard_map``'s transpose)."""
     devices, num_experts = mesh.shape[axis], gate.shape[0]
     if num_experts % devices:
         raise ValueError(f"{num_experts} experts cannot be split over the '{axis}' mesh axis "
                          f"of size {devices}: use a number of experts divisible by it, or a "
                          f"smaller '{axis}' axis.")
+    token_axes = tuple(token_axes or (axis,))
     k = experts.shape[1]
 
     def local(tokens, experts, gate, up, down):
         slot = dispatch_slots(experts, expert_counts(experts, num_experts), slots)  # (n k,)
         buffer = _exchange(to_buffer(tokens, slot, k, num_experts, slots), axis, devices)
         outputs = _return(swiglu_batched(buffer, gate, up, down), axis, devices)
-        dropped = jax.lax.psum(jnp.sum(slot == num_experts * slots), axis)
+        dropped = jax.lax.psum(jnp.sum(slot == num_experts * slots), token_axes)
         return from_buffer(outputs, slot, k), dropped
 
-    split = P(axis)
-    return jax.shard_map(local, mesh=mesh, in_specs=(split,) * 5, out_specs=(split, P()),
-                         axis_names={axis})(tokens, experts, gate, up, down)
+    rows, split = P(token_axes), P(axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, split, split, split),
+                         out_specs=(rows, P()), axis_names=set(token_axes))(
+        tokens, experts, gate, up, down)
+
+
+def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None):
+    """``(N, k, D)`` expert outputs and the dropped count over the active distribution's
+    ``expert`` axis, or None when it has none (the layer computes locally)."""
+    dist = active()
+    if (dist is None or dist.mesh_shape.get("expert", 1) == 1
+            or not isinstance(experts.shape[0], int)):  # symbolic: Keras inferring shapes
+        return None
+    token_axes = batch_axes(dist.mesh_shape)  # the rows' layout (expert among them)
+    n = experts.shape[0] // math.prod(dist.mesh_shape[a] for a in token_axes)  # per device
+    k = experts.shape[1]
+    slots = n * k if capacity_factor is None else capacity(n * k, gate.shape[0],
+                                                            capacity_factor)
+    return expert_parallel_outputs(tokens, experts, gate, up, down,
+                                   dist.device_mesh.backend_mesh, "expert", slots, token_axes)
+
+
+def _has_experts(model) -> bool:
+    return any(hasattr(layer, "num_experts") for layer in _keras_compat.all_layers(model))
+
+
+def _prepare(dist, model) -> None:
+    if not _has_experts(model):
+        raise ValueError(
+            f"Mesh {dist.spec} has an 'expert' axis of size {dist.mesh_shape['expert']}, but "
+            f"{type(model).__name__} has no Mixture-of-Experts layer to split over it. Build "
+            f"the model with experts (GPTBackbone(..., moe={{'num_experts': 8}}), or the "
+            f"gpt-nano-moe preset), or put those devices on 'data' or 'fsdp'.")
+
+
+def _refusal(dist, model) -> str:
+    return (f"Mesh {dist.spec} has an 'expert' axis, which {type(model).__name__} does not "
+            f"support (it does not declare the 'expert_parallel' step feature: it has no "
+            f"Mixture-of-Experts layers). Put those devices on 'data' or 'fsdp'.")
+
+
+# The 'expert' axis's entry in the step: refusals only (the dispatch runs in the layers).
+TRANSFORM = Transform("experts", wanted=lambda dist: dist.mesh_shape.get("expert", 1) > 1,
+                      feature="expert_parallel", refusal=_refusal, prepare=_prepare)

@@ -31,6 +31,7 @@ LOGICAL_TO_MESH: dict[str, str] = {
     "kv_heads": "model",
     "mlp": "model",
     "layers": "stage",  # a scanned stack's layers: contiguous pipeline stages
+    "expert": "expert",  # a MoE layer's experts (kdist.models.moe, kdist.parallel.experts)
 }
 # "layers": the leading layer axis of a scanned stack's weights (kdist.models.scan).
 # Where a logical axis goes when its mesh axis above has size 1 (and the dimension divides):
@@ -45,7 +46,7 @@ LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "posit
 # over model. The layouts of what crosses into a per-device region (a pipeline's stages,
 # context attention, the per-device loss) come from here (activation_spec).
 ACTIVATION_TO_MESH: dict[str, tuple[str, ...]] = {
-    "batch": ("replica", "data", "fsdp"),
+    "batch": ("replica", "data", "fsdp", "expert"),
     "length": ("seq",),
     "heads": ("model",),
     "kv_heads": ("model",),

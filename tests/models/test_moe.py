@@ -61,9 +61,7 @@ def _params(layer):
 def test_dropless_equals_every_expert_weighted_by_the_router(router, k, shared):
     layer = _layer(experts_per_token=k, router=router, shared_experts=shared)
     x = _x()
-    shared_params = None if not shared else [
-        jnp.asarray(layer.shared.gate.kernel), jnp.asarray(layer.shared.up.kernel),
-        jnp.asarray(layer.shared.down.kernel)]
+    shared_params = None if not shared else [jnp.asarray(w) for w in layer.shared]
     expected, _ = dense_reference(_params(layer), x, k, router, shared_params)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(x)), expected,
                                rtol=1e-5, atol=1e-6)
@@ -96,7 +94,7 @@ def test_capacity_equals_dropless_when_nothing_overflows():
     limited = _layer(experts_per_token=2, capacity_factor=float(E))  # room for every token
     limited.set_weights(dropless.get_weights())
     x = _x()
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(limited(x)),
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(limited(x, training=True)),
                                keras.ops.convert_to_numpy(dropless(x)), rtol=1e-6, atol=1e-7)
     assert float(limited.dropped) == 0.0
 
@@ -113,7 +111,7 @@ def test_capacity_drops_late_tokens_and_counts_them():
             kept[n, j] = taken[e] < slots
             taken[e] += 1
     expected, _ = dense_reference(_params(layer), x, k, kept=kept)
-    y = keras.ops.convert_to_numpy(layer(x))
+    y = keras.ops.convert_to_numpy(layer(x, training=True))
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
     assert (kept == 0).sum() > 0
     assert float(layer.dropped) == (kept == 0).sum()
@@ -124,7 +122,7 @@ def test_losses_and_load_of_one_call():
     layer = _layer(experts_per_token=2, aux_loss_weight=0.1, z_loss_weight=0.01)
     x = _x()
     layer(x)
-    assert layer.losses == []  # inference adds nothing
+    assert layer.losses == [] and float(layer.load[0]) == 0  # inference records nothing
     layer(x, training=True)
     params = _params(layer)
     logits = x.reshape(-1, D) @ params[0]
@@ -187,3 +185,16 @@ def test_a_rematerialised_moe_block_trains_like_one_that_keeps_everything():
         lm.compile(optimizer=keras.optimizers.SGD(0.1))
         losses.append([float(lm.train_on_batch(x[:, :-1], x[:, 1:])) for _ in range(2)])
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+
+
+def test_blocked_grouped_matmul_equals_ragged_dot_with_an_empty_expert():
+    from kdist.models.moe import swiglu_blocked, swiglu_grouped
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, D)).astype("float32")
+    weights = [rng.normal(size=s).astype("float32") for s in ((E, D, F), (E, D, F), (E, F, D))]
+    sizes = jnp.asarray([13, 0, 20, 7], "int32")  # groups of sorted rows; expert 1 empty
+    want = swiglu_grouped(x, sizes, *weights)
+    for block in (4, 128):
+        np.testing.assert_allclose(swiglu_blocked(x, sizes, *weights, block=block), want,
+                                   rtol=1e-5, atol=1e-5)
