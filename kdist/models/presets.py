@@ -71,6 +71,14 @@ GPT_PRESETS.update({
         hidden_dim=4096, intermediate_dim=14336, max_sequence_length=131072,
         rotary_max_wavelength=500000.0, tie_embeddings=False,
     ),
+    # Mixtral 8x7B's shape as published (Jiang et al. 2024; HF config of v0.1): 8 experts
+    # of width 14336, top-2, every block, softmax router, no sliding window. For planning.
+    "mixtral-8x7b": dict(
+        _LLAMA, vocabulary_size=32000, num_layers=32, num_heads=32, num_key_value_heads=8,
+        hidden_dim=4096, intermediate_dim=14336, max_sequence_length=32768,
+        rotary_max_wavelength=1000000.0, tie_embeddings=False,
+        moe=dict(num_experts=8, experts_per_token=2, expert_dim=14336),
+    ),
 })
 
 # BERT encoder shapes as published (Devlin et al. 2019; the small ones from Turc et al. 2019,

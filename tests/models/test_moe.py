@@ -198,3 +198,29 @@ def test_blocked_grouped_matmul_equals_ragged_dot_with_an_empty_expert():
     for block in (4, 128):
         np.testing.assert_allclose(swiglu_blocked(x, sizes, *weights, block=block), want,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_cost_model_counts_every_weight_and_the_active_ones():
+    config = dict(TINY_GPT, num_layers=4, moe={"num_experts": 4, "every": 2,
+                                               "shared_experts": 1, "expert_dim": 24})
+    backbone = GPTBackbone(**config)
+    cost = GPTCausalLM.cost_model_for(config)
+    assert cost.parameters == sum(int(np.prod(w.shape)) for w in backbone.trainable_weights)
+    d, experts, unchosen = TINY_GPT["hidden_dim"], 4, 2  # 2 of the 4 experts per token
+    assert cost.parameters - cost.active_parameters == 2 * unchosen * 3 * d * 24
+    dense = GPTCausalLM.cost_model_for(dict(TINY_GPT, num_layers=4)).flops_per_token(32)
+    moe = cost.flops_per_token(32)
+    # 2 MoE blocks: GELU MLP (2 x 2 D F) out; 3 active SwiGLU experts (2 x 3 D F') and
+    # the router (2 D E) in.
+    change = 2 * (2 * 3 * d * 24 * 3 + 2 * d * experts - 2 * 2 * d * TINY_GPT["intermediate_dim"])
+    assert moe.forward - dense.forward == change
+
+
+def test_the_cost_model_names_the_moe_preset_not_its_dense_twin():
+    from kdist.models import GPT_PRESETS
+
+    for name in ("gpt-nano", "gpt-nano-moe"):
+        config = GPTBackbone.full_config(GPT_PRESETS[name])
+        if config["moe"]:  # as a built backbone's config has it
+            config["moe"] = check_moe(config["moe"], 4, config["intermediate_dim"])
+        assert GPTCausalLM.cost_model_for(config).preset() == name
