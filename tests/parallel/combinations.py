@@ -268,6 +268,7 @@ TABLE: list[Row] = [
     # --- expert: MoE layers' tokens to their experts' devices by all-to-all -----------------
     trains("expert=2,data=4", "gpt", config="moe", layouts=True),
     trains("expert=4,fsdp=2", "llama", config="moe", layouts=True),
+    trains("data=2,fsdp=2,model=2", "gpt", config="moe", layouts=True),  # no expert axis
     refused("expert=2,model=4", "expert x model", "'expert' axis with the 'model' axis is not "
             "built yet.* Put those devices on 'expert', 'data' or 'fsdp'"),
     refused("expert=2,stage=2,data=2", "expert x stage", "needs a scanned layer stack"),
