@@ -265,7 +265,8 @@ class MoEFeedForward(layers.Layer):
         parallel = experts_module.dispatch(tokens, experts, *kernels, self.capacity_factor)
         if parallel is not None:  # over the 'expert' mesh axis (kdist.parallel.experts)
             out, dropped = parallel
-        elif self.capacity_factor is None:
+        elif self.capacity_factor is None or not isinstance(tokens.shape[0], int):
+            # (Keras' symbolic shape inference: no capacity of an unknown batch; same shape)
             out, dropped = dropless(tokens, experts, counts, *kernels), jnp.zeros((), "int32")
         else:
             out, dropped = capacity_limited(tokens, experts, counts, *kernels,

@@ -224,3 +224,16 @@ def test_the_cost_model_names_the_moe_preset_not_its_dense_twin():
         if config["moe"]:  # as a built backbone's config has it
             config["moe"] = check_moe(config["moe"], 4, config["intermediate_dim"])
         assert GPTCausalLM.cost_model_for(config).preset() == name
+
+
+def test_expert_load_reaches_the_epoch_logs():
+    from kdist.callbacks import ExpertLoad
+
+    lm = GPTCausalLM(GPTBackbone(**TINY_GPT, moe={"num_experts": 4, "capacity_factor": 0.5}))
+    lm.compile(optimizer="adam")
+    x = np.random.default_rng(0).integers(0, 256, (4, 17)).astype("int32")
+    history = lm.fit(x[:, :-1], x[:, 1:], batch_size=4, epochs=1, verbose=0,
+                     callbacks=[ExpertLoad()])
+    logs = {k: v[0] for k, v in history.history.items()}
+    assert 0 <= logs["moe_min_share"] <= 0.25 <= logs["moe_max_share"] <= 1
+    assert logs["moe_dropped"] > 0  # half the capacity dropless would need: some dropped
