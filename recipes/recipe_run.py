@@ -383,7 +383,9 @@ def fit_callbacks(args: argparse.Namespace, state: RunState, model, train_data,
     options.setting_up = False  # what fails from here on keeps its traceback
     log = ([keras.callbacks.CSVLogger(str(state.output_dir / "log.csv"), append=start_step > 0)]
            if jax.process_index() == 0 else [])  # one writer when there are several
-    return [throughput, *log, checkpoint], start_step
+    experts = [kdist.callbacks.ExpertLoad()] if getattr(getattr(
+        model, "backbone", None), "moe", None) else []  # before the logs it writes into
+    return [throughput, *experts, *log, checkpoint], start_step
 
 
 def trained_tokens(args: argparse.Namespace, start_step: int) -> int:

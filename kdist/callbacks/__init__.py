@@ -11,10 +11,12 @@
 ``event_file``    TensorBoard event files written without TensorFlow
 ``stragglers``    per-process input wait; the slow process named
 ``fit_devices``   the devices a ``fit`` runs on, as the callbacks count them
+``expert_load``   ``ExpertLoad``: a Mixture of Experts' min/max expert share and dropped count
 ``checkpoint``    ``Checkpoint`` (re-exported from :mod:`kdist.checkpointing`)
 ================  ==========================================================================="""
 
 from kdist.callbacks.checkpoint import Checkpoint, CheckpointError
+from kdist.callbacks.expert_load import ExpertLoad
 from kdist.callbacks.throughput import Throughput, parse_profile_steps
 
-__all__ = ["Checkpoint", "CheckpointError", "Throughput", "parse_profile_steps"]
+__all__ = ["Checkpoint", "CheckpointError", "ExpertLoad", "Throughput", "parse_profile_steps"]

@@ -14,6 +14,7 @@ from keras import layers, ops
 
 from kdist.parallel import context, rules
 from kdist.parallel.constraints import gathered
+from kdist.parallel.layout import current_mesh_shape
 
 TOKEN_AXES = ("vocab", "embed")
 POSITION_AXES = ("position", "embed")
@@ -175,3 +176,29 @@ class SegmentEmbedding(layers.Layer):
     def get_config(self):
         return {**super().get_config(), "num_segments": self.num_segments,
                 "hidden_dim": self.hidden_dim, "initializer_range": self.initializer_range}
+
+
+def token_table_rows(vocabulary_size: int, divisible_by: int = 1) -> int:
+    """The token table's rows: ``vocabulary_size`` padded up to a multiple of
+    ``divisible_by`` (never to the mesh: the table's shape must not depend on it, as
+    checkpoints move between meshes); a ``ValueError`` when the active mesh's ``model``
+    axis does not divide them, saying how to pad.
+
+    Example:
+        >>> token_table_rows(50257, 128)
+        50304
+    """
+    if not isinstance(divisible_by, int) or divisible_by < 1:
+        raise ValueError(f"vocabulary_divisible_by must be a positive int (e.g. 128); got "
+                         f"{divisible_by!r}.")
+    rows = -(-vocabulary_size // divisible_by) * divisible_by
+    model_axis = current_mesh_shape()["model"]
+    if rows % model_axis:
+        padded = (f" (padded to {rows} rows by vocabulary_divisible_by={divisible_by})"
+                  if rows != vocabulary_size else "")
+        raise ValueError(
+            f"vocabulary_size={vocabulary_size}{padded} is not divisible by the 'model' "
+            f"mesh axis of size {model_axis}, so the token table cannot be sharded over "
+            f"it. Pass vocabulary_divisible_by=128 (or another multiple of {model_axis}) "
+            f"to pad the table with rows that are never used, or use another mesh.")
+    return rows

@@ -16,7 +16,7 @@ from keras import layers, ops
 
 from kdist.models import losses
 from kdist.models.base import Backbone, Task
-from kdist.models.embeddings import PositionEmbedding, TokenEmbedding
+from kdist.models.embeddings import PositionEmbedding, TokenEmbedding, token_table_rows
 from kdist.models.generation import CachedGeneration
 from kdist.models.gpt_cost import GPTCostModel
 from kdist.models.layers import (
@@ -25,11 +25,12 @@ from kdist.models.layers import (
     document_positions,
     normalization,
 )
+from kdist.models.moe import block_moe, check_moe
 from kdist.models.presets import GPT_PRESETS
 from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel import pipeline
 from kdist.parallel.dropout import Dropout
-from kdist.parallel.layout import check_divisible, current_mesh_shape
+from kdist.parallel.layout import check_divisible
 from kdist.parallel.pipeline.transform import ScheduleParts
 from kdist.parallel.rules import build_with_axes
 
@@ -106,6 +107,10 @@ class GPTBackbone(Backbone, keras.Model):
         matmul_precision: ``"bf16"`` (default: the dtype policy's matmuls), ``"int8"`` or
             ``"fp8"``: every block's attention and MLP projections quantized forward and
             backward (:mod:`kdist.precision`); embeddings, head, norms, softmax, loss unchanged.
+        moe: routed experts in place of the MLP (:mod:`kdist.models.moe`): a dict with
+            ``num_experts`` and optionally ``experts_per_token``, ``expert_dim``, ``every``,
+            ``router``, ``shared_experts``, ``capacity_factor``, ``aux_loss_weight``,
+            ``z_loss_weight`` (``MOE_DEFAULTS``). None (default): dense MLPs.
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.
@@ -148,8 +153,15 @@ class GPTBackbone(Backbone, keras.Model):
         scan_layers: bool | None = None,
         attention_implementation: str = "auto",
         matmul_precision: str = "bf16",
+        moe: dict | None = None,
         **kwargs,
     ):
+        moe = check_moe(moe, num_layers, intermediate_dim, scan_layers)
+        if moe and matmul_precision != "bf16":
+            raise ValueError(
+                f"matmul_precision={matmul_precision!r} quantizes the attention and MLP "
+                f"projections, but the MoE experts (moe=...) have no quantized grouped matmul "
+                f"yet. Use matmul_precision='bf16' with moe, or a dense model with it.")
         if hidden_dim % num_heads:
             raise ValueError(
                 f"hidden_dim={hidden_dim} must be divisible by num_heads={num_heads} "
@@ -165,21 +177,7 @@ class GPTBackbone(Backbone, keras.Model):
         check_divisible("num_heads", num_heads)
         check_divisible("num_key_value_heads", num_key_value_heads or num_heads)
         check_divisible("intermediate_dim", intermediate_dim)
-        if not isinstance(vocabulary_divisible_by, int) or vocabulary_divisible_by < 1:
-            raise ValueError(f"vocabulary_divisible_by must be a positive int (e.g. 128); got "
-                             f"{vocabulary_divisible_by!r}.")
-        # Not rounded to the mesh: the table's shape must not depend on it (checkpoints
-        # move between meshes).
-        table_rows = -(-vocabulary_size // vocabulary_divisible_by) * vocabulary_divisible_by
-        model_axis = current_mesh_shape()["model"]
-        if table_rows % model_axis:
-            padded = (f" (padded to {table_rows} rows by vocabulary_divisible_by="
-                      f"{vocabulary_divisible_by})" if table_rows != vocabulary_size else "")
-            raise ValueError(
-                f"vocabulary_size={vocabulary_size}{padded} is not divisible by the 'model' "
-                f"mesh axis of size {model_axis}, so the token table cannot be sharded over "
-                f"it. Pass vocabulary_divisible_by=128 (or another multiple of {model_axis}) "
-                f"to pad the table with rows that are never used, or use another mesh.")
+        table_rows = token_table_rows(vocabulary_size, vocabulary_divisible_by)
         dtype = kwargs.pop("dtype", None)
         head_dim = hidden_dim // num_heads
         rotary = position_embedding == "rotary"
@@ -201,7 +199,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.embedding_dropout = Dropout(dropout, dtype=dtype, name="embedding_dropout")
         scan_layers = stacking_default() if scan_layers is None else bool(scan_layers)
 
-        def block(name):
+        def block(name, index=0):
             return PreNormBlock(
                 num_heads,
                 head_dim,
@@ -221,12 +219,13 @@ class GPTBackbone(Backbone, keras.Model):
                 rope_scaling=rope_scaling if rotary else None,
                 attention_implementation=attention_implementation,
                 matmul_precision=matmul_precision,
+                moe=block_moe(moe, index),
                 dtype=dtype,
                 name=name,
             )
 
         self.blocks = (LayerStack(block("block"), num_layers, dtype=dtype, name="blocks")
-                       if scan_layers else [block(f"block_{i}") for i in range(num_layers)])
+                       if scan_layers else [block(f"block_{i}", i) for i in range(num_layers)])
         self.final_norm = normalization(norm, layer_norm_epsilon, "final_norm", dtype)
         build_with_axes(self.final_norm, (None, None, hidden_dim), **NORM_AXES)
 
@@ -271,6 +270,7 @@ class GPTBackbone(Backbone, keras.Model):
         self.scan_layers = scan_layers
         self.attention_implementation = attention_implementation
         self.matmul_precision = matmul_precision
+        self.moe = moe
 
     @property
     def head_dim(self) -> int:
@@ -329,7 +329,8 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
 
     backbone_class = GPTBackbone
     step_features = frozenset({"gradient_reduction", "fused_loss", "context_parallel",
-                               "token_reordering", "pipeline", "scheduled_pipeline"})
+                               "token_reordering", "pipeline", "scheduled_pipeline",
+                               "expert_parallel"})
     token_id_labels = True
 
     def __init__(self, backbone: GPTBackbone, loss_chunk_size: int | str | None = "auto",
@@ -452,4 +453,3 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
             124475904
         """
         return GPTCostModel(GPTBackbone.full_config(backbone_config))
-

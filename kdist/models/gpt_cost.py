@@ -4,6 +4,8 @@ bytes per token, from a backbone config alone (planning builds no model). Build 
 
 from __future__ import annotations
 
+import dataclasses
+
 from kdist import flops
 from kdist.models.cost import CostModel
 
@@ -34,9 +36,15 @@ class GPTCostModel(CostModel):
         """The name of the GPT preset of this shape (its length aside), or None."""
         from kdist.models.presets import GPT_PRESETS
 
+        def same_experts(preset):  # (a built model's moe has every default filled in)
+            mine, theirs = self.config.get("moe") or {}, preset.get("moe") or {}
+            return bool(mine) == bool(theirs) and all(mine.get(k) == v
+                                                      for k, v in theirs.items())
+
         return next((name for name, preset in GPT_PRESETS.items()
-                     if all(self.config.get(k) == v for k, v in preset.items()
-                            if k != "max_sequence_length")), None)
+                     if same_experts(preset) and all(
+                         self.config.get(k) == v for k, v in preset.items()
+                         if k not in ("max_sequence_length", "moe"))), None)
 
     @property
     def parameters(self) -> int:
@@ -55,9 +63,58 @@ class GPTCostModel(CostModel):
         blocks = c["num_layers"] * (attention + mlp + 2 * norm)
         embeddings = v * d * (1 if c["tie_embeddings"] else 2)
         positions = 0 if c["position_embedding"] == "rotary" else c["max_sequence_length"] * d
-        return int(blocks + embeddings + positions + norm)
+        experts = self._moe_blocks() and self._moe_blocks() * (
+            self._moe_weights(c["moe"]["num_experts"]) - mlp)  # MoE blocks' MLP replaced
+        return int(blocks + embeddings + positions + norm + experts)
+
+    def _moe_blocks(self) -> int:
+        """How many blocks are MoE (``moe["every"]``: blocks k-1, 2k-1, ...)."""
+        moe = self.config.get("moe")
+        return 0 if not moe else self.config["num_layers"] // moe.get("every", 1)
+
+    def _moe_weights(self, experts: int) -> int:
+        """A MoE layer's weights with ``experts`` routed experts: the router, the experts'
+        SwiGLU (3 D x F each) and the shared experts' (no biases)."""
+        d, moe = self.config["hidden_dim"], self.config["moe"]
+        f = moe.get("expert_dim") or self.config["intermediate_dim"]
+        return d * moe["num_experts"] + 3 * d * f * (experts + moe.get("shared_experts", 0))
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token goes through: the unchosen experts of every MoE layer left
+        out (``parameters`` for a dense model). Mixtral 8x7B: 12.9 B of 46.7 B.
+
+        Example:
+            >>> from kdist.models import GPT_PRESETS, GPTBackbone
+            >>> cost = GPTCostModel(GPTBackbone.full_config(GPT_PRESETS["mixtral-8x7b"]))
+            >>> round(cost.parameters / 1e9, 1), round(cost.active_parameters / 1e9, 1)
+            (46.7, 12.9)
+        """
+        moe = self.config.get("moe")
+        if not moe:
+            return self.parameters
+        unchosen = moe["num_experts"] - moe.get("experts_per_token", 2)
+        return self.parameters - self._moe_blocks() * (self._moe_weights(unchosen)
+                                                       - self._moe_weights(0))
 
     def flops_per_token(self, sequence_length: int, causal_half: bool = True):
+        """As a dense model's, a MoE block's MLP FLOPs replaced by its active experts'
+        (k routed plus the shared, ``2 x 3 D F`` each) and the router's ``2 D E``."""
+        c = self.config
+        dense = self._dense_flops(sequence_length, causal_half)
+        if not self._moe_blocks():
+            return dense
+        moe, d = c["moe"], c["hidden_dim"]
+        per_layer_dense = 2 * d * c["intermediate_dim"] * (
+            3 if c["mlp_activation"] == "swiglu" else 2)
+        active = (self._moe_weights(moe.get("experts_per_token", 2))
+                  - d * moe["num_experts"])  # the k chosen experts' and shared weights
+        change = self._moe_blocks() * (2 * active - per_layer_dense)
+        return dataclasses.replace(dense, mlp=dense.mlp + change,
+                                   extra=dense.extra + self._moe_blocks() * 2 * d
+                                   * moe["num_experts"])
+
+    def _dense_flops(self, sequence_length: int, causal_half: bool):
         c = self.config
         return flops.transformer_flops_per_token(
             c["num_layers"], c["hidden_dim"], c["num_heads"], c["intermediate_dim"],

@@ -13,6 +13,7 @@ from keras import layers, ops
 
 from kdist.models import remat as remat_policies
 from kdist.models.attention import CausalSelfAttention
+from kdist.models.moe import MoEFeedForward
 from kdist.parallel import context
 from kdist.parallel.constraints import shard_batch
 from kdist.parallel.dropout import Dropout
@@ -169,11 +170,13 @@ class PreNormBlock(layers.Layer):
         rope_scaling: dict | None = None,
         attention_implementation: str = "auto",
         matmul_precision: str = "bf16",
+        moe: dict | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         remat_policies.check(remat)
         self.matmul_precision = check_precision(matmul_precision)
+        self.moe = moe
         self.fused_qkv = fused_qkv
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -210,7 +213,11 @@ class PreNormBlock(layers.Layer):
             name="attention",
         )
         self.mlp_norm = normalization(norm, layer_norm_epsilon, "mlp_norm", dtype)
-        self.mlp = MLP(
+        # `moe`: routed experts in place of the MLP (kdist.models.moe, MoEFeedForward's args)
+        self.mlp = MoEFeedForward(
+            **moe, initializer_range=initializer_range,
+            output_initializer_range=output_initializer_range, dtype=dtype, name="moe",
+        ) if moe else MLP(
             intermediate_dim,
             activation=mlp_activation,
             use_bias=use_bias,
@@ -237,7 +244,8 @@ class PreNormBlock(layers.Layer):
         ``segment_ids (B, T)``: documents of a packed sequence (attention stays in each)."""
         if cache is not None:
             h, cache = self.attention(self.attention_norm(x), cache=cache, cache_index=cache_index)
-            return self._mlp_residual(x + h, training), cache
+            x, _ = self._mlp_residual(x + h, training)
+            return x, cache
 
         def forward(x):
             h = self.attention(
@@ -247,11 +255,21 @@ class PreNormBlock(layers.Layer):
             x = x + self.attention_dropout(h, training=training)
             return self._mlp_residual(remat_policies.named(x, remat_policies.MIDPOINT), training)
 
-        return remat_policies.rematerialised(forward, remat_policies.effective(self.remat))(x)
+        x, stats = remat_policies.rematerialised(
+            forward, remat_policies.effective(self.remat))(x)
+        if stats is not None:  # outside the checkpoint: Keras' losses must not be its tracers
+            self.mlp.record(stats, training)
+        return x
 
     def _mlp_residual(self, x, training):
-        x = x + self.mlp_dropout(self.mlp(self.mlp_norm(x)), training=training)
-        return shard_batch(x)  # (B, T, D), B split over data x fsdp
+        """``(B, T, D)`` -> ``((B, T, D), MoEStats or None)``."""
+        h, stats = self.mlp_norm(x), None
+        if self.moe:
+            h, stats = self.mlp.forward(h)
+        else:
+            h = self.mlp(h)
+        x = x + self.mlp_dropout(h, training=training)
+        return shard_batch(x), stats  # (B, T, D), B split over data x fsdp
 
     def get_config(self):
         return {
@@ -274,6 +292,7 @@ class PreNormBlock(layers.Layer):
             "rope_scaling": self.rope_scaling,
             "attention_implementation": self.attention_implementation,
             "matmul_precision": self.matmul_precision,
+            "moe": self.moe,
         }
 
 

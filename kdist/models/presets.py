@@ -30,6 +30,13 @@ GPT_PRESETS: dict[str, dict] = {
     ),
 }
 
+# Mixture of Experts on gpt-nano's width (kdist.models.moe): 8 SwiGLU experts of width 336,
+# each token through 2: 2 x 3 x 256 x 336 = 516,096 active expert weights per block, about
+# gpt-nano's 524,288 (its 1024-wide GELU MLP); 4x the MLP weights in all. Dropless.
+GPT_PRESETS["gpt-nano-moe"] = dict(
+    GPT_PRESETS["gpt-nano"], moe=dict(num_experts=8, experts_per_token=2, expert_dim=336),
+)
+
 # Llama-style decoders: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases.
 _LLAMA = dict(position_embedding="rotary", norm="rms_norm", mlp_activation="swiglu",
               use_bias=False, layer_norm_epsilon=1e-5)
@@ -63,6 +70,14 @@ GPT_PRESETS.update({
         _LLAMA, vocabulary_size=128256, num_layers=32, num_heads=32, num_key_value_heads=8,
         hidden_dim=4096, intermediate_dim=14336, max_sequence_length=131072,
         rotary_max_wavelength=500000.0, tie_embeddings=False,
+    ),
+    # Mixtral 8x7B's shape as published (Jiang et al. 2024; HF config of v0.1): 8 experts
+    # of width 14336, top-2, every block, softmax router, no sliding window. For planning.
+    "mixtral-8x7b": dict(
+        _LLAMA, vocabulary_size=32000, num_layers=32, num_heads=32, num_key_value_heads=8,
+        hidden_dim=4096, intermediate_dim=14336, max_sequence_length=32768,
+        rotary_max_wavelength=1000000.0, tie_embeddings=False,
+        moe=dict(num_experts=8, experts_per_token=2, expert_dim=14336),
     ),
 })
 

@@ -29,6 +29,8 @@ The training step, a loop over transforms (outermost first):
 ``reduction``       explicit gradient reduction (one collective per weight), with
                     ``compression`` (8-bit codes) and ``dropout`` (each device's mask rows)
 ``pipeline``        the ``stage`` axis: GPipe, and the schedules run by an interpreter
+``experts``         the ``expert`` axis: MoE layers' capacity buffers, the all-to-all that
+                    moves them between the experts' devices
 ``train_step``      Keras' train step with error-feedback residuals carried
 ==================  ==========================================================================
 

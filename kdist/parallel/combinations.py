@@ -1,7 +1,7 @@
 """Which parallelism features combine: one table, as data.
 
 A *feature* is a mesh axis of size > 1 (``data``, ``fsdp``, ``model``, ``stage``, ``seq``,
-``replica``) or kdist's gradient exchange (``reduction``: float32/bfloat16 sums;
+``replica``, ``expert``) or kdist's gradient exchange (``reduction``: float32/bfloat16 sums;
 ``8-bit``: float8/int8 codes). Every pair of features has one :class:`Rule`: built (with a
 caveat the README's matrix shows), or refused with the reason and what to use instead.
 :func:`check` refuses a configuration containing a refused pair — the only place that does;
@@ -26,6 +26,8 @@ FEATURES = {
     "stage": "pipeline stages",
     "seq": "context parallelism (each sequence's tokens split)",
     "replica": "DiLoCo replica groups (sync_every)",
+    "expert": "Mixture-of-Experts experts split, tokens dispatched by all-to-all "
+              "(kdist.parallel.experts)",
     "reduction": "kdist's gradient reduction (gradient_reduction='float32'/'bfloat16')",
     "8-bit": "8-bit gradient codes (gradient_reduction='float8'/'int8')",
     "schedule": "a pipeline schedule run by kdist.parallel.pipeline.interpreter "
@@ -88,6 +90,33 @@ RULES: tuple[Rule, ...] = (
     _built("schedule", "seq", "causal LMs; ring attention not with zero-bubble"),
     # Ring attention's collective-permutes over seq need every stage to run the same code
     # in every tick (kdist.parallel.pipeline.every_stage).
+    # The expert axis: the MoE layers' all-to-all inside a shard_map manual over 'expert'
+    # only (kdist.parallel.experts); the other axes stay XLA's.
+    _built("expert", "data"), _built("expert", "fsdp"),
+    refused("expert", "model",
+            "with {b} is not built yet: the experts' all-to-all region has not been tested "
+            "with their 'mlp' dimension split over 'model'. Put those devices on 'expert', "
+            "'data' or 'fsdp'."),
+    refused("expert", "stage",
+            "needs a scanned layer stack, which cannot hold MoE blocks yet (their losses "
+            "would be the scan's tracers). Use 'expert' with 'data' or 'fsdp'."),
+    refused("expert", "seq",
+            "with {b} is not built yet: the router's load-balance loss must see every "
+            "token of the batch, and the sequence is split per device there. Use 'expert' "
+            "with 'data' or 'fsdp'."),
+    refused("expert", "replica",
+            "with {b} is not built yet (each group's step would nest the experts' region in "
+            "DiLoCo's). Use 'expert' with 'data' or 'fsdp' in one group."),
+    refused("expert", "reduction",
+            "with {b} is not built yet: kdist's reduction computes the loss per device, so "
+            "the load-balance loss would be each device's, not the batch's. Leave "
+            "gradient_reduction unset (XLA reduces the gradients)."),
+    refused("expert", "8-bit",
+            "with {b} is not built yet: the 8-bit exchange computes the loss per device, so "
+            "the load-balance loss would be each device's. Leave gradient_reduction unset."),
+    refused("expert", "schedule",
+            "needs a scanned layer stack, which cannot hold MoE blocks yet. Use 'expert' "
+            "with 'data' or 'fsdp', without pipeline_schedule."),
     refused("zero_bubble", "ring",
             "runs ticks that mix forwards, input gradients and weight gradients, so its "
             "stages cannot all run the exchanges of {b} between 'seq' neighbours in every "

@@ -7,8 +7,9 @@ last axis. So ``model`` — whose collectives run inside every layer — stays i
 and ``data`` — one gradient reduction per step — spans hosts. Each axis sits at the
 position its traffic calls for: ``replica`` (groups that synchronise every few steps)
 outermost, then ``data``, ``stage`` (point-to-point activations between pipeline
-stages), ``fsdp`` (weight all-gathers every layer), ``seq`` (keys and values of every
-attention layer) and ``model`` innermost. Adding an axis is one entry here plus its
+stages), ``fsdp`` (weight all-gathers every layer), ``expert`` (an all-to-all of tokens
+each way in every MoE layer; the batch is split over it outside them), ``seq`` (keys and
+values of every attention layer) and ``model`` innermost. Adding an axis is one entry here plus its
 logical-axis rules in :mod:`kdist.parallel.rules` and its transform in a module of
 :mod:`kdist.parallel`.
 
@@ -52,6 +53,8 @@ AXES: tuple[MeshAxis, ...] = (
              doc="consecutive layers split into pipeline stages"),
     MeshAxis("fsdp", batch=True, shorthand="fsdp",
              doc="replicas holding a shard of every weight (ZeRO-3)"),
+    MeshAxis("expert", batch=True, shorthand="ep",
+             doc="Mixture-of-Experts experts split; tokens go to them by all-to-all"),
     MeshAxis("seq", batch=False, shorthand=None,
              doc="each sequence's tokens split (context parallel)"),
     MeshAxis("model", batch=False, shorthand="tp",
@@ -101,7 +104,7 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
 
     Example:
         >>> parse_mesh("data=2,model=-1", 8)
-        {'replica': 1, 'data': 2, 'stage': 1, 'fsdp': 1, 'seq': 1, 'model': 4}
+        {'replica': 1, 'data': 2, 'stage': 1, 'fsdp': 1, 'expert': 1, 'seq': 1, 'model': 4}
         >>> parse_mesh("auto", 8)["fsdp"]
         8
     """
@@ -172,7 +175,7 @@ def full_mesh(sizes: dict[str, int]) -> dict[str, int]:
 
     Example:
         >>> full_mesh({"fsdp": 8})
-        {'replica': 1, 'data': 1, 'stage': 1, 'fsdp': 8, 'seq': 1, 'model': 1}
+        {'replica': 1, 'data': 1, 'stage': 1, 'fsdp': 8, 'expert': 1, 'seq': 1, 'model': 1}
     """
     unknown = set(sizes) - set(MESH_AXES)
     if unknown:
@@ -200,8 +203,8 @@ def device_grid(devices, sizes: dict[str, int]):
 
     Example:
         >>> grid = device_grid(list(range(8)), {"data": 2, "fsdp": 2, "model": 2})
-        >>> grid.shape, grid[0, 1, 0, 0, 0].tolist()
-        ((1, 2, 1, 2, 1, 2), [4, 5])
+        >>> grid.shape, grid[0, 1, 0, 0, 0, 0].tolist()
+        ((1, 2, 1, 2, 1, 1, 2), [4, 5])
     """
     import numpy as np
 

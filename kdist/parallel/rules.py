@@ -31,6 +31,7 @@ LOGICAL_TO_MESH: dict[str, str] = {
     "kv_heads": "model",
     "mlp": "model",
     "layers": "stage",  # a scanned stack's layers: contiguous pipeline stages
+    "expert": "expert",  # a MoE layer's experts (kdist.models.moe, kdist.parallel.experts)
 }
 # "layers": the leading layer axis of a scanned stack's weights (kdist.models.scan).
 # Where a logical axis goes when its mesh axis above has size 1 (and the dimension divides):
@@ -39,13 +40,13 @@ LOGICAL_TO_MESH: dict[str, str] = {
 # computes 1/S of the logits, and only activations cross between stages.
 FALLBACK_MESH: dict[str, str] = {"vocab": "stage"}
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "position", "norm",
-                "layers")
+                "layers", "expert")
 # Activations' logical axes -> mesh axes, beside the weights' rules: the batch is split over
 # every replica axis at once, a sequence's tokens over seq (context parallelism), heads
 # over model. The layouts of what crosses into a per-device region (a pipeline's stages,
 # context attention, the per-device loss) come from here (activation_spec).
 ACTIVATION_TO_MESH: dict[str, tuple[str, ...]] = {
-    "batch": ("replica", "data", "fsdp"),
+    "batch": ("replica", "data", "fsdp", "expert"),
     "length": ("seq",),
     "heads": ("model",),
     "kv_heads": ("model",),

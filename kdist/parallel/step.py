@@ -3,7 +3,8 @@
 A kdist task declares the step features it supports in ``step_features`` (names from
 :data:`kdist.parallel.transform.FEATURES`); the distribution says which transforms it
 wants. :data:`TRANSFORMS` lists them outermost first — replica groups, the split sequence,
-the explicit gradient reduction, the pipeline's stages and its schedule — and the three
+the explicit gradient reduction, the pipeline's stages and its schedule, the experts'
+axis — and the three
 entry points are loops over it: :func:`check_compile` (refusals before anything compiles),
 :func:`prepare` (state kept in the optimizer) and :func:`compute_loss_and_updates` (each
 wanted transform wraps the compute inside it, the task's own Keras compute innermost).
@@ -18,7 +19,7 @@ import jax
 import keras
 
 from kdist import _keras_compat, compiled_step
-from kdist.parallel import reduction
+from kdist.parallel import experts, reduction
 from kdist.parallel import train_step as stateful
 from kdist.parallel.context import transform as context
 from kdist.parallel.layout import active
@@ -27,7 +28,7 @@ from kdist.parallel.transform import STEP_OWNER, Step, declares, step_owner
 
 # Outermost first: each wraps the compute of those after it.
 TRANSFORMS = (STEP_OWNER, context.TRANSFORM, reduction.TRANSFORM, pipeline.STAGES,
-              pipeline.SCHEDULE)
+              pipeline.SCHEDULE, experts.TRANSFORM)
 
 
 def wanted(dist=None) -> tuple:

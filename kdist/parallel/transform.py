@@ -42,6 +42,9 @@ FEATURES = {
     "pipeline": "its backbone holds its blocks as a scanned layer stack "
                 "(kdist.models.scan.LayerStack), which a 'stage' mesh axis splits into "
                 "pipeline stages (kdist.parallel.pipeline); nothing else is per layer",
+    "expert_parallel": "its Mixture-of-Experts layers (layers with a ``num_experts``) send "
+                       "their tokens to the experts' devices over the 'expert' axis "
+                       "(kdist.parallel.experts)",
     "scheduled_pipeline": "it exposes its parts (Task.schedule_parts: the embedding, the "
                           "block stack, the loss head and its targets), which a 1F1B-like "
                           "schedule runs microbatch by microbatch with the loss on the "

@@ -69,6 +69,8 @@ CONFIGS = {
     "scanned": {"scan_layers": True},
     "scanned-4": {"scan_layers": True, "num_layers": 4},  # 2 stages x 2 chunks
     "deep-dropout": {**TINY_GPT, "num_layers": 8, "scan_layers": True, "dropout": 0.1},
+    # Mixture of Experts (kdist.models.moe): 8 small experts, top-2, dropless, every block.
+    "moe": {"moe": {"num_experts": 8, "experts_per_token": 2, "expert_dim": 32}},
 }
 # DiLoCo's exact special case: inner SGD, every step synchronised, outer lr 1 and no
 # momentum is synchronous data-parallel SGD, i.e. one device's SGD.
@@ -268,6 +270,20 @@ TABLE: list[Row] = [
            **DILOCO_LIKE),
     trains("replica=2,stage=2,seq=2", "gpt", config="deep", rows=16, **DILOCO_LIKE),
     trains("replica=2,stage=2,seq=2", "gpt", config="deep", rows=16, **EXACT_DILOCO),
+    # --- expert: MoE layers' tokens to their experts' devices by all-to-all -----------------
+    trains("expert=2,data=4", "gpt", config="moe", layouts=True),
+    trains("expert=4,fsdp=2", "llama", config="moe", layouts=True),
+    trains("data=2,fsdp=2,model=2", "gpt", config="moe", layouts=True),  # no expert axis
+    refused("expert=2,model=4", "expert x model", "'expert' axis with the 'model' axis is not "
+            "built yet.* Put those devices on 'expert', 'data' or 'fsdp'"),
+    refused("expert=2,stage=2,data=2", "expert x stage", "needs a scanned layer stack"),
+    refused("expert=2,seq=2,data=2", "expert x seq", "'seq' axis is not built yet"),
+    refused("replica=2,expert=2,data=2", "expert x replica", "is not built yet",
+            sync_every=2),
+    refused("expert=2,data=4", "expert x reduction", "Leave gradient_reduction unset",
+            gradient_reduction="float32"),
+    refused("expert=2,data=4", "expert x 8-bit", "Leave gradient_reduction unset",
+            gradient_reduction="int8"),
     # --- a variant's own rule: zero-bubble's mixed ticks x ring attention's permutes ----
     refused("stage=2,seq=2,data=2", "zero_bubble x ring",
             "pipeline_schedule='zero_bubble' runs ticks that mix .* Use "

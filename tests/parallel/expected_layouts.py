@@ -27,6 +27,13 @@ EXPECTED_AXES = {
     r"(encoder_)?block_\d+/mlp/down/bias": ("norm",),
     r"((encoder_)?block_\d+/(attention_norm|mlp_norm)|final_norm|embeddings_norm|mlm_norm)"
     r"/(gamma|beta|scale)": ("norm",),
+    r"block_\d+/moe/router": ("embed", None),
+    r"block_\d+/moe/(gate|up)": ("expert", "embed", "mlp"),
+    r"block_\d+/moe/down": ("expert", "mlp", "embed"),
+    r"block_\d+/moe/expert_load": ("expert",),
+    r"block_\d+/moe/dropped_tokens": (),
+    r"block_\d+/moe/shared_(up|gate)": ("embed", "mlp"),
+    r"block_\d+/moe/shared_down": ("mlp", "embed"),
     r"(pooler|mlm_transform)/kernel": ("embed", None),
     r"(pooler|mlm_transform)/bias": ("norm",),
     r"mlm_output_bias/bias": ("vocab",),

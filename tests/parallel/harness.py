@@ -45,6 +45,7 @@ import numpy as np
 import kdist
 from kdist import hlo
 from kdist.models import BertBackbone, BertMaskedLM, GPTBackbone, GPTCausalLM
+from kdist.parallel import experts as experts_module
 from kdist.parallel import pipeline
 from kdist.parallel import reduction as reduction_module
 from kdist.parallel.context import layer as context_layer
@@ -340,6 +341,8 @@ def _spies(dist, options) -> dict[str, tuple]:
         spies["split attention"] = (context_layer, "local_attention")
     if options.get("gradient_reduction"):
         spies["kdist's gradient reduction"] = (reduction_module, "loss_and_updates")
+    if sizes.get("expert", 1) > 1:  # every MoE layer's tokens through the all-to-all
+        spies["the experts' all-to-all"] = (experts_module, "expert_parallel_outputs")
     if sizes.get("stage", 1) > 1:  # GPipe differentiated by JAX, or the interpreter's
         scheduled = options.get("pipeline_schedule", "gpipe") != "gpipe"
         spies["the pipeline schedule"] = (pipeline, "scheduled" if scheduled else "pipelined")
@@ -519,7 +522,8 @@ def assert_trains_like_one_device(family: str, mesh: str, *, tolerance: str = "f
 
     run = train_run(family, mesh, devices=devices, fit=fit, **settings, **options)
     for name, count in run.calls.items():
-        traces = _traces_per_step(run.model) if name == "split attention" else 1
+        per_layer = name in ("split attention", "the experts' all-to-all")
+        traces = _traces_per_step(run.model) if per_layer else 1
         assert count >= traces, f"{name} ran {count} times, not {traces}, under {mesh} {options}"
     if options.get("sync_every"):
         assert type(run.model.optimizer).__name__ == "DiLoCo"

@@ -1,0 +1,170 @@
+"""Expert parallelism's dispatch: tokens to their experts' devices and back with a
+fixed-capacity ``all_to_all`` (the path XLA:CPU runs; ``ragged_all_to_all`` is not
+implemented there).
+
+Shapes on one device of a mesh axis of size P (the future ``expert`` axis): n local tokens,
+k experts per token, E experts in all and E/P of them local, C slots per expert and source
+device. Each device packs its tokens into an ``(E, C, D)`` buffer
+(:func:`dispatch_slots`, earlier tokens first), sends expert ``e``'s rows
+to the device holding ``e`` (``all_to_all``: ``(P, E/P, C, D)`` in, the same out, indexed by
+source), runs its E/P experts over the ``P x C`` rows each received, and sends the outputs
+back the same way. With ``slots = n x k`` no assignment can overflow, and the result is the
+dropless layer's (tested); fewer slots drop the late assignments and count them.
+
+Under a distribution with an ``expert`` axis, :class:`kdist.models.moe.MoEFeedForward`
+routes every token first (XLA's partitioner: the router, its losses and the load see the
+whole batch, as on one device), then :func:`dispatch` runs only the experts' compute here,
+in a ``shard_map`` manual over the batch's axes (``expert`` among them: the rows enter as
+they lie; ``model`` is left to XLA). A dropless
+layer gets ``slots = n x k`` (nothing can overflow: exact, at E x the buffer memory of a
+tuned capacity); a ``capacity_factor`` gets ``ceil(factor x n x k / E)`` per source device.
+:data:`TRANSFORM` is the axis's entry in the step: it refuses a model without experts.
+
+Example:
+    >>> out, dropped = expert_parallel_outputs(tokens, experts, gate, up, down, mesh,
+    ...                                        "expert", slots=16)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from kdist import _keras_compat
+from kdist.parallel.layout import active
+from kdist.parallel.mesh import batch_axes
+from kdist.parallel.transform import Transform
+
+
+def expert_counts(experts, num_experts: int):
+    """How many of the ``(N, k)`` assignments went to each expert: ``(E,)`` int32."""
+    return jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
+
+def capacity(num_assignments: int, num_experts: int, factor: float) -> int:
+    """Assignments an expert takes on the capacity path: ``ceil(factor x A / E)``.
+
+    Example:
+        >>> capacity(64, 8, 1.25)
+        10
+    """
+    return max(1, math.ceil(factor * num_assignments / num_experts))
+
+def swiglu_batched(x, gate, up, down):
+    """``x (E, C, D)``: each expert's buffer through its own weights -> ``(E, C, D)``."""
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x, gate)) * jnp.einsum("ecd,edf->ecf", x, up)
+    return jnp.einsum("ecf,efd->ecd", h, down)
+
+def dispatch_slots(experts, counts, slots: int):
+    """Where each assignment goes in an ``(E x slots)`` buffer: ``experts (N, k)`` ->
+    ``(A,)`` int32 slot ``e x slots + position`` (position: its rank among its expert's
+    assignments, earlier tokens first), ``E x slots`` for one past capacity (dropped)."""
+    flat = experts.reshape(-1)  # (A,) token-major: token n's choices at n*k ... n*k+k-1
+    order = jnp.argsort(flat, stable=True)
+    starts = jnp.cumsum(counts) - counts  # (E,): first sorted index of each expert
+    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size, dtype=flat.dtype)
+                                              - starts[flat[order]])
+    return jnp.where(rank < slots, flat * slots + rank, counts.size * slots)
+
+def to_buffer(tokens, slot, k: int, num_experts: int, slots: int):
+    """``tokens (N, D)`` into the ``(E, slots, D)`` dispatch buffer (dropped: nowhere)."""
+    d = tokens.shape[-1]
+    buffer = jnp.zeros((num_experts * slots + 1, d), tokens.dtype)  # last row: the dropped
+    buffer = buffer.at[slot].set(jnp.repeat(tokens, k, axis=0))
+    return buffer[:-1].reshape(num_experts, slots, d)
+
+def from_buffer(buffer, slot, k: int):
+    """``(E, slots, D)`` outputs back to ``(N, k, D)`` per assignment (dropped: zeros)."""
+    d = buffer.shape[-1]
+    rows = jnp.concatenate([buffer.reshape(-1, d), jnp.zeros((1, d), buffer.dtype)])
+    return rows[slot].reshape(-1, k, d)
+
+
+def _exchange(buffer, axis: str, devices: int):
+    """``(E, C, D)`` by destination expert -> ``(E/P, P x C, D)`` of this device's experts
+    (rows grouped by source device); its own inverse with :func:`_return`."""
+    e, c, d = buffer.shape
+    received = jax.lax.all_to_all(buffer.reshape(devices, e // devices, c, d), axis, 0, 0,
+                                  tiled=True)  # (P source, E/P, C, D)
+    return received.transpose(1, 0, 2, 3).reshape(e // devices, devices * c, d)
+
+
+def _return(outputs, axis: str, devices: int):
+    """``(E/P, P x C, D)`` back to the ``(E, C, D)`` buffer of the tokens' device."""
+    local, rows, d = outputs.shape
+    c = rows // devices
+    sent = outputs.reshape(local, devices, c, d).transpose(1, 0, 2, 3)  # (P dest, E/P, C, D)
+    back = jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)  # (P, E/P, C, D) by expert
+    return back.reshape(devices * local, c, d)
+
+
+def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, slots: int,
+                            token_axes: tuple[str, ...] | None = None):
+    """Every assignment's expert output ``(N, k, D)`` and the dropped count, with the expert
+    weights ``(E, ...)`` split over mesh axis ``axis`` and tokens ``(N, D)`` and their
+    experts ``(N, k)`` split over ``token_axes`` (default ``(axis,)``; the batch's axes, in
+    its layout's order, so that the rows enter as they lie). ``slots``: C per expert and
+    source device. The region is manual over ``token_axes``: a weight's shards over the
+    other batch axes (fsdp's) are gathered on the way in, as XLA gathers them for a matmul,
+    and its gradient summed over them on the way out (``shard_map``'s transpose)."""
+    devices, num_experts = mesh.shape[axis], gate.shape[0]
+    if num_experts % devices:
+        raise ValueError(f"{num_experts} experts cannot be split over the '{axis}' mesh axis "
+                         f"of size {devices}: use a number of experts divisible by it, or a "
+                         f"smaller '{axis}' axis.")
+    token_axes = tuple(token_axes or (axis,))
+    k = experts.shape[1]
+
+    def local(tokens, experts, gate, up, down):
+        slot = dispatch_slots(experts, expert_counts(experts, num_experts), slots)  # (n k,)
+        buffer = _exchange(to_buffer(tokens, slot, k, num_experts, slots), axis, devices)
+        outputs = _return(swiglu_batched(buffer, gate, up, down), axis, devices)
+        dropped = jax.lax.psum(jnp.sum(slot == num_experts * slots), token_axes)
+        return from_buffer(outputs, slot, k), dropped
+
+    rows, split = P(token_axes), P(axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, split, split, split),
+                         out_specs=(rows, P()), axis_names=set(token_axes))(
+        tokens, experts, gate, up, down)
+
+
+def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None):
+    """``(N, k, D)`` expert outputs and the dropped count over the active distribution's
+    ``expert`` axis, or None when it has none (the layer computes locally)."""
+    dist = active()
+    if (dist is None or dist.mesh_shape.get("expert", 1) == 1
+            or not isinstance(experts.shape[0], int)):  # symbolic: Keras inferring shapes
+        return None
+    token_axes = batch_axes(dist.mesh_shape)  # the rows' layout (expert among them)
+    n = experts.shape[0] // math.prod(dist.mesh_shape[a] for a in token_axes)  # per device
+    k = experts.shape[1]
+    slots = n * k if capacity_factor is None else capacity(n * k, gate.shape[0],
+                                                            capacity_factor)
+    return expert_parallel_outputs(tokens, experts, gate, up, down,
+                                   dist.device_mesh.backend_mesh, "expert", slots, token_axes)
+
+
+def _has_experts(model) -> bool:
+    return any(hasattr(layer, "num_experts") for layer in _keras_compat.all_layers(model))
+
+
+def _prepare(dist, model) -> None:
+    if not _has_experts(model):
+        raise ValueError(
+            f"Mesh {dist.spec} has an 'expert' axis of size {dist.mesh_shape['expert']}, but "
+            f"{type(model).__name__} has no Mixture-of-Experts layer to split over it. Build "
+            f"the model with experts (GPTBackbone(..., moe={{'num_experts': 8}}), or the "
+            f"gpt-nano-moe preset), or put those devices on 'data' or 'fsdp'.")
+
+
+def _refusal(dist, model) -> str:
+    return (f"Mesh {dist.spec} has an 'expert' axis, which {type(model).__name__} does not "
+            f"support (it does not declare the 'expert_parallel' step feature: it has no "
+            f"Mixture-of-Experts layers). Put those devices on 'data' or 'fsdp'.")
+
+
+# The 'expert' axis's entry in the step: refusals only (the dispatch runs in the layers).
+TRANSFORM = Transform("experts", wanted=lambda dist: dist.mesh_shape.get("expert", 1) > 1,
+                      feature="expert_parallel", refusal=_refusal, prepare=_prepare)

@@ -1,0 +1,246 @@
+"""The MoE layer against a dense reference that computes every expert for every token."""
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+
+from kdist.models import GPTBackbone, GPTCausalLM
+from kdist.models.moe import MoEFeedForward, check_moe, expert_load
+from kdist.models.router import load_balance_loss, z_loss
+from tests.helpers import TINY_GPT
+
+D, E, F = 16, 4, 8
+
+
+def _layer(**options):
+    layer = MoEFeedForward(num_experts=E, expert_dim=F, **options)
+    layer.build((None, None, D))
+    return layer
+
+
+def _x(shape=(2, 6, D), seed=0):
+    return np.random.default_rng(seed).normal(size=shape).astype("float32")
+
+
+def _silu(v):
+    return v / (1 + jnp.exp(-v))
+
+
+def dense_reference(params, x, k, router="softmax", shared=None, kept=None, chosen=None):
+    """Every expert on every token, weighted by the router (zero for unchosen experts);
+    ``kept (N, k)``: which assignments the capacity let through; ``chosen (N, k)``: the
+    experts (when differentiating: the choice is discrete, found on concrete values)."""
+    router_kernel, gate, up, down = params
+    tokens = x.reshape(-1, x.shape[-1])
+    logits = tokens @ router_kernel  # (N, E)
+    scores = jax.nn.softmax(logits) if router == "softmax" else jax.nn.sigmoid(logits)
+    if chosen is None:
+        chosen = np.argsort(-np.asarray(scores), axis=-1, kind="stable")[:, :k]  # (N, k)
+    mask = np.zeros(scores.shape, "float32")
+    for n, experts in enumerate(chosen):
+        mask[n, experts] = 1.0 if kept is None else kept[n]
+    top = scores * np.asarray(jnp.zeros_like(scores).at[
+        np.arange(len(chosen))[:, None], chosen].set(1.0))
+    weights = top / top.sum(-1, keepdims=True) * mask  # (N, E), renormalised over the k
+    y = 0
+    for e in range(gate.shape[0]):
+        y = y + weights[:, e:e + 1] * ((_silu(tokens @ gate[e]) * (tokens @ up[e])) @ down[e])
+    if shared is not None:
+        g, u, dn = shared
+        y = y + (_silu(tokens @ g) * (tokens @ u)) @ dn
+    return y.reshape(x.shape), chosen
+
+
+def _params(layer):
+    return [jnp.asarray(w) for w in (layer.router_kernel, layer.gate, layer.up, layer.down)]
+
+
+@pytest.mark.parametrize("router,k,shared", [("softmax", 2, 0), ("sigmoid", 3, 1)])
+def test_dropless_equals_every_expert_weighted_by_the_router(router, k, shared):
+    layer = _layer(experts_per_token=k, router=router, shared_experts=shared)
+    x = _x()
+    shared_params = None if not shared else [jnp.asarray(w) for w in layer.shared]
+    expected, _ = dense_reference(_params(layer), x, k, router, shared_params)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(x)), expected,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_equal_the_dense_reference():
+    layer = _layer(experts_per_token=2)
+    x, cotangent = _x(seed=1), _x(seed=2)
+
+    def moe_loss(params, x):
+        values = dict(zip(("router", "gate", "up", "down"), params))
+        trainable = [values[v.path.rsplit("/", 1)[-1]] for v in layer.trainable_variables]
+        y, _ = layer.stateless_call(trainable, [v.value for v in
+                                                layer.non_trainable_variables], x)
+        return jnp.sum(y * cotangent)
+
+    _, chosen = dense_reference(_params(layer), x, 2)
+
+    def reference_loss(params, x):
+        return jnp.sum(dense_reference(params, x, 2, chosen=chosen)[0] * cotangent)
+
+    got = jax.grad(moe_loss, argnums=(0, 1))(_params(layer), x)
+    want = jax.grad(reference_loss, argnums=(0, 1))(_params(layer), x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.abs(w).max()))
+
+
+def test_capacity_equals_dropless_when_nothing_overflows():
+    dropless = _layer(experts_per_token=2)
+    limited = _layer(experts_per_token=2, capacity_factor=float(E))  # room for every token
+    limited.set_weights(dropless.get_weights())
+    x = _x()
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(limited(x, training=True)),
+                               keras.ops.convert_to_numpy(dropless(x)), rtol=1e-6, atol=1e-7)
+    assert float(limited.dropped) == 0.0
+
+
+def test_capacity_drops_late_tokens_and_counts_them():
+    k, factor = 2, 0.5
+    layer = _layer(experts_per_token=k, capacity_factor=factor)
+    x = _x()
+    _, chosen = dense_reference(_params(layer), x, k)
+    slots = int(np.ceil(factor * chosen.size / E))
+    taken, kept = np.zeros(E, int), np.zeros(chosen.shape, "float32")
+    for n in range(chosen.shape[0]):  # earlier tokens first, a token's choices in order
+        for j, e in enumerate(chosen[n]):
+            kept[n, j] = taken[e] < slots
+            taken[e] += 1
+    expected, _ = dense_reference(_params(layer), x, k, kept=kept)
+    y = keras.ops.convert_to_numpy(layer(x, training=True))
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    assert (kept == 0).sum() > 0
+    assert float(layer.dropped) == (kept == 0).sum()
+    assert expert_load(layer)[layer.path]["dropped_tokens"] == (kept == 0).sum()
+
+
+def test_losses_and_load_of_one_call():
+    layer = _layer(experts_per_token=2, aux_loss_weight=0.1, z_loss_weight=0.01)
+    x = _x()
+    layer(x)
+    assert layer.losses == [] and float(layer.load[0]) == 0  # inference records nothing
+    layer(x, training=True)
+    params = _params(layer)
+    logits = x.reshape(-1, D) @ params[0]
+    _, chosen = dense_reference(params, x, 2)
+    counts = np.bincount(chosen.ravel(), minlength=E)
+    aux = load_balance_loss(jax.nn.softmax(logits), counts)
+    np.testing.assert_allclose([float(v) for v in layer.losses],
+                               [0.1 * float(aux), 0.01 * float(z_loss(logits))], rtol=1e-6)
+    load = expert_load(layer)[layer.path]
+    np.testing.assert_allclose([load["min_share"], load["max_share"]],
+                               [counts.min() / chosen.size, counts.max() / chosen.size],
+                               rtol=1e-7)  # float32 shares
+
+
+def test_model_training_loss_adds_every_layers_weighted_losses():
+    backbone = GPTBackbone(**TINY_GPT, moe={"num_experts": 4, "aux_loss_weight": 0.5,
+                                            "every": 2})
+    lm = GPTCausalLM(backbone)
+    lm.compile(optimizer=keras.optimizers.SGD(0.0))
+    x = np.random.default_rng(0).integers(0, 256, (4, 17)).astype("int32")
+    lm(x[:, :-1], training=True)  # eagerly: the losses each MoE layer adds
+    extra = sum(float(v) for v in lm.losses)
+    assert len(lm.losses) == 2 and extra > 0.5  # one MoE block: aux >= k x 0.5, and z
+    evaluated = float(lm.test_on_batch(x[:, :-1], x[:, 1:]))  # no auxiliary losses
+    trained = float(lm.train_on_batch(x[:, :-1], x[:, 1:]))
+    np.testing.assert_allclose(trained - evaluated, extra, rtol=1e-5)
+
+
+def test_config_round_trips_and_places_moe_blocks():
+    backbone = GPTBackbone(**TINY_GPT, moe={"num_experts": 4, "every": 2, "router": "sigmoid"})
+    again = GPTBackbone.from_config(backbone.get_config())
+    assert again.moe == backbone.moe and again.moe["experts_per_token"] == 2
+    kinds = [type(block.mlp).__name__ for block in again.blocks]
+    assert kinds == ["MLP", "MoEFeedForward"]
+    assert again.blocks[1].mlp.gate.logical_axes == ("expert", "embed", "mlp")
+
+
+@pytest.mark.parametrize("moe,message", [
+    ({"num_experts": 4, "experts_per_token": 5}, "cannot choose more experts"),
+    ({"num_experts": 4, "top_k": 2}, "unknown keys"),
+    ({"num_experts": 4, "router": "hash"}, "router"),
+    ({"num_experts": 4, "capacity_factor": 0}, "capacity_factor"),
+])
+def test_wrong_moe_configs_are_refused(moe, message):
+    with pytest.raises(ValueError, match=message):
+        check_moe(moe, 2, 8)
+
+
+def test_scanned_stack_refused():
+    with pytest.raises(ValueError, match="scan_layers=False"):
+        GPTBackbone(**TINY_GPT, scan_layers=True, moe={"num_experts": 4})
+
+
+def test_quantized_matmuls_are_refused_with_experts():
+    # The experts' grouped matmul has no int8 form: quantizing only the rest silently
+    # would train something else than asked.
+    with pytest.raises(ValueError, match="no quantized grouped matmul"):
+        GPTBackbone(**TINY_GPT, matmul_precision="int8", moe={"num_experts": 4})
+
+
+def test_a_rematerialised_moe_block_trains_like_one_that_keeps_everything():
+    x = np.random.default_rng(0).integers(0, 256, (4, 17)).astype("int32")
+    losses = []
+    for remat in (False, "block"):
+        keras.utils.set_random_seed(0)
+        lm = GPTCausalLM(GPTBackbone(**TINY_GPT, remat=remat, moe={"num_experts": 4}))
+        lm.compile(optimizer=keras.optimizers.SGD(0.1))
+        losses.append([float(lm.train_on_batch(x[:, :-1], x[:, 1:])) for _ in range(2)])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+
+
+def test_blocked_grouped_matmul_equals_ragged_dot_with_an_empty_expert():
+    from kdist.models.moe import swiglu_blocked, swiglu_grouped
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, D)).astype("float32")
+    weights = [rng.normal(size=s).astype("float32") for s in ((E, D, F), (E, D, F), (E, F, D))]
+    sizes = jnp.asarray([13, 0, 20, 7], "int32")  # groups of sorted rows; expert 1 empty
+    want = swiglu_grouped(x, sizes, *weights)
+    for block in (4, 128):
+        np.testing.assert_allclose(swiglu_blocked(x, sizes, *weights, block=block), want,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_cost_model_counts_every_weight_and_the_active_ones():
+    config = dict(TINY_GPT, num_layers=4, moe={"num_experts": 4, "every": 2,
+                                               "shared_experts": 1, "expert_dim": 24})
+    backbone = GPTBackbone(**config)
+    cost = GPTCausalLM.cost_model_for(config)
+    assert cost.parameters == sum(int(np.prod(w.shape)) for w in backbone.trainable_weights)
+    d, experts, unchosen = TINY_GPT["hidden_dim"], 4, 2  # 2 of the 4 experts per token
+    assert cost.parameters - cost.active_parameters == 2 * unchosen * 3 * d * 24
+    dense = GPTCausalLM.cost_model_for(dict(TINY_GPT, num_layers=4)).flops_per_token(32)
+    moe = cost.flops_per_token(32)
+    # 2 MoE blocks: GELU MLP (2 x 2 D F) out; 3 active SwiGLU experts (2 x 3 D F') and
+    # the router (2 D E) in.
+    change = 2 * (2 * 3 * d * 24 * 3 + 2 * d * experts - 2 * 2 * d * TINY_GPT["intermediate_dim"])
+    assert moe.forward - dense.forward == change
+
+
+def test_the_cost_model_names_the_moe_preset_not_its_dense_twin():
+    from kdist.models import GPT_PRESETS
+
+    for name in ("gpt-nano", "gpt-nano-moe"):
+        config = GPTBackbone.full_config(GPT_PRESETS[name])
+        if config["moe"]:  # as a built backbone's config has it
+            config["moe"] = check_moe(config["moe"], 4, config["intermediate_dim"])
+        assert GPTCausalLM.cost_model_for(config).preset() == name
+
+
+def test_expert_load_reaches_the_epoch_logs():
+    from kdist.callbacks import ExpertLoad
+
+    lm = GPTCausalLM(GPTBackbone(**TINY_GPT, moe={"num_experts": 4, "capacity_factor": 0.5}))
+    lm.compile(optimizer="adam")
+    x = np.random.default_rng(0).integers(0, 256, (4, 17)).astype("int32")
+    history = lm.fit(x[:, :-1], x[:, 1:], batch_size=4, epochs=1, verbose=0,
+                     callbacks=[ExpertLoad()])
+    logs = {k: v[0] for k, v in history.history.items()}
+    assert 0 <= logs["moe_min_share"] <= 0.25 <= logs["moe_max_share"] <= 1
+    assert logs["moe_dropped"] > 0  # half the capacity dropless would need: some dropped
