@@ -2,7 +2,7 @@
 fixed-capacity ``all_to_all`` (the path XLA:CPU runs; ``ragged_all_to_all`` is not
 implemented there).
 
-Shapes on one device of a mesh axis of size P (the future ``expert`` axis): n local tokens,
+Shapes on one device of a mesh axis of size P (the ``expert`` axis): n local tokens,
 k experts per token, E experts in all and E/P of them local, C slots per expert and source
 device. Each device packs its tokens into an ``(E, C, D)`` buffer
 (:func:`dispatch_slots`, earlier tokens first), sends expert ``e``'s rows
@@ -43,6 +43,7 @@ def expert_counts(experts, num_experts: int):
     """How many of the ``(N, k)`` assignments went to each expert: ``(E,)`` int32."""
     return jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
 
+
 def capacity(num_assignments: int, num_experts: int, factor: float) -> int:
     """Assignments an expert takes on the capacity path: ``ceil(factor x A / E)``.
 
@@ -52,10 +53,12 @@ def capacity(num_assignments: int, num_experts: int, factor: float) -> int:
     """
     return max(1, math.ceil(factor * num_assignments / num_experts))
 
+
 def swiglu_batched(x, gate, up, down):
     """``x (E, C, D)``: each expert's buffer through its own weights -> ``(E, C, D)``."""
     h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x, gate)) * jnp.einsum("ecd,edf->ecf", x, up)
     return jnp.einsum("ecf,efd->ecd", h, down)
+
 
 def dispatch_slots(experts, counts, slots: int):
     """Where each assignment goes in an ``(E x slots)`` buffer: ``experts (N, k)`` ->
@@ -68,12 +71,14 @@ def dispatch_slots(experts, counts, slots: int):
                                               - starts[flat[order]])
     return jnp.where(rank < slots, flat * slots + rank, counts.size * slots)
 
+
 def to_buffer(tokens, slot, k: int, num_experts: int, slots: int):
     """``tokens (N, D)`` into the ``(E, slots, D)`` dispatch buffer (dropped: nowhere)."""
     d = tokens.shape[-1]
     buffer = jnp.zeros((num_experts * slots + 1, d), tokens.dtype)  # last row: the dropped
     buffer = buffer.at[slot].set(jnp.repeat(tokens, k, axis=0))
     return buffer[:-1].reshape(num_experts, slots, d)
+
 
 def from_buffer(buffer, slot, k: int):
     """``(E, slots, D)`` outputs back to ``(N, k, D)`` per assignment (dropped: zeros)."""
