@@ -296,6 +296,8 @@ def groups(args) -> dict:
     info = setup(args.mesh, args.sync_every)
     job = kdist.groups.from_environment()  # None in one program
     group, groups = (job.index, job.count) if job else (0, 1)
+    if group == args.late_group:  # a group that starts late (a slow machine, a queue)
+        time.sleep(args.late_seconds)
     out = Path(args.out)
     data = tiny_data(out / "corpus", out / "cache")
     model = tiny_model(data.vocabulary_size)
@@ -375,6 +377,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-rank", type=int, default=1, help="the slow process (stragglers)")
     p.add_argument("--slow-seconds", type=float, default=0.3, help="its extra seconds per batch")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per batch (groups)")
+    p.add_argument("--late-group", type=int, default=None, help="this group starts late")
+    p.add_argument("--late-seconds", type=float, default=0.0, help="by this many seconds")
     p.add_argument("--learning-rate", type=float, default=1e-2, help="AdamW's peak (groups)")
     p.add_argument("--source", help="a Hugging Face checkpoint directory (hf)")
     p.add_argument("--scan-layers", action="store_true", help="load it stacked (hf)")

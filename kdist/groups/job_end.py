@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from kdist.groups.host import agree, say
-from kdist.groups.store import POLL
+from kdist.groups.store import POLL, STALE_AFTER
 
 
 class JobEnd:
@@ -61,11 +61,13 @@ class JobEnd:
         return state
 
     def _end_with_the_others(self, state, r: int):
-        """Asynchronous, after this group's last round ``r``: the groups still training
-        close rounds after it, so it waits until each has its last gradient in a closed
-        round (or stops running: a fresh heartbeat) and then takes the newest closed round,
-        the job's last — every group that finishes ends with the same outer weights."""
+        """Asynchronous, after this group's last round ``r``: the other groups close rounds
+        after it — even all of theirs, when one started late — so it waits until each has
+        its last gradient in a closed round, or is gone (:meth:`_gone`), and then takes the
+        newest closed round, the job's last: every group that finishes ends with the same
+        outer weights."""
         said, finished, scanned = False, set(), set()
+        began = time.monotonic()
         while True:
             left = []
             if self.process == 0:
@@ -74,9 +76,11 @@ class JobEnd:
                     finished |= {g for g, meta in self.store.published(k).items()
                                  if meta.get("final") and g in members}
                     scanned.add(k)
-                left = sorted(self.store.running() - finished - {self.job.index})
-            if not agree(len(left)):
-                break
+                beats = self.store.heartbeats()
+                left = [g for g in range(self.job.count) if g != self.job.index
+                        and g not in finished and not self._gone(beats.get(g), began)]
+            if not agree(len(left)) or time.monotonic() - began > 10 * self.job.deadline + 60:
+                break  # (a group that hangs alive is not waited for beyond that)
             if not said:
                 said = True
                 say(f"group {self.job.index}: its last round was {r}; waiting for group(s) "
@@ -84,8 +88,18 @@ class JobEnd:
             time.sleep(4 * POLL)
         closed = self.store.closed_rounds()
         latest = agree(closed[-1] if closed else r)
+        # (a group gone meanwhile may be restarted and train on: it then ends after this one)
         if latest > r:
             state = self._catch_up(state, latest)
             say(f"group {self.job.index}: ends with round {latest}, the job's last (its own "
                 f"last was {r})")
         return state
+
+    def _gone(self, beat: dict | None, began: float) -> bool:
+        """Whether a group with heartbeat ``beat`` will not publish again: stopped (dead,
+        exited, finished) or silent (a stale heartbeat, or none ``deadline + 60`` s after the
+        wait began: never started). Starting — importing, compiling — is not gone."""
+        if beat is None:
+            return time.monotonic() - began > self.job.deadline + 60
+        return (beat.get("state") not in ("starting", "training", "waiting", "publishing")
+                or time.time() - beat.get("time", 0) >= STALE_AFTER)

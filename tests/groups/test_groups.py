@@ -297,7 +297,10 @@ def test_asynchronous_groups_never_wait_and_still_learn(tmp_path, child_env):
     """Each group 2 processes x 2 devices (its own JAX cluster of 4 devices): the group's
     decisions (which round, who took part, how stale) are process 0's, and both processes
     act on the same ones."""
-    job = Job(*job_args(tmp_path, 11, "--replica-mode", "async", processes=2, sync_every=2))
+    # Group 1 starts 20 s late: group 0 trains all its rounds first (as a loaded machine
+    # once made it, the other way round) and must still end with group 1's last round.
+    job = Job(*job_args(tmp_path, 11, "--replica-mode", "async", processes=2, sync_every=2,
+                        late_group=1, late_seconds=20))
     status, output = job.finish(timeout=400)
     assert status == 0, output
     assert all(f"[g{g}.{r}] step 11 loss" in output for g in (0, 1) for r in (0, 1))
@@ -319,4 +322,5 @@ def test_asynchronous_groups_never_wait_and_still_learn(tmp_path, child_env):
     assert Store(tmp_path / "store", 0).closed_rounds()[-1] >= 6  # none waited for another
     # ... until the end: the group done first waits for the other's last round and ends
     # with it (kdist.groups.job_end), so both hold the job's last outer weights.
+    assert "[g0.0] [groups] group 0: ends with round" in output, output
     assert groups[0]["validation"] == groups[1]["validation"], output
