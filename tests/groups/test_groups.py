@@ -82,7 +82,7 @@ def in_one_program(tmp_path, steps, sync_every, tag="one", learning_rate=1e-2):
 
     args = argparse.Namespace(mesh=MESH, sync_every=sync_every, steps=steps, out=str(tmp_path),
                               ckpt=None, save_every=2, tag=tag, step_sleep=0.0,
-                              learning_rate=learning_rate)
+                              learning_rate=learning_rate, late_group=None, late_seconds=0.0)
     return multihost_script.groups(args)
 
 
