@@ -4,7 +4,13 @@ compilation per distinct program per run.
 The suite's time is a budget (25 minutes on 2 cores, CI included). What keeps it: XLA:CPU
 flags that compile for compile time (FAST_COMPILE below), Python's collector kept off what
 outlives a test (``gc.freeze``, below), the caches below, one harness for every parity
-test (tests/parallel/harness.py) and one multi-process launch (``multihost_cases``).
+test (tests/parallel/harness.py) and one multi-process launch (``multihost_cases``). A
+module-scoped fixture that trains runs once per xdist worker that needs it: the tests that
+share one carry ``@pytest.mark.xdist_group(<its name>)``, so they go to one worker and it
+trains once (seen: the composed checkpoint's three fits ran on both workers, 35 s twice).
+``KDIST_TEST_CPU_LOG=FILE`` appends each test's CPU seconds (its worker's and its child
+processes') to FILE as JSON lines: where the budget goes, unlike ``--durations``' wall
+times, which a loaded machine inflates.
 
 Caches (both in ``.cache/`` of the checkout, ignored by git, inherited by every child
 process through the environment; delete the folder to start cold — the suite passes either
@@ -63,6 +69,9 @@ import kdist  # noqa: E402
 kdist.force_host_devices(8)
 
 import gc  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import keras  # noqa: E402
@@ -121,6 +130,31 @@ def pytest_collection_modifyitems(config, items):
         return 0 if multihost else 1 if item.get_closest_marker("slow") else 2
 
     items.sort(key=rank)
+
+
+CPU_LOG = os.environ.get("KDIST_TEST_CPU_LOG")
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """This process's CPU seconds and its finished children's (user + system)."""
+    own, children = (resource.getrusage(who) for who in
+                     (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not CPU_LOG:
+        yield
+        return
+    own, children, start = *_cpu_seconds(), time.perf_counter()
+    yield  # setup, call and teardown: a module fixture counts in the test that made it
+    own_after, children_after = _cpu_seconds()
+    record = {"test": item.nodeid, "cpu": round(own_after - own, 2),
+              "children_cpu": round(children_after - children, 2),
+              "wall": round(time.perf_counter() - start, 2), "worker": os.getpid()}
+    with open(CPU_LOG, "a") as log:  # one short append per line: workers do not interleave
+        log.write(json.dumps(record) + "\n")
 
 
 @pytest.fixture(autouse=True)

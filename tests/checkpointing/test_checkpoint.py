@@ -165,6 +165,7 @@ def fsdp_run(tmp_path_factory):
     return directory, capture.weights
 
 
+@pytest.mark.xdist_group("fsdp_run")  # the module fixture once, not per worker
 @pytest.mark.parametrize("mesh, devices", [("model=4", 4), (None, 1)])
 def test_restore_reshards_into_the_new_layout(fsdp_run, mesh, devices):
     directory, saved = fsdp_run
@@ -184,6 +185,7 @@ def test_restore_reshards_into_the_new_layout(fsdp_run, mesh, devices):
     assert ckpt.restore(model) == 4  # the newest
 
 
+@pytest.mark.xdist_group("fsdp_run")
 def test_shape_mismatch_names_the_variable_and_both_shapes(fsdp_run):
     directory, _ = fsdp_run
     keras.utils.clear_session()

@@ -14,6 +14,8 @@ from kdist.models.stacking import match_layer_layout
 from tests.helpers import TINY_GPT, fit_with_checkpoint, parity_optimizer, weights
 
 MESH = "replica=2,stage=2,seq=2"
+# Every test reads the module's fixture (three fits, ~35 s): on one xdist worker, it runs once.
+pytestmark = pytest.mark.xdist_group("composed_checkpoint")
 CONFIG = dict(TINY_GPT, num_layers=4)  # no dropout: see combinations (seq x replica)
 TOKENS = np.random.default_rng(0).integers(0, 256, size=4000).astype(np.int32)
 

@@ -68,6 +68,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multihost_checkpoint_reference")  # the module fixture (a process) once
 def test_checkpoints_move_between_one_and_two_processes(tmp_path, child_env, reference):
     """1 process writes step 2; 2 processes restore it, train to 4 and write step 4; 1
     process restores that and trains to 6. Restored states equal the saved ones bit for bit
@@ -100,6 +101,7 @@ def test_checkpoints_move_between_one_and_two_processes(tmp_path, child_env, ref
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multihost_checkpoint_reference")
 def test_a_killed_rank_ends_the_job_and_the_relaunch_resumes(tmp_path, child_env, reference):
     """Rank 0 stalls inside step 4's commit (arrays written, no commit marker); rank 1 is
     killed there. The launcher stops rank 0 and exits 137 within its grace period. The same

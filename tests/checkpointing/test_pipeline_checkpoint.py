@@ -48,6 +48,7 @@ def pipeline_checkpoint(tmp_path_factory):
     return directory, saved
 
 
+@pytest.mark.xdist_group("pipeline_checkpoint")  # the module fixture once, not per worker
 @pytest.mark.parametrize("mesh", ["fsdp=8", None])
 def test_pipeline_checkpoint_resumes_unstacked_bit_exact(mesh, pipeline_checkpoint):
     directory, saved = pipeline_checkpoint

@@ -71,6 +71,7 @@ def diloco_run():
     return model, losses, keras.distribution.distribution()
 
 
+@pytest.mark.xdist_group("diloco_run")  # (the module fixture runs once per worker)
 def test_building_the_optimizer_again_adds_nothing(diloco_run):
     # Users build optimizers before restoring state; Keras' own return when built.
     optimizer = diloco_run[0].optimizer
@@ -79,6 +80,7 @@ def test_building_the_optimizer_again_adds_nothing(diloco_run):
     assert [id(v) for v in optimizer.variables] == before
 
 
+@pytest.mark.xdist_group("diloco_run")
 def test_groups_drift_between_syncs_and_meet_at_them(diloco_run):
     model, losses, _ = diloco_run
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
@@ -102,6 +104,7 @@ def _cross_group_bytes(model, sync, groups=2):
                if c.crosses(block))
 
 
+@pytest.mark.xdist_group("diloco_run")
 def test_only_the_sync_step_communicates_across_groups(diloco_run):
     model, _, dist = diloco_run
     keras.distribution.set_distribution(dist)
