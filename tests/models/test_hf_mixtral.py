@@ -112,3 +112,29 @@ def test_backbone_config_of_a_directory(reference):
     directory, _ = reference
     assert backbone_config(directory)["moe"]["num_experts"] == 4
     assert kdist.hf.task_for(directory) is GPTCausalLM
+
+
+def test_a_kdist_built_moe_model_exports_as_mixtral(tmp_path):
+    """No source config.json to merge: every field comes from kdist's config (expert width
+    other than intermediate_dim, kdist's default loss weights)."""
+    backbone = kdist.models.GPTBackbone(
+        vocabulary_size=128, num_layers=2, num_heads=4, num_key_value_heads=2, hidden_dim=32,
+        intermediate_dim=64, max_sequence_length=32, position_embedding="rotary",
+        norm="rms_norm", mlp_activation="swiglu", use_bias=False, initializer_range=0.2,
+        moe={"num_experts": 4, "experts_per_token": 2, "expert_dim": 24})
+    lm = GPTCausalLM(backbone)
+    ids = IDS[:2, :12] % 128
+    got = np.asarray(lm.predict_on_batch(ids.astype("int32")))
+    lm.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert (written["intermediate_size"], written["router_aux_loss_coef"]) == (24, 0.02)
+    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        want = back(input_ids=torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+    gpt2_style = kdist.models.GPTBackbone(
+        vocabulary_size=128, num_layers=1, num_heads=2, hidden_dim=32, intermediate_dim=64,
+        max_sequence_length=32, moe={"num_experts": 2})
+    with pytest.raises(ValueError, match=r"as mixtral: position_embedding='learned'"):
+        export(gpt2_style, tmp_path / "refused")
