@@ -12,6 +12,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import kdist
 from kdist.models import GPTCausalLM
@@ -63,7 +64,7 @@ def test_logits_match_transformers_both_ways(reference, tmp_path):
 
 @pytest.mark.parametrize("mesh, shard, reads", [("expert=2,data=4", (2, 64, 48), 1),
                                                  ("expert=4,fsdp=2", (1, 32, 48), 2)])
-def test_loads_sharded_over_experts(reference, mesh, shard, reads, monkeypatch):
+def test_loads_sharded_over_experts(reference, mesh, shard, reads, monkeypatch, tmp_path):
     directory, want = reference
     opened = []
     original = HFCheckpoint.opened
@@ -80,6 +81,11 @@ def test_loads_sharded_over_experts(reference, mesh, shard, reads, monkeypatch):
     # shard (and, under fsdp, once per half of the hidden axis), never by every device.
     w1 = [n for n in opened if n.endswith("layers.0.block_sparse_moe.experts.0.w1.weight")]
     assert len(w1) == reads
+
+    lm.save_pretrained(tmp_path)  # gathered from the expert shards: bit-exact
+    source, written = (load_file(d / "model.safetensors") for d in (directory, tmp_path))
+    assert sorted(source) == sorted(written)
+    assert all(np.array_equal(source[k], written[k]) for k in source)
 
 
 def test_config_mapping_and_refusals():
