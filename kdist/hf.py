@@ -28,10 +28,12 @@ from kdist.models.hf import (
 TASKS = {
     "GPT2LMHeadModel": GPTCausalLM, "GPT2Model": GPTCausalLM,
     "LlamaForCausalLM": GPTCausalLM, "LlamaModel": GPTCausalLM,
+    "MixtralForCausalLM": GPTCausalLM, "MixtralModel": GPTCausalLM,
     "BertForMaskedLM": BertMaskedLM, "BertForPreTraining": BertMaskedLM,
     "BertModel": BertMaskedLM, "BertForSequenceClassification": BertClassifier,
 }
-_DEFAULT_TASK = {"gpt2": GPTCausalLM, "llama": GPTCausalLM, "bert": BertMaskedLM}
+_DEFAULT_TASK = {"gpt2": GPTCausalLM, "llama": GPTCausalLM, "mixtral": GPTCausalLM,
+                 "bert": BertMaskedLM}
 
 
 def task_for(directory: str | os.PathLike):

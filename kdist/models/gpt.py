@@ -124,7 +124,7 @@ class GPTBackbone(Backbone, keras.Model):
 
     presets = GPT_PRESETS
     config_attributes = {"position_embedding": "position_embedding_type"}
-    hf_model_types = ("gpt2", "llama")  # Hugging Face checkpoints (kdist.models.hf)
+    hf_model_types = ("gpt2", "llama", "mixtral")  # Hugging Face checkpoints (kdist.models.hf)
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 ``export(model, directory)`` writes ``config.json`` and safetensors weights — one
 ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards and
 ``model.safetensors.index.json`` above ``max_shard_bytes`` — in the layout ``transformers``
-reads (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``BertForMaskedLM``,
+reads (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MixtralForCausalLM``, ``BertForMaskedLM``,
 ``BertForSequenceClassification``, ``BertModel``), plus the tokenizer's files when one is
 given (:mod:`kdist.models.hf.tokenizers`).
 
@@ -87,18 +87,23 @@ def _plan(model, family, config) -> dict[str, list[tuple[TensorMap, object, tupl
     order; a stacked weight (``scan_layers``) is one entry per layer, under each layer's
     own key, with the leading index of its layer in the stack — ordered layer by layer
     where the stack stands, as an unstacked model's blocks are."""
-    entries, stack_at = [], None
+    entries, stack_at, previous = [], None, None
     for n, variable in enumerate(model.weights):
+        if loading.is_statistic(family, variable.path):
+            continue
         tensor_map = stacked.fitted(family.tensor_map(variable.path, config), variable.shape)
         if tensor_map is None or tensor_map.shape != tuple(variable.shape):
             raise ValueError(f"kdist weight '{variable.path}' {tuple(variable.shape)} has no "
                              f"{family.MODEL_TYPE} tensor: this model cannot be exported.")
         if isinstance(tensor_map, stacked.StackedMap):
-            stack_at = n if stack_at is None else stack_at
+            # One run of stacked weights is written index by index (a scan_layers stack
+            # layer by layer; a MoE layer's gate, up, down expert by expert).
+            stack_at = n if not isinstance(previous, stacked.StackedMap) else stack_at
             entries += [((stack_at, i, n), layer, variable, tensor_map.layer_index(i))
                         for i, layer in enumerate(tensor_map.layers)]
         else:
             entries.append(((n, 0, 0), tensor_map, variable, None))
+        previous = tensor_map
     groups: dict[str, list] = {}
     for _, tensor_map, variable, layer in sorted(entries, key=lambda e: e[0]):
         groups.setdefault(tensor_map.key, []).append((tensor_map, variable, layer))

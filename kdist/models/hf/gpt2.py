@@ -76,6 +76,8 @@ def matches(config: dict) -> list[str]:
                                         config["num_heads"])]
     if config["mlp_activation"] not in ("gelu", "gelu_exact"):
         wrong.append(f"mlp_activation={config['mlp_activation']!r} (GPT-2: 'gelu')")
+    if config.get("moe"):
+        wrong.append("moe=... (GPT-2: a dense MLP)")
     return wrong
 
 

@@ -30,7 +30,7 @@ IGNORED = re.compile(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 OPTIONAL: tuple[str, ...] = ()
 
 
-def _rope(hf: dict) -> tuple[float, dict | None]:
+def _rope(hf: dict, name: str = "Llama") -> tuple[float, dict | None]:
     """``(rope_theta, kdist rope_scaling)`` from the classic fields (``rope_theta``,
     ``rope_scaling``) or transformers 5's ``rope_parameters``."""
     parameters = dict(hf.get("rope_parameters") or {})
@@ -40,27 +40,28 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     if kind == "default":
         return float(theta), None
     if kind != "llama3":
-        raise ValueError(f"Llama rope_scaling of type {kind!r} is not supported; kdist computes "
+        raise ValueError(f"{name} rope_scaling of type {kind!r} is not supported; kdist computes "
                          f"plain RoPE and 'llama3' (Llama 3.1/3.2).")
     return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in LLAMA3_FIELDS}}
 
 
-def backbone_config(hf: dict) -> dict:
-    """kdist ``GPTBackbone`` arguments of a Llama ``config.json``."""
+def backbone_config(hf: dict, name: str = "Llama") -> dict:
+    """kdist ``GPTBackbone`` arguments of a Llama ``config.json`` (``name``: the family
+    its errors name; Mixtral's attention and norms are Llama's)."""
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"Llama hidden_act {hf['hidden_act']!r} is not supported; kdist's "
+        raise ValueError(f"{name} hidden_act {hf['hidden_act']!r} is not supported; kdist's "
                          f"SwiGLU MLP computes 'silu'.")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("Llama configs with attention_bias or mlp_bias are not supported: "
-                         "kdist's Llama-style blocks have no biases.")
+        raise ValueError(f"{name} configs with attention_bias or mlp_bias are not supported: "
+                         f"kdist's Llama-style blocks have no biases.")
     heads, width = hf["num_attention_heads"], hf["hidden_size"]
     if hf.get("head_dim") not in (None, width // heads) or width % heads:
-        raise ValueError(f"Llama head_dim={hf.get('head_dim')} with hidden_size={width} and "
+        raise ValueError(f"{name} head_dim={hf.get('head_dim')} with hidden_size={width} and "
                          f"{heads} heads is not supported: kdist's head_dim is hidden_size / "
                          f"num_attention_heads.")
     if hf.get("pretraining_tp", 1) != 1:
-        raise ValueError("Llama pretraining_tp != 1 (a sliced MLP) is not supported.")
-    theta, scaling = _rope(hf)
+        raise ValueError(f"{name} pretraining_tp != 1 (a sliced MLP) is not supported.")
+    theta, scaling = _rope(hf, name)
     kv = hf.get("num_key_value_heads") or heads
     return dict(
         vocabulary_size=hf["vocab_size"],
@@ -88,7 +89,10 @@ def matches(config: dict) -> list[str]:
     """What keeps a kdist GPT config from being a Llama (empty: it is one)."""
     want = dict(position_embedding="rotary", norm="rms_norm", mlp_activation="swiglu",
                 use_bias=False, fused_qkv=False)
-    return [f"{k}={config[k]!r} (Llama: {v!r})" for k, v in want.items() if config[k] != v]
+    wrong = [f"{k}={config[k]!r} (Llama: {v!r})" for k, v in want.items() if config[k] != v]
+    if config.get("moe"):  # routed experts: a Mixtral (mixtral.py), not a Llama
+        wrong.append("moe=... (Llama: a dense MLP)")
+    return wrong
 
 
 def hf_config(config: dict) -> dict:

@@ -38,12 +38,12 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
-from kdist.models.hf import bert, exported_config, gpt2, llama, stacked
+from kdist.models.hf import bert, exported_config, gpt2, llama, mixtral, stacked
 from kdist.models.hf.checkpoint import HFCheckpoint, read_config
 from kdist.models.hf.tensors import TensorMap
 from kdist.parallel.layout import current_mesh_shape, divisors
 
-FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, bert, llama)}
+FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, bert, llama, mixtral)}
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors names of the weights kdist reads
 
 
@@ -58,6 +58,7 @@ def family_for(model_type: str, cls=None) -> object:
     accepted = getattr(backbone_class, "hf_model_types", ())
     if model_type not in accepted:
         owners = {"gpt2": "GPTCausalLM / GPTBackbone", "llama": "GPTCausalLM / GPTBackbone",
+                  "mixtral": "GPTCausalLM / GPTBackbone",
                   "bert": "BertMaskedLM / BertClassifier / BertBackbone"}
         raise ValueError(f"{cls.__name__} cannot load a {model_type!r} checkpoint (it loads "
                          f"{list(accepted) or 'none'}); use {owners[model_type]}.")
@@ -132,6 +133,13 @@ def _check_mesh(config: dict, family) -> None:
             f"fsdp instead: kdist.distribution('fsdp=N')).")
 
 
+def is_statistic(family, path: str) -> bool:
+    """Whether kdist variable ``path`` is a statistic the family keeps out of its
+    checkpoints (a MoE layer's expert load), neither loaded nor exported."""
+    pattern = getattr(family, "STATISTICS", None)
+    return pattern is not None and pattern.fullmatch(path) is not None
+
+
 def plan_load(model, family, config: dict, ckpt: HFCheckpoint):
     """``[(variable, map, stored names or None)]`` for every weight, or one ValueError
     naming every missing, unexpected and misshapen tensor. The map is a ``TensorMap``, or a
@@ -142,6 +150,8 @@ def plan_load(model, family, config: dict, ckpt: HFCheckpoint):
     plan, problems, used = [], [], set()
     for variable in model.weights:
         path = variable.path
+        if is_statistic(family, path):  # not a weight: keeps its initialiser
+            continue
         tensor_map = stacked.fitted(family.tensor_map(path, config), variable.shape)
         if tensor_map is None:
             problems.append(f"kdist weight '{path}' {tuple(variable.shape)} has no "
