@@ -36,6 +36,17 @@ def test_expert_plan_matches_the_compiled_all_to_alls_and_memory():
     assert "(4,858,368 parameters, 1,761,792 active)" in p.report().splitlines()[1]
 
 
+def test_capacity_slots_plan_like_the_compiled_program():
+    overrides = {**NANO, "moe": CAPACITY}
+    p = plan("gpt-nano-moe", mesh="expert=2,data=4", global_batch_size=16, sequence_length=64,
+             device_memory="16GiB", model_overrides=overrides, suggest=False)
+    # C = ceil(1.25 x 128 x 2 / 8) = 40 slots: 4 x 2 x ring(2) x 8 x 40 x 256 x 4 bytes.
+    assert p.collectives["all-to-all"]["wire_bytes"] == pytest.approx(
+        p.theoretical_collectives["all-to-all"], rel=1e-6) == 1_310_720
+    e = estimate(cost_model_of("gpt-nano-moe", **overrides), p.mesh, 16, 64)
+    assert abs(e["total"] / p.total - 1) <= 0.15, (e["total"], p.total)  # 0.93 measured
+
+
 def test_auto_searches_expert_for_moe_models_only():
     dense = candidate_meshes(8, "gpt-nano", 16, sequence_length=64)
     assert all(m["expert"] == 1 for m in dense)
