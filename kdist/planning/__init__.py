@@ -241,9 +241,11 @@ def plan(
                              f"kdist preset, or a model with a cost_model() method).")
 
     # The distribution's settings, once: what the search weighs of them, and the rest.
+    # (gradient_reduction too: the table refuses it with 'expert', which auto may pick.)
     settings = dict(context_parallel=context_parallel,
                     pipeline_microbatches=pipeline_microbatches,
-                    pipeline_repeats=pipeline_repeats, sync_every=sync_every)
+                    pipeline_repeats=pipeline_repeats, sync_every=sync_every,
+                    gradient_reduction=gradient_reduction)
     mesh_choice = None
     if mesh.strip().lower() == "auto":
         if cost is None:
