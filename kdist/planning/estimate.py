@@ -307,7 +307,9 @@ def estimate(model: Any, mesh: Mapping[str, int] | Parallelism, global_batch_siz
     beside ``(P - P_e)/(f m)``); the MoE layers' dispatch buffers and per-expert
     activations replace the dense MLP's the cost model counted
     (:func:`kdist.planning.experts.activation_bytes`; the compiled ``expert=2,data=4``
-    gpt-nano-moe step of 2 layers, batch 16 x 64: 70.13 MiB estimated, 77.94 MiB compiled).
+    gpt-nano-moe step of 2 layers, batch 16 x 64: 78.01 MiB estimated, 77.94 MiB
+    compiled), and under ``fsdp`` the experts' weights and gradients held whole in their
+    region (:func:`kdist.planning.experts.gathered_bytes`).
 
     Example:
         >>> e = estimate("gpt2-small", {"data": 1, "fsdp": 8, "model": 1}, 64, 1024)
@@ -358,6 +360,7 @@ def _memory(cost, dims, mesh, batch, length, precision, remat, grad_accum,
                                          value_bytes, 1 if remat else dims["num_layers"])
     activations += experts.activation_bytes(cost, micro_batch * length / s, value_bytes,
                                             remat, mesh.get("expert", 1))
+    activations += experts.gathered_bytes(cost, mesh)  # the experts' region under fsdp
     return {
         "parameters": weights,
         "optimizer_state": 2 * weights + (weights if grad_accum > 1 else 0),
