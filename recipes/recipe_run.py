@@ -71,6 +71,8 @@ def resolve_mesh(args: argparse.Namespace, cost_model, sequence_length: int,
         grad_accum=args.grad_accum, context_parallel=args.context_parallel,
         pipeline_microbatches=args.pipeline_microbatches,
         pipeline_repeats=args.pipeline_repeats, sync_every=getattr(args, "sync_every", None),
+        # The combination table refuses some axes with it ('expert'): auto must know it.
+        gradient_reduction=getattr(args, "gradient_reduction", None),
         devices_per_host=group, host_link_slowdown=slowdown, boundary=boundary,
         pipeline_schedule=args.pipeline_schedule)
     lines = [f"mesh auto: {why}"]

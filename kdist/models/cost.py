@@ -6,6 +6,23 @@ family (:class:`kdist.models.base.Task.cost_model`).
 from __future__ import annotations
 
 import abc
+from typing import NamedTuple
+
+
+class Experts(NamedTuple):
+    """A model's routed experts, as the planner needs them (:mod:`kdist.planning.experts`):
+    ``layers`` MoE blocks of ``num_experts`` E experts, ``experts_per_token`` k each token
+    goes to, ``hidden_dim`` D and ``expert_dim`` F, the ``capacity_factor`` (None:
+    dropless), and ``parameters``: the routed experts' weights in every MoE block (what the
+    ``expert`` mesh axis splits; the router and shared experts are not among them)."""
+
+    layers: int
+    num_experts: int
+    experts_per_token: int
+    hidden_dim: int
+    expert_dim: int
+    capacity_factor: float | None
+    parameters: int
 
 
 class CostModel(abc.ABC):
@@ -28,6 +45,9 @@ class CostModel(abc.ABC):
     # The task computes its loss inside a 1F1B schedule ("scheduled_pipeline"), so the
     # planner may choose one; under 'seq' only with one target per token (choose_schedule).
     loss_in_schedule = per_token_targets = False
+    # The routed experts (an :class:`Experts`), or None: a dense model, which the planner
+    # never gives an 'expert' axis.
+    experts: Experts | None = None
 
     @property
     @abc.abstractmethod

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from kdist import flops
-from kdist.models.cost import CostModel
+from kdist.models.cost import CostModel, Experts
 
 
 class GPTCostModel(CostModel):
@@ -78,6 +78,25 @@ class GPTCostModel(CostModel):
         d, moe = self.config["hidden_dim"], self.config["moe"]
         f = moe.get("expert_dim") or self.config["intermediate_dim"]
         return d * moe["num_experts"] + 3 * d * f * (experts + moe.get("shared_experts", 0))
+
+    @property
+    def experts(self) -> Experts | None:
+        """The routed experts (None for a dense model): ``parameters`` is ``3 D F E`` per MoE
+        block (``gate``, ``up`` ``(E, D, F)`` and ``down`` ``(E, F, D)``).
+
+        Example:
+            >>> from kdist.models import GPT_PRESETS, GPTBackbone
+            >>> GPTCostModel(GPTBackbone.full_config(GPT_PRESETS["gpt-nano-moe"])).experts.layers
+            4
+        """
+        moe = self.config.get("moe")
+        if not self._moe_blocks():
+            return None
+        d = self.config["hidden_dim"]
+        f = moe.get("expert_dim") or self.config["intermediate_dim"]
+        return Experts(self._moe_blocks(), moe["num_experts"], moe.get("experts_per_token", 2),
+                       d, f, moe.get("capacity_factor"),
+                       self._moe_blocks() * 3 * d * f * moe["num_experts"])
 
     @property
     def active_parameters(self) -> int:

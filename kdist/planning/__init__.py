@@ -16,6 +16,8 @@ on abstract inputs, with a verdict and the smallest change that fits.
 ``traffic``          bytes per mesh axis, and the axes that cross the slow link
 ``planned_model``    the model a plan is of (a preset or a function) and its cost model
 ``stages``           a pipeline's memory, bytes between stages, bubble and timeline
+``experts``          a Mixture of Experts: its experts' weights over ``expert``, the dispatch
+                     buffers and the all-to-alls
 ``schedule_memory``  the memory of a step run by the pipeline interpreter
 ``executed``         what a scheduled pipeline's program runs: each branch of its tick's
                      switch counted as often as the schedule's table takes it
@@ -49,6 +51,7 @@ from kdist.parallel.mesh import mesh_spec, parse_mesh
 from kdist.planning import executed, stages, traffic
 from kdist.planning import report as _report
 from kdist.planning.analytic import (
+    active_parameters,
     axis_links,
     estimated_plan,
     formula_flops,
@@ -238,9 +241,11 @@ def plan(
                              f"kdist preset, or a model with a cost_model() method).")
 
     # The distribution's settings, once: what the search weighs of them, and the rest.
+    # (gradient_reduction too: the table refuses it with 'expert', which auto may pick.)
     settings = dict(context_parallel=context_parallel,
                     pipeline_microbatches=pipeline_microbatches,
-                    pipeline_repeats=pipeline_repeats, sync_every=sync_every)
+                    pipeline_repeats=pipeline_repeats, sync_every=sync_every,
+                    gradient_reduction=gradient_reduction)
     mesh_choice = None
     if mesh.strip().lower() == "auto":
         if cost is None:
@@ -337,12 +342,13 @@ def plan(
     table = executed.table_of(summary)
     found = (executed.collectives(compiled.as_text(), table, num) if target.method == "host"
              else [])
+    parameters = int(sum(math.prod(s.shape) for s in state[0]))
     result = Plan(
         config=dict(model=model_name, mesh=mesh, global_batch_size=global_batch_size,
                     sequence_length=sequence_length, precision=policy, remat=remat,
                     grad_accum=grad_accum, sync_every=sync_every),
         mesh=sizes,
-        parameters=int(sum(math.prod(s.shape) for s in state[0])),
+        parameters=parameters,
         memory=memory_breakdown(compiled, state),
         xla_memory=xla_memory(compiled),
         device_memory=device_memory,
@@ -361,6 +367,7 @@ def plan(
         device_memory_source=target.memory_source,
         target=target.describe(), method=target.method, links=axis_links(target, sizes),
         pipeline=summary, parallelism=config,
+        active_parameters=active_parameters(cost, parameters),
     )
     if suggest and not result.fits:
         result.suggestion = _report.suggest(

@@ -58,6 +58,7 @@ def estimated_plan(target, model_name, cost, mesh, config, mesh_choice, policy, 
                     sequence_length=sequence_length, precision=policy, remat=remat,
                     grad_accum=grad_accum, sync_every=config.sync_every),
         mesh=sizes, parameters=int(cost.parameters), memory=memory, xla_memory={},
+        active_parameters=active_parameters(cost, cost.parameters),
         device_memory=target.device_memory,
         flops={"xla": float("nan"), "program": float("nan"),
                "formula": formula_flops(cost, global_batch_size, sequence_length, remat)},
@@ -77,6 +78,14 @@ def estimated_plan(target, model_name, cost, mesh, config, mesh_choice, policy, 
         result.suggestion = _report.suggest(
             result, remat_ratio(cost, sequence_length, remat), None)
     return result
+
+def active_parameters(cost, parameters: int) -> int | None:
+    """The parameters a token goes through when a cost model states fewer than
+    ``parameters`` (a Mixture of Experts' ``active_parameters``), else None: the plan
+    shows both for a MoE model (Mixtral 8x7B: 46.7 B, 12.9 B active)."""
+    active = getattr(cost, "active_parameters", None)
+    return int(active) if active is not None and active < parameters else None
+
 
 def theory_terms(cost, config, micro, sequence_length, policy, grad_accum) -> list:
     """The theoretical minimum's terms per optimizer step of ``config`` (a

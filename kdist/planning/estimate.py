@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kdist.parallel.config import Parallelism
-from kdist.planning import stages, traffic
+from kdist.planning import experts, stages, traffic
 
 # Transformer dimensions the tensor-parallel (``model``) axis splits; a cost model that
 # states them (through its ``config``) gets model-axis meshes in the search.
@@ -194,6 +194,15 @@ def collective_terms(model: Any, mesh: Mapping[str, int] | Parallelism,
       ``2(s-1)`` blocks of ``T/s`` tokens forward, ``2(s-1)`` again and ``2s`` float32
       gradient blocks backward (:func:`kdist.parallel.context.cost.ring_bytes`), as
       collective-permutes;
+    * expert (a Mixture of Experts, :mod:`kdist.planning.experts`): it splits the batch as
+      data does and the routed experts' weights ``P_e`` (``1/e`` of them per device): the
+      other weights' gradients are all-reduced over ``data x expert x seq``
+      (``2 ring(d e s) (P - P_e)/(f m)``), the experts' over ``data x seq`` only
+      (``2 ring(d s) P_e/(e f m)``); fsdp gathers ``(P - P_e) + P_e/e``; and per MoE layer
+      the ``(E, C, D)`` dispatch buffer of a device's ``n = B_local T`` tokens crosses the
+      axis four times (dispatch and combine, forward and backward):
+      ``4 ring(e) E C D`` value bytes, ``C = n k`` for a dropless layer, ``ceil(c n k /
+      E)`` with a capacity factor c (counted with the activations: each layer waits);
     * stage (a pipeline of ``pipeline_microbatches`` and ``pipeline_repeats``):
       :func:`kdist.planning.stages.collective_terms` — activations between stages
       (``collective-permute``), each stage's weights gathered once, the seq axis's keys
@@ -241,13 +250,23 @@ def _terms(cost, dims, mesh, batch, length, value_bytes, parameter_bytes, gradie
            context_parallel, activations) -> list[traffic.Traffic]:
     """:func:`collective_terms` of one replica group without a pipeline."""
     d, f, m = mesh.get("data", 1), mesh.get("fsdp", 1), mesh.get("model", 1)
-    s = mesh.get("seq", 1)
-    p = cost.parameters * parameter_bytes
-    g = cost.parameters * (gradient_bytes or parameter_bytes)
+    s, e = mesh.get("seq", 1), mesh.get("expert", 1)
+    routed = experts.routed_parameters(cost)
+    # Per device: every weight's 1/(f m), the routed experts' 1/(e f m) (experts.py).
+    held = experts.weight_values(cost, mesh) * f * m  # fsdp gathers the model shard
+    p, g = held * parameter_bytes, held * (gradient_bytes or parameter_bytes)
+    dense_g = (cost.parameters - routed) * (gradient_bytes or parameter_bytes)
+    routed_g = routed / e * (gradient_bytes or parameter_bytes)
     terms = [traffic.Traffic("all-gather", ("fsdp",), 2 * _ring(f) * p / m),
              traffic.Traffic("reduce-scatter", ("fsdp",), _ring(f) * g / m),
-             traffic.Traffic("all-reduce", ("data", "seq"), 2 * _ring(d * s) * g / (f * m))]
-    local_batch = batch / (d * f)
+             # expert splits the batch as data does: the other weights' gradients are
+             # summed over it too, the routed experts' (split over it) are not.
+             traffic.Traffic("all-reduce", ("data", "expert", "seq") if e > 1 else
+                             ("data", "seq"),
+                             2 * _ring(d * e * s) * dense_g / (f * m)),
+             traffic.Traffic("all-reduce", ("data", "seq"),
+                             2 * _ring(d * s) * routed_g / (f * m))]
+    local_batch = batch / (d * f * e)
     traffic.needs_dimensions(dims, mesh, activations)
     if activations and m > 1:
         activation = local_batch * length / s * dims["hidden_dim"] * value_bytes
@@ -256,6 +275,8 @@ def _terms(cost, dims, mesh, batch, length, value_bytes, parameter_bytes, gradie
     if activations and s > 1:
         terms += traffic.context_terms(dims, s, m, local_batch, length, value_bytes,
                                        context_parallel)
+    if activations:
+        terms += experts.all_to_all_terms(cost, mesh, local_batch * length / s, value_bytes)
     return terms
 
 
@@ -280,7 +301,15 @@ def estimate(model: Any, mesh: Mapping[str, int] | Parallelism, global_batch_siz
     batch and a device holds, beside the outer weights and its inner optimizer's state,
     its group's weights, the outer momentum and (in the sync step) the outer gradient:
     ``replica_groups``, 3 x its weight shard (the compiled ``replica=2,data=4`` gpt-nano
-    step: optimizer state 4.0 x, temporaries +0.98 x the weights against ``data=8``).
+    step: optimizer state 4.0 x, temporaries +0.98 x the weights against ``data=8``). An
+    ``expert`` axis (a Mixture of Experts) splits the batch as ``data`` does and the
+    routed experts' weights, gradients and Adam state ``e`` ways more (``P_e/(e f m)``
+    beside ``(P - P_e)/(f m)``); the MoE layers' dispatch buffers and per-expert
+    activations replace the dense MLP's the cost model counted
+    (:func:`kdist.planning.experts.activation_bytes`; the compiled ``expert=2,data=4``
+    gpt-nano-moe step of 2 layers, batch 16 x 64: 78.01 MiB estimated, 77.94 MiB
+    compiled), and under ``fsdp`` the experts' weights and gradients held whole in their
+    region (:func:`kdist.planning.experts.gathered_bytes`).
 
     Example:
         >>> e = estimate("gpt2-small", {"data": 1, "fsdp": 8, "model": 1}, 64, 1024)
@@ -312,9 +341,9 @@ def _memory(cost, dims, mesh, batch, length, precision, remat, grad_accum,
     """:func:`estimate` of one replica group without a pipeline."""
     from kdist import accelerators
 
-    shards = mesh.get("fsdp", 1) * mesh.get("model", 1)
-    weights = cost.parameters * 4 / shards
-    micro_batch = batch / grad_accum / (mesh.get("data", 1) * mesh.get("fsdp", 1))
+    weights = experts.weight_values(cost, mesh) * 4
+    micro_batch = batch / grad_accum / (mesh.get("data", 1) * mesh.get("fsdp", 1)
+                                        * mesh.get("expert", 1))
     s, value_bytes = mesh.get("seq", 1), compute_bytes(precision)
     # For a TPU (the target device: kdist.accelerators.target), what its compiler keeps:
     # element-wise work fused (GPTCostModel's ``fused``), splash attention's statistics.
@@ -329,6 +358,9 @@ def _memory(cost, dims, mesh, batch, length, precision, remat, grad_accum,
     if s > 1 and context_parallel == "all_gather":
         activations += traffic.gathered_kv_bytes(dims, micro_batch, length, mesh.get("model", 1),
                                          value_bytes, 1 if remat else dims["num_layers"])
+    activations += experts.activation_bytes(cost, micro_batch * length / s, value_bytes,
+                                            remat, mesh.get("expert", 1))
+    activations += experts.gathered_bytes(cost, mesh)  # the experts' region under fsdp
     return {
         "parameters": weights,
         "optimizer_state": 2 * weights + (weights if grad_accum > 1 else 0),

@@ -56,6 +56,9 @@ class Plan:
     links: dict[str, Any] = dataclasses.field(default_factory=dict)  # kdist.planning._links
     # The planned configuration: kdist.distribution(plan.parallelism) trains what was planned
     parallelism: Any = None
+    # Parameters one token goes through, where fewer than ``parameters`` (a Mixture of
+    # Experts: the unchosen experts left out; the cost model's active_parameters), else None.
+    active_parameters: int | None = None
 
     @property
     def total(self) -> float:
@@ -80,7 +83,9 @@ class Plan:
                  f"({self.device_memory_source})"]
         if self.target and (self.method != "host" or self.links.get("group") != "host"):
             lines.append(f"target: {self.target}")  # another device, or not compiled
-        lines.append(f"plan: {c['model']} ({self.parameters:,} parameters), mesh "
+        active = (f", {self.active_parameters:,} active" if self.active_parameters
+                  else "")
+        lines.append(f"plan: {c['model']} ({self.parameters:,} parameters{active}), mesh "
                      f"{mesh_spec(self.mesh)} over {math.prod(self.mesh.values())} devices, "
                      f"global batch {c['global_batch_size']} x {c['sequence_length']}, "
                      f"{c['precision']}, remat {c['remat']}, gradient accumulation "

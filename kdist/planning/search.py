@@ -1,4 +1,5 @@
-"""Choosing a mesh: every (data, fsdp, seq, model) mesh a model and batch allow — in each
+"""Choosing a mesh: every (data, fsdp, expert, seq, model) mesh a model and batch allow
+(``expert`` for a Mixture-of-Experts model only) — in each
 pipeline stage too, and in each DiLoCo replica group — ranked by the analytic memory and
 communication of :mod:`.estimate`, bytes between hosts weighed by :mod:`.traffic`
 (``--mesh auto``). Meshes are full axis dicts (:func:`kdist.parallel.mesh.full_mesh`); axes
@@ -30,6 +31,7 @@ from kdist.planning.estimate import (
     estimate,
     planned,
 )
+from kdist.planning.experts import expert_sizes
 from kdist.planning.traffic import HOST_LINK_SLOWDOWN
 from kdist.planning.units import USABLE_FRACTION, format_bytes
 
@@ -96,14 +98,18 @@ def check_model_axis(mesh: Mapping[str, int], model: Any, num_devices: int) -> N
 def candidate_meshes(num_devices: int, model: Any, global_batch_size: int,
                      grad_accum: int = 1,
                      sequence_length: int | None = None) -> list[dict[str, int]]:
-    """Every (data, fsdp, seq, model) mesh over ``num_devices`` that the model and batch allow.
+    """Every (data, fsdp, expert, seq, model) mesh over ``num_devices`` that the model and
+    batch allow.
 
     ``model`` (anything :func:`~kdist.planning.estimate.cost_model_of` reads, or None for
     no model constraint): the ``model`` axis must divide its heads, MLP width and
     vocabulary, the ``fsdp`` axis its hidden size; a model that states no dimensions gets
     no ``model`` axis. A ``seq`` axis (context parallelism) is a candidate when
     ``sequence_length`` is given, the model states its heads, and the axis divides the
-    sequence (``2 x seq`` for causal models, whose layout is load-balanced).
+    sequence (``2 x seq`` for causal models, whose layout is load-balanced). An ``expert``
+    axis only for a model with routed experts (its cost model's ``experts``), of the sizes
+    that divide them (:func:`~kdist.planning.experts.expert_sizes`), with ``data`` and
+    ``fsdp`` only: the combinations the table builds; it splits the batch as they do.
 
     Example:
         >>> [m["model"] for m in candidate_meshes(4, None, 8)]
@@ -112,7 +118,8 @@ def candidate_meshes(num_devices: int, model: Any, global_batch_size: int,
         ['seq=8', 'seq=4,model=2', 'seq=2,model=4']
     """
     dims = dimensions(model) if model is not None else None
-    causal = getattr(cost_model_of(model).flops_per_token(sequence_length or 1), "causal",
+    cost = cost_model_of(model) if model is not None else None
+    causal = getattr(cost.flops_per_token(sequence_length or 1), "causal",
                      True) if model is not None else True
     out = []
     for m in range(1, num_devices + 1):
@@ -123,16 +130,20 @@ def candidate_meshes(num_devices: int, model: Any, global_batch_size: int,
                 or any(dims.get(k) and dims[k] % m for k in SPLIT_BY_MODEL_AXIS)):
             continue
         for s in _seq_sizes(num_devices // m, dims, sequence_length, causal):
-            rest = num_devices // (m * s)
-            for f in range(1, rest + 1):
-                if rest % f:
-                    continue
-                d = rest // f
-                if (global_batch_size // grad_accum) % (d * f) or global_batch_size % grad_accum:
-                    continue
-                if dims and f > 1 and dims.get("hidden_dim") and dims["hidden_dim"] % f:
-                    continue
-                out.append(full_mesh({"data": d, "fsdp": f, "seq": s, "model": m}))
+            # 'expert' combines with data and fsdp only (kdist.parallel.combinations).
+            for e in (expert_sizes(cost, num_devices // (m * s)) if m == s == 1 else [1]):
+                rest = num_devices // (m * s * e)
+                for f in range(1, rest + 1):
+                    if rest % f:
+                        continue
+                    d = rest // f
+                    if ((global_batch_size // grad_accum) % (d * f * e)
+                            or global_batch_size % grad_accum):
+                        continue
+                    if dims and f > 1 and dims.get("hidden_dim") and dims["hidden_dim"] % f:
+                        continue
+                    out.append(full_mesh({"data": d, "fsdp": f, "expert": e, "seq": s,
+                                          "model": m}))
     return out
 
 
@@ -171,7 +182,8 @@ def pipeline_meshes(num_devices: int, model: Any, global_batch_size: int,
             continue
         for mesh in candidate_meshes(num_devices // stages, model, global_batch_size,
                                      grad_accum, sequence_length):
-            if (global_batch_size // grad_accum) % (mesh["data"] * mesh["fsdp"] * micro):
+            if mesh["expert"] > 1 or (global_batch_size // grad_accum) % (
+                    mesh["data"] * mesh["fsdp"] * micro):  # (expert x stage: refused)
                 continue
             out.append(full_mesh({**mesh, "stage": stages}))
     return out
@@ -287,7 +299,8 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     ``parallelism``, estimated bytes, wire bytes per axis, the axes that cross hosts,
     ranking cost, fits).
 
-    The search: every (data, fsdp, seq, model) mesh (:func:`candidate_meshes`); only if
+    The search: every (data, fsdp, expert, seq, model) mesh (:func:`candidate_meshes`;
+    ``expert`` for a model with routed experts, with data and fsdp); only if
     none fits, every pipeline (:func:`pipeline_meshes`: a stage axis with data, fsdp, seq
     and model inside, ``pipeline_microbatches``, ``pipeline_repeats`` and
     ``pipeline_schedule``, which may narrow the meshes a pipeline can have). With
@@ -298,9 +311,10 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     is never returned.
 
     The ranking: the wire bytes per axis (:func:`kdist.planning.traffic.by_axis`), tensor
-    parallelism's activation all-reduces and the keys and values crossing a ``seq`` axis
-    counted twice (they sit on each layer's critical path; the gradient all-reduce and the
-    weight all-gathers overlap with compute), the bytes of an axis that crosses hosts
+    parallelism's activation all-reduces, the keys and values crossing a ``seq`` axis and
+    the experts' all-to-alls over ``expert`` counted twice (they sit on each layer's
+    critical path; the gradient all-reduce and the weight all-gathers overlap with
+    compute), the bytes of an axis that crosses hosts
     (``devices_per_host``; None: one host) ``host_link_slowdown`` times; ties go to fewer
     ``model`` shards, then fewer ``seq`` shards. Pipelines rank by their bubble first.
     If nothing fits, the candidate with the least memory is returned and ``why`` says so.
@@ -350,8 +364,9 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
         memory = estimate(cost, config, global_batch_size, sequence_length,
                           precision=precision, remat=remat, grad_accum=grad_accum)["total"]
         per_axis, quiet = axis_bytes(config), axis_bytes(config, activations=False)
-        # Tensor parallelism's activation all-reduces and context parallelism's keys and
-        # values sit on the critical path (each layer waits for them); gradient all-reduces
+        # Tensor parallelism's activation all-reduces, context parallelism's keys and
+        # values and the experts' all-to-alls (activations=True's terms) sit on the
+        # critical path (each layer waits for them); gradient all-reduces
         # and weight all-gathers overlap with compute. So their bytes weigh double.
         ranked = {a: 2 * b - quiet.get(a, 0.0) for a, b in per_axis.items()}
         crossing = traffic.crossing_fractions(mesh, devices_per_host)
@@ -391,7 +406,9 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
         why = (f"{best['mesh']}: fits ({format_bytes(best['memory'])} estimated of "
                f"{format_bytes(budget)} usable per device) with the least communication "
                f"({format_bytes(best['wire_bytes'])} per device per step; tensor- and "
-               f"context-parallel bytes weigh double"
+               f"context-parallel bytes" + (" and the experts' all-to-alls" if cost is not None
+                                            and getattr(cost, "experts", None) else "")
+               + " weigh double"
                + (f", bytes between {boundary} {host_link_slowdown:.3g}x" if devices_per_host
                   and devices_per_host < num_devices else "")
                + f") of the {len(fitting)} fitting meshes out of {len(rows)}")

@@ -1,0 +1,134 @@
+"""The planner's figures of a Mixture-of-Experts model: its routed experts' weights split
+over the ``expert`` mesh axis, the dispatch buffers and per-expert activations a device
+keeps, and the two all-to-alls per MoE layer each way (:mod:`kdist.parallel.experts`).
+
+Shapes on one device, with the cost model's :class:`~kdist.models.cost.Experts` (L MoE
+layers of E experts, k per token, width D, expert width F), n the device's tokens, e the
+``expert`` axis size and C the slots per expert and source device:
+
+* weights: the routed experts' ``3 D F E`` per layer carry the logical axes
+  ``(expert, embed, mlp)`` (:mod:`kdist.parallel.rules`: ``expert -> expert``,
+  ``embed -> fsdp``, ``mlp -> model``), so a device holds ``1/(e f m)`` of them and
+  ``1/(f m)`` of every other weight (the router ``(D, E)`` is ``(embed, None)``);
+* rows: each device packs its ``n k`` assignments into an ``(E, C, D)`` buffer, ``C = n k``
+  for a dropless layer under an ``expert`` axis (nothing can overflow, at E x the rows),
+  ``C = ceil(factor n k / E)`` with a ``capacity_factor``; without the axis a dropless
+  layer computes its ``n k`` rows with grouped matmuls (:func:`rows`);
+* traffic: the buffer goes to the experts' devices and the outputs come back (two
+  ``all_to_all`` over ``expert`` forward, their transposes backward): ``4 ring(e) E C D``
+  value bytes per layer per step (:func:`all_to_all_terms`).
+
+Example:
+    >>> from kdist.planning.estimate import cost_model_of
+    >>> ex = cost_model_of("gpt-nano-moe").experts
+    >>> rows(ex, 128, expert_axis=2), rows(ex, 128, expert_axis=1)  # E n k, n k
+    (2048, 256)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kdist.models.cost import Experts
+from kdist.parallel.experts import capacity
+from kdist.planning import traffic
+
+
+def routed_parameters(cost) -> int:
+    """The routed experts' weights of ``cost`` (what the ``expert`` axis splits); 0 for a
+    dense model or a cost model that does not state its experts."""
+    experts = getattr(cost, "experts", None)
+    return experts.parameters if experts else 0
+
+
+def weight_values(cost, mesh: Mapping[str, int]) -> float:
+    """Weights a device holds (values, not bytes): ``P_dense / (f m) + P_routed / (e f m)``
+    (see the module docstring for the rules that split them)."""
+    shards = mesh.get("fsdp", 1) * mesh.get("model", 1)
+    routed = routed_parameters(cost)
+    return (cost.parameters - routed) / shards + routed / (shards * mesh.get("expert", 1))
+
+
+def rows(experts: Experts, tokens: float, expert_axis: int) -> float:
+    """Rows one MoE layer's experts compute on a device of ``tokens`` tokens: the
+    ``(E, C, D)`` buffer's ``E x C`` (the all-to-all's capacity: ``C = n k`` dropless
+    under an ``expert`` axis, ``ceil(factor n k / E)`` with a ``capacity_factor``), or
+    ``n k`` for a dropless layer without the axis (grouped matmuls, no padding)."""
+    assignments = tokens * experts.experts_per_token
+    if experts.capacity_factor is not None:
+        return experts.num_experts * capacity(int(assignments), experts.num_experts,
+                                              experts.capacity_factor)
+    return experts.num_experts * assignments if expert_axis > 1 else assignments
+
+
+def activation_bytes(cost, tokens: float, value_bytes: int, remat,
+                     expert_axis: int) -> float:
+    """What the MoE layers add to the dense cost model's activations on a device of
+    ``tokens`` tokens, in bytes. Per MoE layer kept for the backward pass: the rows
+    each expert received ``R x D`` (R: :func:`rows`), its gate and up projections and
+    their SwiGLU product ``R x 3F``, and the ``n k x D`` outputs the router's weights
+    combine; plus, once, what one layer's backward holds beside them: the ``(E, C, D)``
+    buffers in flight (the one sent and the one received, ``2 R x D``) and the gradients
+    of its three ``R x F`` intermediates (``3 R x F``; without them the compiled
+    ``expert=2,data=4`` gpt-nano-moe step of 2 layers, batch 16 x 64, was 0.90 of its
+    peak, with them 1.00). The dense MLP the cost model counted for those layers
+    (``F_mlp`` and its activation per token) is taken out. Per-block remat keeps one
+    layer's set; 0 for a dense model."""
+    experts = getattr(cost, "experts", None)
+    if not experts or not tokens:
+        return 0.0
+    c = getattr(cost, "config", {})
+    f_mlp = c.get("intermediate_dim", 0)
+    dense_mlp = f_mlp * (2 if c.get("mlp_activation") == "swiglu" else 1)
+    dense_mlp += f_mlp if remat in (False, True, "block") else 0  # cost model's `everything`
+    r = rows(experts, tokens, expert_axis)
+    d, f = experts.hidden_dim, experts.expert_dim
+    per_layer = r * (d + 3 * f) + tokens * experts.experts_per_token * d - tokens * dense_mlp
+    layers = 1 if remat in (True, "block") else experts.layers
+    return value_bytes * (layers * per_layer + r * (2 * d + 3 * f))
+
+
+def gathered_bytes(cost, mesh: Mapping[str, int]) -> float:
+    """The routed experts' float32 weights and gradients a device holds whole over
+    ``fsdp`` under an ``expert`` axis: the dispatch's region is manual over the batch's
+    axes, fsdp among them, so a MoE layer's ``E/e`` experts enter it gathered and their
+    gradients leave it whole (summed over fsdp on the way out) — one layer's at a time
+    (the program gathers them again for the backward pass): ``2 x 4 P_e/(e m L)`` bytes in
+    the temporaries. The compiled ``expert=2,fsdp=4`` gpt-nano-moe step of 2 layers, batch
+    16 x 64: dropless 61.80 MiB, estimated 53.91 (46.03 without them); with
+    ``capacity_factor=1.25`` 30.25, estimated 27.23. 0 without ``fsdp`` or ``expert``."""
+    e, f = mesh.get("expert", 1), mesh.get("fsdp", 1)
+    if e == 1 or f == 1:
+        return 0.0
+    layers = cost.experts.layers
+    return 2 * 4 * routed_parameters(cost) / (e * mesh.get("model", 1) * layers)
+
+
+def all_to_all_terms(cost, mesh: Mapping[str, int], tokens: float,
+                     value_bytes: int) -> list[traffic.Traffic]:
+    """The all-to-alls over ``expert`` per (micro-)step of a device of ``tokens`` tokens:
+    per MoE layer, the dispatch and the combine forward and their transposes backward,
+    each ``ring(e) x E C D`` value bytes (the ``(E, C, D)`` buffer, ``E x C`` =
+    :func:`rows`, of which the device keeps ``1/e``). None without an ``expert`` axis."""
+    experts, e = getattr(cost, "experts", None), mesh.get("expert", 1)
+    if not experts or e == 1:
+        return []
+    buffer = rows(experts, tokens, e) * experts.hidden_dim * value_bytes
+    return [traffic.Traffic("all-to-all", ("expert",),
+                            4 * experts.layers * (e - 1) / e * buffer)]
+
+
+def expert_sizes(cost, devices: int) -> list[int]:
+    """The ``expert`` axis sizes the search tries over ``devices``: 1, and for a model with
+    routed experts each size > 1 dividing both the experts and the devices.
+
+    Example:
+        >>> from kdist.planning.estimate import cost_model_of
+        >>> [expert_sizes(cost_model_of(name), 8) for name in ("gpt-nano-moe", "gpt-nano")]
+        [[1, 2, 4, 8], [1]]
+    """
+    experts = getattr(cost, "experts", None)
+    if not experts:
+        return [1]
+    return [1] + [e for e in range(2, devices + 1)
+                  if devices % e == 0 and experts.num_experts % e == 0]
