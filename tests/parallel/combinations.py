@@ -113,6 +113,10 @@ TABLE: list[Row] = [
     trains("seq=2,data=4", "gpt", config={"matmul_precision": "int8"}, tolerance="int8"),
     trains("stage=2,data=4", "gpt", config={**CONFIGS["scanned"], "matmul_precision": "int8"},
            pipeline_schedule="1f1b", tolerance="int8_microbatches", slow=True),
+    # 8-bit exchange quantizes communication, int8 matmuls compute: both at once (each
+    # device scales its own tokens' weight gradients: within the 8-bit tolerance).
+    trains("data=2,fsdp=2,model=2", "gpt", config={"matmul_precision": "int8"},
+           gradient_reduction="int8", tolerance="8bit"),
     # --- stage: pipelines over a scanned layer stack --------------------------------------
     trains("stage=8", "gpt", config="deep", rows=16),  # 1 layer per stage, M = S = 8
     trains("stage=4,data=2", "gpt", config="deep", rows=16, pipeline_microbatches=8),  # M = 2S
