@@ -437,3 +437,17 @@ def tensorflow_only_when_loaded() -> None:
             raise _missing(f"{name}.tf (Keras' lazy TensorFlow module)", e) from e
         if not isinstance(lazy, _TensorFlowIfLoaded):
             module.tf = _TensorFlowIfLoaded(lazy)
+
+
+def live_non_trainable_values(model, indices: list[int]) -> list:
+    """The current values of ``model.non_trainable_variables[i]`` for ``i`` in ``indices``,
+    without the state sync of the public ``Callback.model``: inside ``fit`` the JAX trainer
+    keeps the state in ``model._jax_state`` and purges the variables (``JAXTrainer.fit``,
+    keras 3.15.1); before and after, or once a callback synced it (``_jax_state_synced``),
+    the variables hold the values."""
+    state = getattr(model, "_jax_state", None) or {}
+    values = state.get("non_trainable_variables")
+    if values and not getattr(model, "_jax_state_synced", True):
+        return [values[i] for i in indices]
+    variables = model.non_trainable_variables
+    return [variables[i].value for i in indices]

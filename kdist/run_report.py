@@ -25,6 +25,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from kdist.callbacks.expert_load import load_lines
 from kdist.callbacks.throughput import JSONL_NAME
 from kdist.groups.history import round_lines
 from kdist.planning.units import format_bytes
@@ -210,7 +211,7 @@ def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
                 line += (f"live peak {memory / 2**30:.2f} GiB ({last.get('memory_source')}), "
                          f"in use {last.get('memory_in_use_bytes', 0) / 2**30:.2f} GiB")
             lines.append(line.rstrip("; "))
-    lines += _process_lines(intervals) + round_lines(rows)
+    lines += _process_lines(intervals) + round_lines(rows) + load_lines(intervals)
     _, train = _series(rows, "interval", "loss")
     _, val = _series(rows, "validation", "val_loss")
     if train or val:

@@ -1,10 +1,14 @@
-"""``ExpertLoad``: a Mixture of Experts' balance in the epoch's logs (the progress bar,
-``CSVLogger``'s log.csv, TensorBoard): over every MoE layer, the smallest and largest
-expert's share of the last training batch's assignments (balanced: both 1/E) and the
-assignments the capacity dropped (0 when dropless). Per layer:
-:func:`kdist.models.moe.expert_load`.
+"""A Mixture of Experts' balance where a run's figures are read.
 
-It reads the model's variables once per epoch end (a state sync on JAX), never per batch.
+- ``ExpertLoad``: in the epoch's logs (the progress bar, ``CSVLogger``'s log.csv,
+  TensorBoard): over every MoE layer, the smallest and largest expert's share of the last
+  training batch's assignments (balanced: both 1/E) and the assignments the capacity
+  dropped (0 when dropless). Per layer: :func:`kdist.models.moe.expert_load`. It reads the
+  model's variables once per epoch end (a state sync on JAX), never per batch.
+- :class:`IntervalExpertLoad`: per MoE layer, in each interval row of
+  :class:`kdist.callbacks.Throughput`'s ``throughput.jsonl``, read from the trainer's live
+  state when the row is written (no state sync; a device read once per interval).
+- :func:`load_lines`: those rows in ``kdist report``.
 
 Example:
     >>> log = keras.callbacks.CSVLogger("log.csv")
@@ -13,9 +17,14 @@ Example:
 
 from __future__ import annotations
 
-import keras
+from typing import Any
 
-from kdist.models.moe import expert_load
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from kdist import _keras_compat
+from kdist.models.moe import MoEFeedForward, expert_load
 
 
 class ExpertLoad(keras.callbacks.Callback):
@@ -29,3 +38,66 @@ class ExpertLoad(keras.callbacks.Callback):
         logs["moe_min_share"] = min(v["min_share"] for v in load.values())
         logs["moe_max_share"] = max(v["max_share"] for v in load.values())
         logs["moe_dropped"] = sum(v["dropped_tokens"] for v in load.values())
+
+
+class IntervalExpertLoad:
+    """The ``expert_load`` field of an interval row: per MoE layer of ``model`` (by path),
+    the latest training batch's ``min_share``, ``max_share``, ``dropped_tokens`` and the
+    layer's ``experts`` (E). :meth:`row` reads the layers' ``expert_load`` and
+    ``dropped_tokens`` variables from the trainer's state as it is when called (inside
+    ``fit``: the last step dispatched), reduced on the device: call it once per interval.
+    Every process calls it (a collective read of sharded values on several hosts).
+
+    Example:
+        >>> layer = MoEFeedForward(num_experts=2, experts_per_token=1, expert_dim=4)
+        >>> model = keras.Sequential([keras.Input((3, 8)), layer])
+        >>> _ = layer(np.ones((1, 3, 8), "float32"), training=True)
+        >>> IntervalExpertLoad(model).row()["expert_load"][layer.path]["max_share"]
+        1.0
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._layers = [layer for layer in _keras_compat.all_layers(model)
+                        if isinstance(layer, MoEFeedForward) and layer.built]
+        index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+        # Two indices per layer (load, dropped) into the state's non-trainable values:
+        # found once, at train begin, so that a row costs no walk over the model.
+        self._indices = [index[id(v)] for layer in self._layers
+                         for v in (layer.load, layer.dropped)]
+
+    def row(self) -> dict[str, Any]:
+        """``{"expert_load": {path: {...}}}``, or ``{}`` for a model without experts."""
+        if not self._layers:
+            return {}
+        values = _keras_compat.live_non_trainable_values(self._model, self._indices)
+        figures = np.asarray(jnp.stack([jnp.stack([jnp.min(load), jnp.max(load), dropped])
+                                        for load, dropped in zip(values[::2], values[1::2])]))
+        return {"expert_load": {
+            layer.path: {"min_share": float(low), "max_share": float(high),
+                         "dropped_tokens": float(dropped), "experts": layer.num_experts}
+            for layer, (low, high, dropped) in zip(self._layers, figures)}}
+
+
+def load_lines(intervals: list[dict[str, Any]]) -> list[str]:
+    """The report's lines: per MoE layer, the last interval's expert load; none for a run
+    without experts.
+
+    Example:
+        >>> for line in load_lines([{"step": 40, "expert_load": {"block_0/mlp": {
+        ...         "min_share": 0.1, "max_share": 0.2, "dropped_tokens": 0.0,
+        ...         "experts": 8}}}]):
+        ...     print(line)
+        expert load (interval ending at step 40; balanced: each expert 1/E of the assignments):
+          block_0/mlp: 8 experts, share min 0.100 / max 0.200 (balanced 0.125), 0 dropped
+    """
+    last = next((r for r in reversed(intervals) if r.get("expert_load")), None)
+    if last is None:
+        return []
+    out = [f"expert load (interval ending at step {last['step']}; balanced: each expert "
+           f"1/E of the assignments):"]
+    for path, v in last["expert_load"].items():
+        out.append(f"  {path}: {v['experts']} experts, share min {v['min_share']:.3f} / max "
+                   f"{v['max_share']:.3f} (balanced {1 / v['experts']:.3f}), "
+                   f"{v['dropped_tokens']:.0f} dropped")
+    return out

@@ -19,7 +19,8 @@ What is measured, and how (all wall-clock, ``time.perf_counter()`` on the host):
   a peak measured under load is flagged in every row, its MFU kept out of the progress bar.
 * **Loss**: ``loss`` is Keras' running epoch mean; ``step_losses`` each step's own
   (:mod:`kdist.callbacks.step_loss`), which ``kdist report`` plots. **Rounds** of separate
-  replica group jobs: :mod:`kdist.groups.rounds`.
+  replica group jobs: :mod:`kdist.groups.rounds`. **Expert load** of a MoE model's layers
+  at each interval's end: :class:`kdist.callbacks.expert_load.IntervalExpertLoad`.
 
 No batch hook touches ``self.model`` (on JAX that syncs the whole training state back
 into the Keras variables) or reads a device array; the model is read in ``on_train_begin``.
@@ -39,6 +40,7 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
+from kdist.callbacks.expert_load import IntervalExpertLoad
 from kdist.callbacks.fit_devices import fit_devices
 from kdist.callbacks.mfu import ModelFlops, interval_rates, shown_mfu
 from kdist.callbacks.peak import device_peak, matmul_peak
@@ -106,20 +108,12 @@ class Throughput(keras.callbacks.Callback):
 
     async_safe = True  # batch hooks touch no model or device array; state under self._lock
 
-    def __init__(
-        self,
-        global_batch_size: int,
-        sequence_length: int,
-        log_dir: str | os.PathLike | None = None,
-        log_every: int = 10,
-        causal_half: bool = True,
-        peak_tflops: float | None = None,
-        flops_per_token: float | None = None,
-        tensorboard: bool = True,
-        profile_steps: tuple[int, int] | None = None,
-        progress_bar: bool = True,
-        stragglers: Stragglers | None = None,
-    ):
+    def __init__(self, global_batch_size: int, sequence_length: int,
+                 log_dir: str | os.PathLike | None = None, log_every: int = 10,
+                 causal_half: bool = True, peak_tflops: float | None = None,
+                 flops_per_token: float | None = None, tensorboard: bool = True,
+                 profile_steps: tuple[int, int] | None = None, progress_bar: bool = True,
+                 stragglers: Stragglers | None = None):
         super().__init__()
         for name, value in (("global_batch_size", global_batch_size),
                             ("sequence_length", sequence_length), ("log_every", log_every)):
@@ -169,6 +163,7 @@ class Throughput(keras.callbacks.Callback):
         self._step_losses = StepLosses(self._initial_fit_steps // steps if steps and
                                        self._initial_fit_steps % steps else None)
         self._memory = StepMemory(model)  # the train step fit runs, compiled ahead
+        self._experts = IntervalExpertLoad(model)  # MoE layers' load in interval rows
         self._inputs.install(model)
         self.stragglers.begin()
         if self._is_writer:
@@ -396,8 +391,7 @@ class Throughput(keras.callbacks.Callback):
         row: dict[str, Any] = {"kind": "interval", "step": step, "epoch": self._epoch,
                                "time": time.time(), "tokens": self._tokens(),
                                "loss": self._last_loss, "lr": None, "_lr_at": lr_at,
-                               "step_losses": per_optimizer_step(self._losses,
-                                                                 self._accumulation),
+                               "step_losses": per_optimizer_step(self._losses, self._accumulation),
                                "input_wait_s": waited / fetched * self._accumulation
                                if fetched else None}
         if self._interval_s > 0 and self._step_times:
@@ -444,7 +438,7 @@ class Throughput(keras.callbacks.Callback):
                     row["lr"] = self._schedule_value(row.pop("_lr_at"))
                     row.update(self.stragglers.interval(row["step"], row.pop("_figures")),
                                **interval_rounds(getattr(self, "_groups", None)))
-                    row.update(self._memory.row(self._local_devices))
+                    row.update(self._memory.row(self._local_devices), **self._experts.row())
                 self._log.write(row)
                 if row["kind"] in ("interval", "validation"):
                     self._log.scalars(row["step"], {

@@ -15,8 +15,12 @@ all-to-all over the ``expert`` mesh axis moves); assignments beyond ``C`` are dr
 The layer's ``call`` adds the load-balance and z-losses (:mod:`kdist.models.router`,
 times their coefficients) to the model's loss in training, and records the last batch's
 expert load (share of assignments per expert) and dropped count in two non-trainable
-variables (:func:`expert_load`). A block that rematerialises uses :meth:`forward` (pure,
-returning the statistics) inside its checkpoint and :meth:`record` outside it.
+variables (:func:`expert_load`). With ``balance_bias_rate`` > 0 it also keeps DeepSeek-V3's
+auxiliary-loss-free balance bias (sec. 2.1.2): a per-expert bias added to the router's
+scores for the choice of the k experts only, and after each training step moved by
+``rate x sign(mean load - load_e)`` (an overloaded expert becomes less likely). A block
+that rematerialises uses :meth:`forward` (pure, returning the statistics) inside its
+checkpoint and :meth:`record` outside it.
 
 Example:
     >>> layer = MoEFeedForward(num_experts=4, experts_per_token=2, expert_dim=32)
@@ -51,17 +55,19 @@ from kdist.parallel.rules import add_weight
 # What a block's `moe` dict may hold, with defaults (GPTBackbone's `moe` argument).
 MOE_DEFAULTS = dict(num_experts=None, experts_per_token=2, expert_dim=None, every=1,
                     router="softmax", shared_experts=0, capacity_factor=None,
-                    aux_loss_weight=0.01, z_loss_weight=0.001)
+                    aux_loss_weight=0.01, z_loss_weight=0.001, balance_bias_rate=0.0)
 
 
 class MoEStats(NamedTuple):
     """One MoE call's statistics: the two losses (unweighted), each expert's share of the
-    assignments ``(E,)`` and how many assignments the capacity dropped."""
+    assignments ``(E,)``, how many assignments the capacity dropped, and (with a balance
+    bias) ``sign(mean count - count_e)`` ``(E,)``, the bias's step direction."""
 
     aux_loss: jax.Array
     z_loss: jax.Array
     load: jax.Array
     dropped: jax.Array
+    balance: jax.Array | None = None
 
 
 def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
@@ -107,6 +113,10 @@ def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
     if factor is not None and not factor > 0:
         raise ValueError(f"moe['capacity_factor'] must be None (dropless) or > 0; got "
                          f"{factor!r}.")
+    rate = moe["balance_bias_rate"]
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
+        raise ValueError(f"moe['balance_bias_rate'] must be a number >= 0 (0: off; DeepSeek-V3 "
+                         f"used 0.001); got {rate!r}.")
     return moe
 
 
@@ -194,6 +204,9 @@ class MoEFeedForward(layers.Layer):
         capacity_factor: None (dropless) or the capacity path's factor (module docstring).
         aux_loss_weight: coefficient of the load-balance loss added in training.
         z_loss_weight: coefficient of the router z-loss added in training.
+        balance_bias_rate: > 0: DeepSeek-V3's auxiliary-loss-free balance bias, moved by
+            this much per training step (module docstring; non-trainable weight
+            ``balance_bias`` ``(E,)``, float32, replicated). 0 (default): no bias.
         initializer_range, output_initializer_range: as :class:`MLP`'s.
 
     Weights: ``router (D, E)``; ``gate``, ``up`` ``(E, D, F)`` and ``down`` ``(E, F, D)``
@@ -211,10 +224,12 @@ class MoEFeedForward(layers.Layer):
                  router: str = "softmax", shared_experts: int = 0,
                  capacity_factor: float | None = None, aux_loss_weight: float = 0.01,
                  z_loss_weight: float = 0.001, initializer_range: float = 0.02,
-                 output_initializer_range: float | None = None, **kwargs):
+                 output_initializer_range: float | None = None,
+                 balance_bias_rate: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         check_moe(dict(num_experts=num_experts, experts_per_token=experts_per_token,
-                       router=router, capacity_factor=capacity_factor), 1, expert_dim)
+                       router=router, capacity_factor=capacity_factor,
+                       balance_bias_rate=balance_bias_rate), 1, expert_dim)
         self.num_experts = num_experts
         self.experts_per_token = experts_per_token
         self.expert_dim = expert_dim
@@ -225,6 +240,7 @@ class MoEFeedForward(layers.Layer):
         self.z_loss_weight = z_loss_weight
         self.initializer_range = initializer_range
         self.output_initializer_range = output_initializer_range
+        self.balance_bias_rate = balance_bias_rate
 
     def build(self, input_shape):
         d, e, f = input_shape[-1], self.num_experts, self.expert_dim
@@ -252,6 +268,14 @@ class MoEFeedForward(layers.Layer):
                                trainable=False, dtype="float32")
         self.dropped = add_weight(self, "dropped_tokens", (), (), initializer="zeros",
                                   trainable=False, dtype="float32")
+        # DeepSeek-V3's balance bias: part of the routing (saved, restored), not trained.
+        # Replicated: every device chooses with the same bias, updated from the global
+        # load. Only when on, so that a model without it keeps its variables unchanged.
+        self.balance_bias = None
+        if self.balance_bias_rate:
+            self.balance_bias = add_weight(self, "balance_bias", (e,), (None,),
+                                           initializer="zeros", trainable=False,
+                                           dtype="float32")
 
     def forward(self, x):
         """``(..., D) -> ((..., D), MoEStats)``, pure: nothing recorded (see module)."""
@@ -260,7 +284,8 @@ class MoEFeedForward(layers.Layer):
         kernels = [ops.cast(w, x.dtype) for w in (self.gate, self.up, self.down)]
         logits = ops.matmul(ops.cast(tokens, "float32"),
                             ops.cast(self.router_kernel, "float32"))  # (N, E) float32
-        weights, experts, probs = route(logits, self.experts_per_token, self.router)
+        bias = None if self.balance_bias is None else ops.cast(self.balance_bias, "float32")
+        weights, experts, probs = route(logits, self.experts_per_token, self.router, bias)
         counts = expert_counts(experts, self.num_experts)  # (E,)
         parallel = experts_module.dispatch(tokens, experts, *kernels, self.capacity_factor)
         if parallel is not None:  # over the 'expert' mesh axis (kdist.parallel.experts)
@@ -276,8 +301,13 @@ class MoEFeedForward(layers.Layer):
         if self.shared is not None:  # (..., D) -> (..., S) -> (..., D), every token
             gate, up, down = (ops.cast(w, x.dtype) for w in self.shared)
             y = y + ops.matmul(ops.silu(ops.matmul(x, gate)) * ops.matmul(x, up), down)
+        # The bias's direction from integer counts (mean count = A / E, compared as
+        # A vs E x count): exact, so every device and every run moves it alike.
+        balance = None if bias is None else jnp.sign(
+            experts.size - self.num_experts * counts).astype("float32")  # (E,)
         stats = MoEStats(load_balance_loss(probs, counts), z_loss(logits),
-                         counts.astype("float32") / experts.size, dropped.astype("float32"))
+                         counts.astype("float32") / experts.size, dropped.astype("float32"),
+                         balance)
         return y, stats
 
     def record(self, stats: MoEStats, training=None) -> None:
@@ -292,6 +322,8 @@ class MoEFeedForward(layers.Layer):
             self.add_loss(self.z_loss_weight * stats.z_loss)
         self.load.assign(stats.load)
         self.dropped.assign(stats.dropped)
+        if self.balance_bias is not None:  # overloaded experts down, underloaded up
+            self.balance_bias.assign(self.balance_bias + self.balance_bias_rate * stats.balance)
 
     def call(self, x, training=None):
         y, stats = self.forward(x)
@@ -305,7 +337,8 @@ class MoEFeedForward(layers.Layer):
                 "capacity_factor": self.capacity_factor,
                 "aux_loss_weight": self.aux_loss_weight, "z_loss_weight": self.z_loss_weight,
                 "initializer_range": self.initializer_range,
-                "output_initializer_range": self.output_initializer_range}
+                "output_initializer_range": self.output_initializer_range,
+                "balance_bias_rate": self.balance_bias_rate}
 
 
 def expert_load(model) -> dict[str, dict[str, float]]:

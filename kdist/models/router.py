@@ -26,12 +26,21 @@ from kdist.parallel.experts import expert_counts  # noqa: F401  (the routers' co
 ROUTERS = ("softmax", "sigmoid")
 
 
-def route(logits, k: int, kind: str = "softmax"):
+def route(logits, k: int, kind: str = "softmax", bias=None):
     """``logits (N, E)`` -> ``(weights (N, k), experts (N, k) int32, probs (N, E))``.
 
     ``probs`` is what the load-balance loss reads: the softmax, or the sigmoid scores
     normalised over the experts (DeepSeek-V3's sequence-wise balance loss does the same).
-    Ties go to the lower expert id (``lax.top_k``).
+    Ties go to the lower expert id (``lax.top_k``). ``bias (E,)``: DeepSeek-V3's
+    auxiliary-loss-free balance bias, added to the scores for the choice of the k only; the
+    weights stay the unbiased scores' (the bias steers the load, not the output's mix).
+
+    Example:
+        >>> import numpy as np
+        >>> logits = np.array([[2.0, 1.0, 0.0]], "float32")
+        >>> weights, experts, _ = route(logits, 1, "sigmoid", bias=np.array([0, 0, 5.0]))
+        >>> experts.tolist(), weights.tolist()  # chosen by the bias, weighed without it
+        ([[2]], [[1.0]])
     """
     logits = jnp.asarray(logits, jnp.float32)
     if kind == "softmax":
@@ -42,7 +51,11 @@ def route(logits, k: int, kind: str = "softmax"):
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     else:
         raise ValueError(f"Unknown router {kind!r}; use one of {ROUTERS}.")
-    chosen, experts = jax.lax.top_k(scores, k)  # (N, k) each
+    if bias is None:
+        chosen, experts = jax.lax.top_k(scores, k)  # (N, k) each
+    else:
+        _, experts = jax.lax.top_k(scores + jnp.asarray(bias, jnp.float32), k)  # (N, k)
+        chosen = jnp.take_along_axis(scores, experts, axis=-1)  # (N, k) unbiased
     weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32), probs
 

@@ -320,3 +320,35 @@ def test_each_steps_own_loss_is_logged_and_a_validation_before_fit(tmp_path):
         own = [v for _, v in losses[3 * epoch:3 * epoch + 3]]
         means = [sum(own[:k + 1]) / (k + 1) for k in range(3)]
         np.testing.assert_allclose(means, per_step[3 * epoch:3 * epoch + 3], rtol=1e-5)
+
+
+def test_a_moe_models_expert_load_is_in_each_interval_row_and_the_report(monkeypatch):
+    from kdist.models import GPTBackbone, GPTCausalLM
+    from kdist.models.moe import expert_load
+    from kdist.run_report import summarize
+
+    model = GPTCausalLM(GPTBackbone(**dict(TINY_GPT, num_layers=1),
+                                    moe={"num_experts": 4, "capacity_factor": 0.5}))
+    model.compile(optimizer=parity_optimizer())
+    syncs = []
+    original = model.jax_state_sync
+    monkeypatch.setattr(model, "jax_state_sync", lambda: (syncs.append(1), original())[1])
+    x, y = data(4)
+    model.fit(x, y, batch_size=BATCH, verbose=0)  # compiles; baseline count
+    baseline, syncs[:] = len(syncs), []
+    cb = Throughput(BATCH, LENGTH, log_every=2, peak_tflops=1.0, tensorboard=False)
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[cb])
+    assert len(syncs) == baseline + 1  # on_train_begin's only: the load is read unsynced
+    intervals = [r for r in cb.rows if r["kind"] == "interval"]
+    assert [r["step"] for r in intervals] == [6, 8]
+    (path,) = expert_load(model)
+    for r in intervals:
+        load = r["expert_load"][path]
+        assert 0 <= load["min_share"] <= 0.25 <= load["max_share"] <= 1
+        assert load["dropped_tokens"] > 0 and load["experts"] == 4  # capacity 0.5: drops
+    last = {k: v for k, v in intervals[-1]["expert_load"][path].items() if k != "experts"}
+    assert last == expert_load(model)[path]  # the last step's, as the synced model has it
+    report = summarize(cb.rows)
+    assert "expert load (interval ending at step 8" in report and f"  {path}: 4 experts" in report
+    dense = [dict(r, expert_load=None) for r in cb.rows]  # a dense run's rows have none
+    assert "expert load" not in summarize(dense)

@@ -165,6 +165,8 @@ def test_config_round_trips_and_places_moe_blocks():
     ({"num_experts": 4, "top_k": 2}, "unknown keys"),
     ({"num_experts": 4, "router": "hash"}, "router"),
     ({"num_experts": 4, "capacity_factor": 0}, "capacity_factor"),
+    ({"num_experts": 4, "balance_bias_rate": -0.001}, "balance_bias_rate"),
+    ({"num_experts": 4, "balance_bias_rate": "0.1"}, "balance_bias_rate"),
 ])
 def test_wrong_moe_configs_are_refused(moe, message):
     with pytest.raises(ValueError, match=message):
@@ -244,3 +246,70 @@ def test_expert_load_reaches_the_epoch_logs():
     logs = {k: v[0] for k, v in history.history.items()}
     assert 0 <= logs["moe_min_share"] <= 0.25 <= logs["moe_max_share"] <= 1
     assert logs["moe_dropped"] > 0  # half the capacity dropless would need: some dropped
+
+
+def _biased(rate=0.1, k=2, router="sigmoid"):
+    return _layer(experts_per_token=k, router=router, balance_bias_rate=rate)
+
+
+def test_balance_bias_moves_against_the_load_and_only_in_training():
+    layer, x = _biased(), _x()
+    layer(x)  # inference: the bias stays
+    assert not np.any(keras.ops.convert_to_numpy(layer.balance_bias))
+    _, chosen = dense_reference(_params(layer), x, 2, "sigmoid")  # bias 0: unbiased choice
+    counts = np.bincount(chosen.ravel(), minlength=E)
+    layer(x, training=True)
+    want = 0.1 * np.sign(chosen.size / E - counts)  # overloaded: down; underloaded: up
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(layer.balance_bias),
+                                  want.astype("float32"))
+    assert want.max() > 0 > want.min()  # an imbalanced batch: both directions exercised
+
+
+def test_balance_bias_chooses_the_experts_but_does_not_weigh_them():
+    layer, x = _biased(k=2), _x()
+    bias = np.array([0.0, 0.0, 0.0, 5.0], "float32")  # expert 3 always chosen
+    layer.balance_bias.assign(bias)
+    tokens = x.reshape(-1, D)
+    scores = np.asarray(jax.nn.sigmoid(tokens @ _params(layer)[0]))
+    chosen = np.argsort(-(scores + bias), axis=-1, kind="stable")[:, :2]
+    assert (chosen == 3).any(-1).all()
+    expected, _ = dense_reference(_params(layer), x, 2, "sigmoid", chosen=chosen)  # unbiased
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(x)), expected,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_rate_zero_keeps_the_layer_as_it_was():
+    off, on = _layer(), _biased(rate=1e-3, k=2, router="softmax")
+    assert off.balance_bias is None and [v.path.rsplit("/", 1)[-1] for v in off.weights] == [
+        "router", "gate", "up", "down", "expert_load", "dropped_tokens"]
+    on.set_weights(off.get_weights() + [np.zeros(E, "float32")])
+    x = _x()  # a zero bias chooses and weighs exactly as no bias: the same bits
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(on(x, training=True)),
+                                  keras.ops.convert_to_numpy(off(x, training=True)))
+
+
+def test_balance_bias_lowers_the_largest_share_over_steps():
+    # The router is not trained here, the batch the same every step: only the bias moves
+    # the load. Rates near the scores' spread (~0.01 here) overshoot; 0.002 settles.
+    def max_shares(rate):
+        keras.utils.set_random_seed(0)
+        layer = _layer(experts_per_token=1, router="sigmoid", balance_bias_rate=rate)
+        x = _x((4, 16, D), seed=4)
+        shares = []
+        for _ in range(8):
+            layer(x, training=True)
+            shares.append(expert_load(layer)[layer.path]["max_share"])
+        return shares
+
+    off, on = max_shares(0.0), max_shares(0.002)
+    assert len(set(off)) == 1 and on[0] == off[0]  # same weights; no bias: same choice
+    assert max(on[1:]) < off[0]  # measured: 0.328 off; 0.281-0.312 on
+
+
+def test_balance_bias_config_round_trips():
+    layer = _biased(rate=0.002)
+    again = MoEFeedForward.from_config(layer.get_config())
+    assert again.balance_bias_rate == 0.002
+    backbone = GPTBackbone(**TINY_GPT, moe={"num_experts": 4, "balance_bias_rate": 0.001})
+    assert GPTBackbone.from_config(backbone.get_config()).moe["balance_bias_rate"] == 0.001
+    assert backbone.blocks[0].mlp.balance_bias.dtype == "float32"

@@ -71,6 +71,9 @@ CONFIGS = {
     "deep-dropout": {**TINY_GPT, "num_layers": 8, "scan_layers": True, "dropout": 0.1},
     # Mixture of Experts (kdist.models.moe): 8 small experts, top-2, dropless, every block.
     "moe": {"moe": {"num_experts": 8, "experts_per_token": 2, "expert_dim": 32}},
+    # ... with DeepSeek-V3's balance bias: the same choices on every device (global load).
+    "moe-bias": {"moe": {"num_experts": 8, "experts_per_token": 2, "expert_dim": 32,
+                         "balance_bias_rate": 0.01}},
 }
 # DiLoCo's exact special case: inner SGD, every step synchronised, outer lr 1 and no
 # momentum is synchronous data-parallel SGD, i.e. one device's SGD.
@@ -276,6 +279,7 @@ TABLE: list[Row] = [
     trains("replica=2,stage=2,seq=2", "gpt", config="deep", rows=16, **EXACT_DILOCO),
     # --- expert: MoE layers' tokens to their experts' devices by all-to-all -----------------
     trains("expert=2,data=4", "gpt", config="moe", layouts=True),
+    trains("expert=2,data=4", "gpt", config="moe-bias"),
     trains("expert=4,fsdp=2", "llama", config="moe", layouts=True),
     trains("data=2,fsdp=2,model=2", "gpt", config="moe", layouts=True),  # no expert axis
     refused("expert=2,model=4", "expert x model", "'expert' axis with the 'model' axis is not "
