@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 
+import kdist
 from kdist.models import GPTBackbone, GPTCausalLM
 from kdist.models.moe import MoEFeedForward, check_moe, expert_load
 from kdist.models.router import load_balance_loss, z_loss
@@ -183,6 +184,17 @@ def test_quantized_matmuls_are_refused_with_experts():
     # would train something else than asked.
     with pytest.raises(ValueError, match="no quantized grouped matmul"):
         GPTBackbone(**TINY_GPT, matmul_precision="int8", moe={"num_experts": 4})
+
+
+def test_kdists_gradient_reduction_is_refused_with_experts():
+    # Its loss runs per device: the balance loss and load would be each device's tokens',
+    # and the step did not compile (the load statistics leave its shard_map replicated).
+    keras.distribution.set_distribution(kdist.distribution("data=8", gradient_reduction="float32"))
+    lm = GPTCausalLM(GPTBackbone(**TINY_GPT, moe={"num_experts": 4}))
+    assert "gradient_reduction" in GPTCausalLM.step_features  # the dense model keeps it
+    with pytest.raises(ValueError, match="does not declare the 'gradient_reduction' step "
+                                         "feature.*gradient_reduction=None"):
+        lm.compile(optimizer="adam")
 
 
 def test_a_rematerialised_moe_block_trains_like_one_that_keeps_everything():
