@@ -116,6 +116,10 @@ TABLE: list[Row] = [
     trains("seq=2,data=4", "gpt", config={"matmul_precision": "int8"}, tolerance="int8"),
     trains("stage=2,data=4", "gpt", config={**CONFIGS["scanned"], "matmul_precision": "int8"},
            pipeline_schedule="1f1b", tolerance="int8_microbatches", slow=True),
+    # DiLoCo groups each quantize their own rows, as DiLoCo on one device does group by group.
+    trains("replica=2,data=4", "gpt", config={"matmul_precision": "int8"},
+           tolerance="int8_rounds", sync_every=2, steps=4,
+           like={"diloco": {"groups": 2, "sync_every": 2}}),
     # 8-bit exchange quantizes communication, int8 matmuls compute: both at once (each
     # device scales its own tokens' weight gradients: within the 8-bit tolerance).
     trains("data=2,fsdp=2,model=2", "gpt", config={"matmul_precision": "int8"},
