@@ -15,7 +15,9 @@ T = 2048 — it measures, under ``mixed_bfloat16`` with AdamW, random tokens:
   attention, optax AdamW, a jitted step with its state donated).
 
 A reference runs at kdist's batch where its compiled step fits the device, else at the
-largest power of two below that fits (``--reference-batch`` starts the search lower). Each row:
+largest power of two below that fits (``--reference-batch`` starts the search lower); where
+no batch of the plain JAX step fits, it is measured again with each block under
+``jax.checkpoint`` (``plain JAX (remat)``, what its user would do next). Each row:
 tokens/s of steps after two warm-up steps, MFU in kdist's convention (``kdist.flops``:
 6N + 6·L·T·D FLOPs per token, causal attention counted half) against the device's
 data-sheet peak and against a bf16 matmul measured in this run, the compiled step's peak
@@ -41,6 +43,7 @@ that ``kdist plan --matmul-precision int8`` divides by, ``mfu_peak``). JSON in
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -230,7 +233,7 @@ def keras_hub_row(preset, length, batch, dry_run) -> dict:
             "loss": loss, "peak_bytes": _keras_peak(model, batch, length, True)}
 
 
-def plain_jax_row(preset, length, batch, dry_run) -> dict:
+def plain_jax_row(preset, length, batch, dry_run, remat: bool = False) -> dict:
     import jax
 
     import kdist
@@ -239,7 +242,7 @@ def plain_jax_row(preset, length, batch, dry_run) -> dict:
     config = dict(kdist.models.GPT_PRESETS[preset], max_sequence_length=length)
     if dry_run:
         config.update(dry_shape(preset, length))
-    init_state, step = plain_jax.make_step(config)
+    init_state, step = plain_jax.make_step(config, remat=remat)
     state = init_state(plain_jax.init(config, 0))
     steps = WARMUP + TIMED_STEPS
     x, y = _tokens(config["vocabulary_size"], batch, length, steps)
@@ -258,7 +261,8 @@ def plain_jax_row(preset, length, batch, dry_run) -> dict:
     loss = float(loss)
     rate = TIMED_STEPS * batch * length / (time.perf_counter() - begin)
     del state
-    return {"side": "plain JAX", "batch": batch, "tokens_per_s": rate, "first_step_s": first,
+    return {"side": "plain JAX" + (" (remat)" if remat else ""), "batch": batch,
+            "tokens_per_s": rate, "first_step_s": first,
             "loss": loss, "peak_bytes": compiled_peak(step, abstract, spec, spec)}
 
 
@@ -318,6 +322,9 @@ def main(argv=None):
                    help="the batch a reference starts its search for one that fits at, per "
                         "preset, or per side and preset (keras:llama-550m=2, "
                         "plain:llama-550m=1; default: kdist's)")
+    p.add_argument("--plain-remat", action="store_true",
+                   help="the plain JAX step with each block under jax.checkpoint from the "
+                        "start (by default only where no batch fits without)")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="skip what is left once this much time has passed")
     p.add_argument("--output", default="accelerator", help="result name under results/")
@@ -394,8 +401,15 @@ def main(argv=None):
                     continue
                 start_at = fixed.get(f"{side.split()[0].split('-')[0]}:{preset}",
                                      fixed.get(preset))
-                row = reference(side, measure, preset, length, ours["batch"],
-                                int(start_at) if start_at else None, args.dry_run)
+                remat = side == "plain JAX" and args.plain_remat
+                row = {"error": "not tried"} if remat else reference(
+                    side, measure, preset, length, ours["batch"],
+                    int(start_at) if start_at else None, args.dry_run)
+                if side == "plain JAX" and "error" in row:  # what its user does next
+                    if not remat:
+                        add(row, preset, length, ours["flops_per_token"])
+                    row = reference(f"{side} (remat)", functools.partial(measure, remat=True),
+                                    preset, length, ours["batch"], None, args.dry_run)
                 row = add(row, preset, length, ours["flops_per_token"])
                 if "tokens_per_s" in row:
                     ours[f"vs {side}"] = ours["tokens_per_s"] / row["tokens_per_s"]

@@ -6,8 +6,9 @@ SwiGLU, grouped-query attention, no biases), tied output embedding, the same tok
 as kdist's (padded rows never used as inputs, cut from the logits). Mixed precision as
 Keras' ``mixed_bfloat16``: float32 weights and optimizer state, bfloat16 matmuls, norms
 and the loss in float32. Attention is ``jax.nn.dot_product_attention(is_causal=True)``
-with its default implementation (XLA's, on a TPU), no rematerialisation, optax AdamW
-after global-norm clipping — the defaults of the ecosystem, nothing tuned.
+with its default implementation (XLA's, on a TPU), no rematerialisation (``remat=True``:
+each block under ``jax.checkpoint``, what a user adds when the step does not fit), optax
+AdamW after global-norm clipping — the defaults of the ecosystem, nothing tuned.
 
 Example:
     >>> config = dict(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
@@ -19,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -117,30 +119,34 @@ def _block(x, p, c):
     return x + _dense(y, p["down"], p.get("bdown"))
 
 
-def forward(params, config, tokens):
-    """Float32 logits ``(B, T, V)`` of token ids ``(B, T)``."""
+def forward(params, config, tokens, remat: bool = False):
+    """Float32 logits ``(B, T, V)`` of token ids ``(B, T)``; ``remat``: every block's
+    activations recomputed in the backward pass (``jax.checkpoint``)."""
     c = _defaults(config)
+    block = functools.partial(_block, c=c)
+    block = jax.checkpoint(block) if remat else block
     x = params["wte"][tokens].astype(_BF16)
     if "wpe" in params:
         x = x + params["wpe"][: tokens.shape[1]].astype(_BF16)
     layers = c["num_layers"]
     for i in range(layers):  # unrolled, as a plain model is written
-        x = _block(x, jax.tree.map(lambda w, i=i: w[i], params["blocks"]), c)
+        x = block(x, jax.tree.map(lambda w, i=i: w[i], params["blocks"]))
     x = _norm(x, params["final_norm"], params.get("final_shift"), c)
     logits = (x @ params["wte"].astype(_BF16).T).astype(jnp.float32)
     return logits[..., : c["vocabulary_size"]]
 
 
-def make_step(config: dict, learning_rate: float = 1e-4):
+def make_step(config: dict, learning_rate: float = 1e-4, remat: bool = False):
     """``(init_state(params), step(state, x, y) -> (state, loss))``, jitted and donated:
-    optax AdamW (b2 0.95, weight decay 0.1) after clipping the global norm to 1."""
+    optax AdamW (b2 0.95, weight decay 0.1) after clipping the global norm to 1; ``remat``
+    as :func:`forward`'s."""
     import optax
 
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                             optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=0.1))
 
     def loss_fn(params, x, y):
-        logits = forward(params, config, x)
+        logits = forward(params, config, x, remat)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     def step(state, x, y):

@@ -227,12 +227,14 @@ REMAT_ORDER = (False, "minimal", "save_dots", "block")
 # shape takes them; any other model the estimate (step_bytes), which is more cautious:
 # XLA keeps less than the cost model's count.
 COMPILED_FITS = {
-    # 9.2 GiB, 127k tokens/s at 16 (the first flash kernel). Batch 32 fits too (8.3 GiB
-    # compiled); its speed unmeasured.
+    # 7.7 GiB, 149.7k tokens/s at 16 (flash kernels with heads as (H, T), 2026-12-07;
+    # accelerator_tpu_v5e_ht.json). Batch 32 fits too (8.3 GiB compiled with the first
+    # kernel); its speed unmeasured.
     ("TPU v5 lite", "gpt2-small", 1024): (16, 16),
-    # kdist's flash attention: batch 8 11.4 GiB, 47.6k tokens/s; 16 14.9 GiB, 43.0k.
+    # Batch 8: 9.9 GiB, 54.1k tokens/s (heads as (H, T)); 16 fits (14.9 GiB with the kernels
+    # before) and was slower then (43.0k against 47.6k at 8); not measured since.
     ("TPU v5 lite", "gpt2-medium", 1024): (16, 8),
-    # 12.4 GiB, 36.6k tokens/s (the first flash kernel); batch 8 needs rematerialisation
+    # 12.1 GiB, 37.1k tokens/s (heads as (H, T)); batch 8 needs rematerialisation
     # ("minimal": 16.9 GB).
     ("TPU v5 lite", "llama-550m", 2048): (4, 4),
 }

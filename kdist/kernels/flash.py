@@ -6,7 +6,7 @@ heads (GPT-2's) its tiles cost as much per logit as at 128-wide ones, a causal t
 diagonal is computed whole and masked, and its forward kernel multiplies probabilities by
 values in float32. Here:
 
-- the forward pass walks one ``(block_q, H)`` tile of queries over key chunks of
+- the forward pass walks one ``(H, block_q)`` tile of queries over key chunks of
   ``block_kv``, in two loops whose bounds are computed from the tile's position: chunks
   wholly in the past without a mask, chunks crossing the diagonal with it, chunks in the
   future not at all;
@@ -14,12 +14,21 @@ values in float32. Here:
   sum reduce over sublanes (cheap) rather than across lanes, and its statistics are rows,
   stored as they are (splash keeps 128 lane copies of each); measured, this orientation
   took 0.81x the time of queries x keys at gpt2-medium's shape;
+- every head goes in and out as ``(H, T)``, the sequence in lanes: the layout in which
+  the TPU's matmuls produce the query/key/value projections and take their gradients back,
+  so XLA materialises no transpose around the kernels. Heads as ``(T, H)`` cost
+  gpt2-medium (64-wide heads) 4.5 ms of copies per 173 ms step and slowed the projections'
+  matmuls, whose 64-wide outputs filled half of each 128-lane row: the ``(H, T)`` kernels
+  took the step to 153 ms (measured, ``benchmarks/README.md``). Inside, a key chunk is
+  transposed on the XLU where a matmul needs it as rows;
 - both matmuls take bfloat16 operands (float32 accumulation), the softmax statistics
-  float32;
-- one backward kernel per ``(key/value head, key block)`` makes dk, dv and dq: it walks the
-  query chunks that see the block (the transposed logits ``k q^T``, so the forward's
-  log-sum-exp and ``rowsum(dO * O)`` broadcast as rows), keeps dk/dv in registers and adds
-  dq^T into a VMEM accumulator through ``k^T`` (no transposes inside the kernel).
+  float32; queries are scaled by ``1/sqrt(H)`` in float32 and rounded once, in the kernels;
+- one backward kernel per ``(key/value head, key block)`` makes dk^T, dv^T and dq^T: it
+  walks the query chunks that see the block (the transposed logits ``k q^T``, so the
+  forward's log-sum-exp and ``rowsum(dO * O)`` broadcast as rows), keeps dk^T/dv^T in
+  registers and adds dq^T into a VMEM accumulator; its matmuls take their operands as
+  stored or with both contracting over lanes (the block's keys and values are transposed
+  once).
 
 The kernel takes an example's keys and values (and its queries, in the backward pass)
 whole: :func:`supports` bounds them so that they fit in VMEM beside the tiles; longer
@@ -131,22 +140,27 @@ def _walk(step, masked, plain, segmented, carry):
     return jax.lax.fori_loop(*masked, lambda c, x: step(c, x, True), carry)
 
 
-def _forward_kernel(*refs, causal, segmented, block_kv, count):
+def _scaled(x, scale):
+    """A tile of queries scaled in float32 and rounded once to the operands' dtype."""
+    return (x.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def _forward_kernel(*refs, causal, segmented, block_kv, count, scale):
     from jax.experimental import pallas as pl
 
     if segmented:
-        q_ref, k_ref, vt_ref, qseg_ref, kseg_ref, ot_ref, lse_ref = refs
+        qt_ref, kt_ref, vt_ref, qseg_ref, kseg_ref, ot_ref, lse_ref = refs
     else:
-        q_ref, k_ref, vt_ref, ot_ref, lse_ref = refs
+        qt_ref, kt_ref, vt_ref, ot_ref, lse_ref = refs
     i = pl.program_id(2)
-    q = q_ref[...]  # (bq, H), scaled
-    bq, head = q.shape
+    qt = _scaled(qt_ref[...], scale)  # (H, bq)
+    head, bq = qt.shape
 
     def step(c, carry, masked):
         m, total, acc = carry  # running max, sum of exp, output: (1, bq), (1, bq), (H, bq)
         keys = pl.ds(pl.multiple_of(c * block_kv, block_kv), block_kv)
-        st = jax.lax.dot_general(k_ref[keys, :], q, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # (bkv, bq)
+        k = kt_ref[:, keys].T  # (bkv, H): one small transpose on the XLU per chunk
+        st = jnp.dot(k, qt, preferred_element_type=jnp.float32)  # (bkv, bq)
         if masked:
             st = _mask(st, c * block_kv, i * bq, causal,
                        kseg_ref[keys, :] if segmented else None,
@@ -167,52 +181,54 @@ def _forward_kernel(*refs, causal, segmented, block_kv, count):
     lse_ref[...] = m + jnp.log(total)
 
 
-def _backward_kernel(*refs, causal, segmented, block_q, count, groups):
+def _backward_kernel(*refs, causal, segmented, block_q, count, groups, scale):
     from jax.experimental import pallas as pl
 
     if segmented:
-        (q_ref, do_ref, lse_ref, di_ref, k_ref, v_ref, kt_ref, qseg_ref, kseg_ref,
-         dk_ref, dv_ref, dqt_ref, dqt_acc) = refs
+        (qt_ref, dot_ref, lse_ref, di_ref, kt_ref, vt_ref, qseg_ref, kseg_ref,
+         dkt_ref, dvt_ref, dqt_ref, dqt_acc) = refs
     else:
-        q_ref, do_ref, lse_ref, di_ref, k_ref, v_ref, kt_ref, dk_ref, dv_ref, dqt_ref, \
+        qt_ref, dot_ref, lse_ref, di_ref, kt_ref, vt_ref, dkt_ref, dvt_ref, dqt_ref, \
             dqt_acc = refs
     j = pl.program_id(2)
-    k, v, kt = k_ref[...], v_ref[...], kt_ref[...]  # (bkv, H), (bkv, H), (H, bkv)
-    bkv, head = k.shape
+    kt = kt_ref[...]  # (H, bkv)
+    k, v = kt.T, vt_ref[...].T  # (bkv, H): transposed once per key block
+    head, bkv = kt.shape
 
     @pl.when(j == 0)
     def _():
         dqt_acc[...] = jnp.zeros_like(dqt_acc)
 
     def step(c, carry, masked, g):
-        dk, dv = carry
+        dkt, dvt = carry  # (H, bkv) each
         queries = pl.ds(pl.multiple_of(c * block_q, block_q), block_q)
-        q, do = q_ref[g, queries, :], do_ref[g, queries, :]  # (bq, H)
-        st = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # (bkv, bq)
+        qt = _scaled(qt_ref[g, :, queries], scale)  # (H, bq), as the forward pass scaled it
+        dot = dot_ref[g, :, queries]  # (H, bq)
+        st = jnp.dot(k, qt, preferred_element_type=jnp.float32)  # (bkv, bq)
         if masked:
             st = _mask(st, j * bkv, c * block_q, causal,
                        kseg_ref[...] if segmented else None,
                        qseg_ref[:, queries] if segmented else None, kv_rows=True)
         pt = jnp.exp(st - lse_ref[g, :, queries])  # (bkv, bq)
-        dv = dv + jnp.dot(pt.astype(do.dtype), do, preferred_element_type=jnp.float32)
-        dpt = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32)  # (bkv, bq)
-        dst = (pt * (dpt - di_ref[g, :, queries])).astype(q.dtype)
-        dk = dk + jnp.dot(dst, q, preferred_element_type=jnp.float32)
+        nt = (((1,), (1,)), ((), ()))  # contract the queries of both: (H, bq) x (bkv, bq)
+        dvt = dvt + jax.lax.dot_general(dot, pt.astype(dot.dtype), nt,
+                                        preferred_element_type=jnp.float32)
+        dpt = jnp.dot(v, dot, preferred_element_type=jnp.float32)  # (bkv, bq)
+        dst = (pt * (dpt - di_ref[g, :, queries])).astype(qt.dtype)
+        dkt = dkt + jax.lax.dot_general(qt, dst, nt, preferred_element_type=jnp.float32)
         dqt_acc[g, :, queries] += jnp.dot(kt, dst, preferred_element_type=jnp.float32)
-        return dk, dv
+        return dkt, dvt
 
     ranges = _chunks(j, bkv, block_q, count, causal, past=False)
-    carry = (jnp.zeros((bkv, head), jnp.float32),) * 2
+    carry = (jnp.zeros((head, bkv), jnp.float32),) * 2
     for g in range(groups):  # the query heads this key/value head serves
         carry = _walk(functools.partial(step, g=g), *ranges, segmented, carry)
-    dk_ref[...] = carry[0].astype(dk_ref.dtype)
-    dv_ref[...] = carry[1].astype(dv_ref.dtype)
+    dkt_ref[...] = carry[0].astype(dkt_ref.dtype)
+    dvt_ref[...] = carry[1].astype(dvt_ref.dtype)
 
     @pl.when(j == pl.num_programs(2) - 1)
-    def _():
-        dqt_ref[...] = dqt_acc[...].astype(dqt_ref.dtype)
+    def _():  # the gradient of the unscaled queries: scaled once, rounded once
+        dqt_ref[...] = (dqt_acc[...] * scale).astype(dqt_ref.dtype)
 
 
 def _segments(segment_ids):
@@ -221,72 +237,70 @@ def _segments(segment_ids):
     return ids[:, :, None], ids[:, None, :]
 
 
-def _forward(q, k, v, segment_ids, causal, blocks, interpret):
-    """``q (B, N, T, H)`` scaled, ``k``/``v (B, K, S, H)`` -> ``o (B, T, N, H)`` and the
-    log-sum-exp ``(B, N, 1, T)`` float32."""
+def _forward(qt, kt, vt, segment_ids, causal, blocks, interpret):
+    """``qt (B, N, H, T)``, ``kt``/``vt (B, K, H, S)`` -> ``ot (B, N, H, T)`` and the
+    log-sum-exp of the scaled logits ``(B, N, 1, T)`` float32."""
     from jax.experimental import pallas as pl
 
-    b, n, t, h = q.shape
-    kh, s = k.shape[1], k.shape[2]
+    b, n, h, t = qt.shape
+    kh, s = kt.shape[1], kt.shape[3]
     groups = n // kh
     bq, bkv = blocks.q, blocks.kv
     example = lambda b, n, i: (b, n // groups, 0, 0)  # noqa: E731 - its key/value head
-    in_specs = [pl.BlockSpec((None, None, bq, h), lambda b, n, i: (b, n, i, 0)),
-                pl.BlockSpec((None, None, s, h), example),
+    tile = pl.BlockSpec((None, None, h, bq), lambda b, n, i: (b, n, 0, i))
+    in_specs = [tile, pl.BlockSpec((None, None, h, s), example),
                 pl.BlockSpec((None, None, h, s), example)]
-    args = [q, k, jnp.swapaxes(v, 2, 3)]
+    args = [qt, kt, vt]
     if segment_ids is not None:
         column, row = _segments(segment_ids)
         in_specs += [pl.BlockSpec((None, 1, bq), lambda b, n, i: (b, 0, i)),
                      pl.BlockSpec((None, s, 1), lambda b, n, i: (b, 0, 0))]
         args += [row, column]
     kernel = functools.partial(_forward_kernel, causal=causal,
-                               segmented=segment_ids is not None, block_kv=bkv, count=s // bkv)
-    ot, lse = pl.pallas_call(
+                               segmented=segment_ids is not None, block_kv=bkv, count=s // bkv,
+                               scale=1.0 / math.sqrt(h))
+    return pl.pallas_call(
         kernel, grid=(b, n, t // bq), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, h, bq), lambda b, n, i: (b, n, 0, i)),
-                   pl.BlockSpec((None, None, 1, bq), lambda b, n, i: (b, n, 0, i))],
-        out_shape=[jax.ShapeDtypeStruct((b, n, h, t), q.dtype),
+        out_specs=[tile, pl.BlockSpec((None, None, 1, bq), lambda b, n, i: (b, n, 0, i))],
+        out_shape=[jax.ShapeDtypeStruct((b, n, h, t), qt.dtype),
                    jax.ShapeDtypeStruct((b, n, 1, t), jnp.float32)],
         compiler_params=_params(interpret, ("parallel", "parallel", "parallel")),
         interpret=interpret, name="kdist_flash_forward")(*args)
-    return jnp.transpose(ot, (0, 3, 1, 2)), lse
 
 
-def _backward(q, k, v, segment_ids, lse, di, do, causal, blocks, interpret):
-    """dq, dk, dv of :func:`_forward` (dq with respect to the scaled queries)."""
+def _backward(qt, kt, vt, segment_ids, lse, di, dot, causal, blocks, interpret):
+    """dq^T, dk^T, dv^T of :func:`_forward`, each in its input's ``(B, heads, H, T)``."""
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
 
-    b, n, t, h = q.shape
-    kh, s = k.shape[1], k.shape[2]
+    b, n, h, t = qt.shape
+    kh, s = kt.shape[1], kt.shape[3]
     groups = n // kh
     bq, bkv = blocks.q_bwd, blocks.kv_bwd
     segmented = segment_ids is not None
-    heads = pl.BlockSpec((None, groups, t, h), lambda b, k, j: (b, k, 0, 0))
+    heads = pl.BlockSpec((None, groups, h, t), lambda b, k, j: (b, k, 0, 0))
     rows = pl.BlockSpec((None, groups, 1, t), lambda b, k, j: (b, k, 0, 0))
-    block = pl.BlockSpec((None, None, bkv, h), lambda b, k, j: (b, k, j, 0))
-    in_specs = [heads, heads, rows, rows, block, block,
-                pl.BlockSpec((None, None, h, bkv), lambda b, k, j: (b, k, 0, j))]
-    args = [q, do, lse, di, k, v, jnp.swapaxes(k, 2, 3)]
+    block = pl.BlockSpec((None, None, h, bkv), lambda b, k, j: (b, k, 0, j))
+    in_specs = [heads, heads, rows, rows, block, block]
+    args = [qt, dot, lse, di, kt, vt]
     if segmented:
         column, row = _segments(segment_ids)
         in_specs += [pl.BlockSpec((None, 1, t), lambda b, k, j: (b, 0, 0)),
                      pl.BlockSpec((None, bkv, 1), lambda b, k, j: (b, j, 0))]
         args += [row, column]
     kernel = functools.partial(_backward_kernel, causal=causal, segmented=segmented,
-                               block_q=bq, count=t // bq, groups=groups)
-    from jax.experimental.pallas import tpu as pltpu
-
-    dk, dv, dqt = pl.pallas_call(
+                               block_q=bq, count=t // bq, groups=groups,
+                               scale=1.0 / math.sqrt(h))
+    dkt, dvt, dqt = pl.pallas_call(
         kernel, grid=(b, kh, s // bkv), in_specs=in_specs,
-        out_specs=[block, block, pl.BlockSpec((None, groups, h, t),
-                                              lambda b, k, j: (b, k, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                   jax.ShapeDtypeStruct((b, n, h, t), q.dtype)],
+        out_specs=[block, block, heads],
+        out_shape=[jax.ShapeDtypeStruct(kt.shape, kt.dtype),
+                   jax.ShapeDtypeStruct(vt.shape, vt.dtype),
+                   jax.ShapeDtypeStruct(qt.shape, qt.dtype)],
         scratch_shapes=[pltpu.VMEM((groups, h, t), jnp.float32)],
         compiler_params=_params(interpret, ("parallel", "parallel", "arbitrary")),
         interpret=interpret, name="kdist_flash_backward")(*args)
-    return jnp.swapaxes(dqt, 2, 3), dk, dv
+    return dqt, dkt, dvt
 
 
 def _params(interpret, semantics):
@@ -299,38 +313,42 @@ def _params(interpret, semantics):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attend(q, k, v, segment_ids, causal, blocks, interpret):
-    """``q (B, N, T, H)`` scaled, ``k``/``v (B, K, S, H)`` -> ``(B, T, N, H)``."""
-    return _forward(q, k, v, segment_ids, causal, blocks, interpret)[0]
+def _attend(qt, kt, vt, segment_ids, causal, blocks, interpret):
+    """``qt (B, N, H, T)``, ``kt``/``vt (B, K, H, S)`` -> ``ot (B, N, H, T)``."""
+    return _forward(qt, kt, vt, segment_ids, causal, blocks, interpret)[0]
 
 
-def _attend_fwd(q, k, v, segment_ids, causal, blocks, interpret):
+def _attend_fwd(qt, kt, vt, segment_ids, causal, blocks, interpret):
     from jax.ad_checkpoint import checkpoint_name
 
-    o, lse = _forward(q, k, v, segment_ids, causal, blocks, interpret)
-    o, lse = checkpoint_name(o, RESIDUALS), checkpoint_name(lse, RESIDUALS)
-    return o, (q, k, v, segment_ids, o, lse)
+    ot, lse = _forward(qt, kt, vt, segment_ids, causal, blocks, interpret)
+    ot, lse = checkpoint_name(ot, RESIDUALS), checkpoint_name(lse, RESIDUALS)
+    return ot, (qt, kt, vt, segment_ids, ot, lse)
 
 
-def _attend_bwd(causal, blocks, interpret, residuals, do):
-    q, k, v, segment_ids, o, lse = residuals
-    di = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # (B, T, N)
-    di = jnp.swapaxes(di, 1, 2)[:, :, None, :]
-    do = jnp.swapaxes(do.astype(q.dtype), 1, 2)
-    dq, dk, dv = _backward(q, k, v, segment_ids, lse, di, do, causal, blocks, interpret)
-    return dq, dk, dv, None
+def _attend_bwd(causal, blocks, interpret, residuals, dot):
+    qt, kt, vt, segment_ids, ot, lse = residuals
+    # rowsum(dO * O) per query: (B, N, 1, T), a row like the log-sum-exp.
+    di = jnp.sum(ot.astype(jnp.float32) * dot.astype(jnp.float32), axis=2, keepdims=True)
+    dqt, dkt, dvt = _backward(qt, kt, vt, segment_ids, lse, di, dot.astype(qt.dtype), causal,
+                              blocks, interpret)
+    return dqt, dkt, dvt, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def _local(q, k, v, segment_ids, *, causal, blocks, interpret):
-    """One device's attention: ``q (B, T, N, H)``, ``k``/``v (B, S, K, H)``."""
-    # Scaled in float32 and rounded once (1/sqrt(H) is no power of two for H = 128).
-    q = (q.astype(jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))).astype(q.dtype)
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # heads first
-    blocks = blocks.clipped(q.shape[2], k.shape[2])
-    return _attend(q, k, v, segment_ids, causal, blocks, interpret)
+    """One device's attention: ``q (B, T, N, H)``, ``k``/``v (B, S, K, H)``.
+
+    The kernels take and return every head as ``(H, T)``, the sequence in lanes: the layout
+    in which the TPU's matmuls produce the projections and take the gradients back, so no
+    transpose is materialised around them (with 64-wide heads, an ``(T, H)`` layout fills
+    half of each 128-lane row and slowed the projections' matmuls too)."""
+    qt, kt, vt = (jnp.transpose(x, (0, 2, 3, 1)) for x in (q, k, v))  # (B, heads, H, T)
+    blocks = blocks.clipped(q.shape[1], k.shape[1])
+    ot = _attend(qt, kt, vt, segment_ids, causal, blocks, interpret)
+    return jnp.transpose(ot, (0, 3, 1, 2))  # (B, T, N, H)
 
 
 def flash_attention(q, k, v, *, causal: bool, segment_ids=None,
