@@ -36,46 +36,63 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from kdist.precision import quantize
 
-_MATMUL = (((1,), (0,)), ((), ()))  # (M, K) x (K, N): contract a's 1 with b's 0
 
-
-def product(a, b, quantize_a, quantize_b, accumulate):
-    """``a (M, K) @ b (K, N)`` on codes: ``a`` scaled per row, ``b`` per column (both over
-    K), the codes' product accumulated in ``accumulate`` and rescaled in float32.
+def product(a, b, contract_a, contract_b, quantize_a, quantize_b, accumulate):
+    """``a`` times ``b`` on codes, contracting ``a``'s axes ``contract_a`` with ``b``'s
+    ``contract_b``: each operand scaled per slice of the axes it keeps (its maximum over the
+    contracted ones), the codes' product accumulated in ``accumulate`` and rescaled in
+    float32. The result's axes are ``a``'s kept ones, then ``b``'s (``dot_general``'s
+    order). No operand is reshaped or transposed first: XLA keeps each in the layout its
+    producer wrote (on a TPU, where it can fuse the quantizer into that producer).
 
     Example:
         >>> a = jnp.array([[1.0, 2.0]]); b = jnp.array([[3.0], [4.0]])
-        >>> y = product(a, b, quantize.int8, quantize.int8, jnp.int32)  # exactly: 11
-        >>> round(float(y[0, 0]), 3)
+        >>> y = product(a, b, (1,), (0,), quantize.int8, quantize.int8, jnp.int32)
+        >>> round(float(y[0, 0]), 3)  # exactly: 11
         11.016
     """
-    codes_a, scale_a = quantize_a(a, axis=1)  # (M, K), (M, 1)
-    codes_b, scale_b = quantize_b(b, axis=0)  # (K, N), (1, N)
-    acc = lax.dot_general(codes_a, codes_b, _MATMUL, preferred_element_type=accumulate)
-    return acc.astype(jnp.float32) * scale_a * scale_b  # (M, N)
+    codes_a, scale_a = quantize_a(a, axis=contract_a)  # scales: size 1 on contracted axes
+    codes_b, scale_b = quantize_b(b, axis=contract_b)
+    acc = lax.dot_general(codes_a, codes_b, ((contract_a, contract_b), ((), ())),
+                          preferred_element_type=accumulate)
+    kept_a = jnp.squeeze(scale_a, contract_a)  # (*a's kept axes)
+    kept_b = jnp.squeeze(scale_b, contract_b)
+    scale_a = kept_a.reshape(kept_a.shape + (1,) * kept_b.ndim)
+    return acc.astype(jnp.float32) * scale_a * kept_b
 
 
 def _quantized(quantize_x, quantize_w, quantize_dy, accumulate):
-    """A ``(x, w) -> x @ w`` with the forward and both backward products quantized."""
+    """A ``(x, w, contracted) -> x @ w`` over ``x``'s trailing and ``w``'s leading
+    ``contracted`` axes, with the forward and both backward products quantized."""
 
-    @jax.custom_vjp
-    def matmul(x, w):
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+    def matmul(x, w, contracted=1):
         out = jnp.result_type(x, w)
-        return product(x, w, quantize_x, quantize_w, accumulate).astype(out)
+        lead = x.ndim - contracted
+        return product(x, w, tuple(range(lead, x.ndim)), tuple(range(contracted)),
+                       quantize_x, quantize_w, accumulate).astype(out)
 
-    def forward(x, w):
-        return matmul(x, w), (x, w)
+    def forward(x, w, contracted):
+        return matmul(x, w, contracted), (x, w)
 
-    def backward(saved, dy):
+    def backward(contracted, saved, dy):
         x, w = saved
-        dx = product(dy, w.T, quantize_dy, quantize_w, accumulate)  # (M, N) @ (N, K)
-        dw = product(x.T, dy, quantize_x, quantize_dy, accumulate)  # (K, M) @ (M, N)
+        lead = x.ndim - contracted
+        tokens = tuple(range(lead))  # x's and dy's leading axes
+        outputs_dy = tuple(range(lead, dy.ndim))  # dy's output channels
+        outputs_w = tuple(range(contracted, w.ndim))  # w's output channels
+        # dx = dy . w^T: dy per token, w per input channel, both over the outputs.
+        dx = product(dy, w, outputs_dy, outputs_w, quantize_dy, quantize_w, accumulate)
+        # dw = x^T . dy: x per input channel, dy per output channel, both over the tokens.
+        dw = product(x, dy, tokens, tokens, quantize_x, quantize_dy, accumulate)
         return dx.astype(x.dtype), dw.astype(w.dtype)
 
     matmul.defvjp(forward, backward)
@@ -97,8 +114,9 @@ MATMULS = {"int8": int8_matmul, "fp8": fp8_matmul}
 
 def matmul(x, w, contracted: int, precision: str):
     """``x (*lead, *C) @ w (*C, *O) -> (*lead, *O)`` by ``precision``'s quantized matmul,
-    the ``contracted`` trailing axes of ``x`` (leading of ``w``) flattened into K, the rest
-    of ``x`` into rows (tokens) and of ``w`` into output channels.
+    over the ``contracted`` trailing axes of ``x`` (leading of ``w``): scales per token
+    (all of ``lead``) and per output channel (all of ``O``), as if the axes were flattened
+    into ``(tokens, K) @ (K, outputs)`` — without reshaping either operand.
 
     Example:
         >>> matmul(jnp.ones((2, 3, 4, 2)), jnp.ones((4, 2, 5)), 2, "int8").shape
@@ -107,9 +125,4 @@ def matmul(x, w, contracted: int, precision: str):
     if precision not in MATMULS:
         raise ValueError(f"matmul precision {precision!r} has no quantized matmul; use one "
                          f"of {sorted(MATMULS)} (or plain matmuls for 'bf16').")
-    lead, outer = x.shape[:x.ndim - contracted], w.shape[contracted:]
-    k = 1
-    for d in w.shape[:contracted]:
-        k *= d
-    y = MATMULS[precision](x.reshape(-1, k), w.reshape(k, -1))  # (M, K) @ (K, N)
-    return y.reshape(*lead, *outer)
+    return MATMULS[precision](x, w, contracted)

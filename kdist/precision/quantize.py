@@ -18,15 +18,17 @@ FP8_FORWARD = jnp.float8_e4m3fn  # more mantissa: weights and activations
 FP8_GRADIENT = jnp.float8_e5m2  # more range: gradients
 
 
-def scale(x, axis: int, largest: float):
-    """``max |x|`` over ``axis`` (kept, size 1) times ``float32(1 / largest)``, in float32;
-    1 where the maximum is 0.
+def scale(x, axis, largest: float):
+    """``max |x|`` over ``axis`` (an int or a tuple; kept, size 1) times
+    ``float32(1 / largest)``, in float32; 1 where the maximum is 0.
 
     Example:
         >>> scale(jnp.array([[1.0, -254.0], [0.0, 0.0]]), axis=1, largest=127).tolist()
         [[2.0], [1.0]]
     """
-    peak = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
+    # The maximum in x's own dtype, then float32: exact either way (abs and max do not
+    # round), and no float32 copy of x is made for it beside the codes' pass.
+    peak = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(jnp.float32)
     # Times the float32 reciprocal, not divided: XLA rewrites a division by a constant into
     # that product anyway, and writing it makes the scale's rounding part of the definition.
     return jnp.where(peak > 0, peak * jnp.float32(1 / largest), jnp.float32(1))
@@ -39,7 +41,7 @@ def _reciprocal(s):
     return jnp.float32(1) / s
 
 
-def int8(x, axis: int):
+def int8(x, axis):
     """Int8 codes of ``x`` and their float32 scales over ``axis``: ``round(x * (1 /
     scale))``, rounding half to even, clipped to ±127.
 
@@ -53,7 +55,7 @@ def int8(x, axis: int):
     return codes.astype(jnp.int8), s
 
 
-def fp8(x, axis: int, dtype=FP8_FORWARD):
+def fp8(x, axis, dtype=FP8_FORWARD):
     """Float8 codes of ``x`` (``dtype``: e4m3 or e5m2) and their float32 scales over
     ``axis``: ``x * (1 / scale)`` rounded to the nearest float8, the maximum at the format's
     largest finite value.

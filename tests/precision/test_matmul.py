@@ -121,3 +121,19 @@ def test_sharded_operands_give_one_devices_result():
 def test_unknown_precision_is_refused(precision, match):
     with pytest.raises(ValueError, match=match):
         matmul(np.ones((2, 3)), np.ones((3, 4)), 1, precision)
+
+
+def test_nd_operands_are_contracted_in_place_not_reshaped():
+    # A reshape to (tokens, K) fixes a row-major layout on the TPU: XLA then copies every
+    # projection's input and gradient into it (seen: 118 copies in a 2-layer gpt2-medium
+    # int8 step compiled for a v5e, 73 without the reshapes).
+    x = jnp.ones((2, 3, 4, 5))  # (B, T, N, H)
+    w = jnp.ones((4, 5, 6))  # (N, H, D)
+
+    def loss(x, w):
+        return jnp.sum(matmul(x, w, 2, "int8"))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+    shapes = [tuple(v.aval.shape) for eqn in jaxpr.jaxpr.eqns
+              if eqn.primitive.name in ("reshape", "transpose") for v in eqn.invars]
+    assert not [s for s in shapes if s in ((2, 3, 4, 5), (4, 5, 6), (2, 3, 6))], shapes
