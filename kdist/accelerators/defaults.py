@@ -198,10 +198,10 @@ def step_bytes(cost, mesh: dict[str, int], batch: int, length: int, remat) -> fl
     return state + tokens * per_token / mesh.get("model", 1)
 
 
-def attention_keeps_scores(config: dict, length: int) -> bool:
-    """Whether a model of ``config`` keeps ``(B, N, T, T)`` attention probabilities for the
-    backward pass on the target device (XLA's attention does; chunked, splash and flash do
-    not)."""
+def attention_of(config: dict, length: int) -> str:
+    """The attention a model of ``config`` runs on the target device at ``length`` tokens
+    (``"xla"``, ``"chunked"``, ``"splash"`` or ``"flash"``): its own setting, or what
+    ``"auto"`` resolves to there."""
     name = config.get("attention_implementation", "auto")
     if name == "auto":
         heads = config["num_heads"]
@@ -209,7 +209,14 @@ def attention_keeps_scores(config: dict, length: int) -> bool:
                              head_dim=config["hidden_dim"] // heads, arbitrary_mask=False,
                              chunk_size=config.get("attention_chunk_size"),
                              groups=heads // (config.get("num_key_value_heads") or heads))
-    return name == "xla"
+    return name
+
+
+def attention_keeps_scores(config: dict, length: int) -> bool:
+    """Whether a model of ``config`` keeps ``(B, N, T, T)`` attention probabilities for the
+    backward pass on the target device (XLA's attention does; chunked, splash and flash do
+    not)."""
+    return attention_of(config, length) == "xla"
 
 
 # Of a device's memory, the share a step may plan on: XLA's own reservations, the

@@ -161,8 +161,13 @@ class GPTCostModel(CostModel):
         temporaries where memory is not short): it fuses element-wise work into the
         matmuls around it, so ``False`` keeps ``"minimal"``'s set; splash attention's
         statistics are 128 lanes wide (N x 512 bytes); the logits are two bfloat16 (2V x 2
-        bytes); a scanned stack (``scan_layers``) holds its saved set twice (measured:
-        +3.0 GiB at gpt2-small batch 16, whose saved set is 3.9 GiB)."""
+        bytes). A scanned stack (``scan_layers``) keeps exactly its policy's set
+        (:func:`kdist.models.remat.in_scan`), the flash kernel's statistics one float32
+        per head, and is counted twice: libtpu's ``memory_analysis()`` reports the
+        temporaries as its heap plus what it calls fragmentation, which for a scanned step
+        is the forward loop's carried buffers — the stacked saved set, already in the heap
+        (gpt2-small batch 16 on a v5e: heap 6.43 GiB, "fragmentation" 3.11, reported 9.54;
+        benchmarks/README.md)."""
         c = self.config
         d, f, n, v = c["hidden_dim"], c["intermediate_dim"], c["num_heads"], c["vocabulary_size"]
         kv = (c["num_key_value_heads"] or n) * (d // n)
@@ -172,11 +177,21 @@ class GPTCostModel(CostModel):
         statistics = 2 * n * (sequence_length if scores_kept else 1)  # in float32 values
         everything = bytes_per_value * (9 * d + statistics + f + up)
         lanes = 0 if scores_kept else (512 * n if fused else 4 * n)  # softmax statistics
+        scanned = fused and c.get("scan_layers")
+        if scanned and not scores_kept and _attention(c, sequence_length) == "flash":
+            lanes = 4 * n  # the log-sum-exp, (B, N, 1, T) float32: no lanes padded
         minimal = bytes_per_value * (4 * d + (d + 2 * kv) + up) + lanes
         kept = {False: minimal if fused else everything, "minimal": minimal,
                 "save_dots": bytes_per_value * (3 * d + 2 * kv + up)}
         head = (2 * v * (2 if fused else 4)) if logits else 0
         if remat in (True, "block"):
             return c["num_layers"] * bytes_per_value * d + everything + head
-        copies = 2 if fused and c.get("scan_layers") else 1
+        copies = 2 if scanned else 1
         return copies * c["num_layers"] * kept[remat] + head
+
+
+def _attention(config: dict, length: int) -> str:
+    """The attention the target device runs for ``config`` (:mod:`kdist.accelerators`)."""
+    from kdist.accelerators import defaults
+
+    return defaults.attention_of(config, length)
