@@ -43,3 +43,7 @@ else
   run "$PYTHON" benchmarks/attention.py --dry-run
   run "$PYTHON" benchmarks/accelerator.py --dry-run
 fi
+# A TPU v5e step's memory, compiled for the chip here by libtpu (make .cache/libtpu/libtpu).
+if [ -d .cache/libtpu/libtpu ]; then
+  run env PYTHONPATH=".cache/libtpu:$PYTHONPATH" "$PYTHON" benchmarks/tpu_memory.py
+fi

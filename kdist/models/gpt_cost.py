@@ -67,6 +67,17 @@ class GPTCostModel(CostModel):
             self._moe_weights(c["moe"]["num_experts"]) - mlp)  # MoE blocks' MLP replaced
         return int(blocks + embeddings + positions + norm + experts)
 
+    @property
+    def stacked_parameters(self) -> int:
+        """The decoder blocks' parameters, experts included: what ``scan_layers`` stacks
+        (all but the token and position tables and the final norm)."""
+        c = self.config
+        d, multiple = c["hidden_dim"], c["vocabulary_divisible_by"]
+        rows = -(-c["vocabulary_size"] // multiple) * multiple
+        tables = rows * d * (1 if c["tie_embeddings"] else 2) + (
+            0 if c["position_embedding"] == "rotary" else c["max_sequence_length"] * d)
+        return self.parameters - tables - (2 * d if c["norm"] == "layer_norm" else d)
+
     def _moe_blocks(self) -> int:
         """How many blocks are MoE (``moe["every"]``: blocks k-1, 2k-1, ...)."""
         moe = self.config.get("moe")
@@ -160,14 +171,13 @@ class GPTCostModel(CostModel):
         for the chip, gpt2-small, gpt2-medium, llama-550m: within -7..+16 % of their
         temporaries where memory is not short): it fuses element-wise work into the
         matmuls around it, so ``False`` keeps ``"minimal"``'s set; splash attention's
-        statistics are 128 lanes wide (N x 512 bytes); the logits are two bfloat16 (2V x 2
+        statistics are 128 lanes wide (N x 512 bytes), kdist's flash kernel's one float32
+        per head (its ``(B, N, 1, T)`` log-sum-exp); the logits are two bfloat16 (2V x 2
         bytes). A scanned stack (``scan_layers``) keeps exactly its policy's set
-        (:func:`kdist.models.remat.in_scan`), the flash kernel's statistics one float32
-        per head, and is counted twice: libtpu's ``memory_analysis()`` reports the
-        temporaries as its heap plus what it calls fragmentation, which for a scanned step
-        is the forward loop's carried buffers — the stacked saved set, already in the heap
-        (gpt2-small batch 16 on a v5e: heap 6.43 GiB, "fragmentation" 3.11, reported 9.54;
-        benchmarks/README.md)."""
+        (:func:`kdist.models.remat.in_scan`) — the compiler's heap, which is what
+        :class:`kdist.compiled_step.ProgramMemory` reports for a TPU — and the compiler
+        adds a copy of the stacked weights in the compute dtype
+        (:meth:`stacked_parameters`; the planner counts it)."""
         c = self.config
         d, f, n, v = c["hidden_dim"], c["intermediate_dim"], c["num_heads"], c["vocabulary_size"]
         kv = (c["num_key_value_heads"] or n) * (d // n)
@@ -177,8 +187,7 @@ class GPTCostModel(CostModel):
         statistics = 2 * n * (sequence_length if scores_kept else 1)  # in float32 values
         everything = bytes_per_value * (9 * d + statistics + f + up)
         lanes = 0 if scores_kept else (512 * n if fused else 4 * n)  # softmax statistics
-        scanned = fused and c.get("scan_layers")
-        if scanned and not scores_kept and _attention(c, sequence_length) == "flash":
+        if fused and not scores_kept and _attention(c, sequence_length) == "flash":
             lanes = 4 * n  # the log-sum-exp, (B, N, 1, T) float32: no lanes padded
         minimal = bytes_per_value * (4 * d + (d + 2 * kv) + up) + lanes
         kept = {False: minimal if fused else everything, "minimal": minimal,
@@ -186,8 +195,7 @@ class GPTCostModel(CostModel):
         head = (2 * v * (2 if fused else 4)) if logits else 0
         if remat in (True, "block"):
             return c["num_layers"] * bytes_per_value * d + everything + head
-        copies = 2 if scanned else 1
-        return copies * c["num_layers"] * kept[remat] + head
+        return c["num_layers"] * kept[remat] + head
 
 
 def _attention(config: dict, length: int) -> str:

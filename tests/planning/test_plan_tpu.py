@@ -150,20 +150,22 @@ def test_a_run_on_a_tpu_slice_weighs_dcn_at_its_slice_boundary():
 
 
 COMPILED = json.loads((Path(__file__).parents[2] / "benchmarks" / "results" /
-                       "tpu_memory_flash.json").read_text())["rows"]
+                       "tpu_memory_ht.json").read_text())["rows"]
 
 
 @pytest.mark.parametrize("overrides", [{}, {"scan_layers": True}], ids=["unrolled", "scanned"])
 def test_the_estimate_is_within_a_fifth_of_what_the_chips_compiler_needed(overrides):
     # gpt2-small at batch 16 x 1024 in bfloat16 with the attention the chip runs by default
     # (kdist's flash kernel), compiled for a TPU v5e by its own compiler (libtpu, ahead of
-    # time: benchmarks/results/tpu_memory_flash.json): the temporaries memory_analysis()
-    # reports (a scanned step's carried buffers twice: GPTCostModel).
-    compiled = next(r for r in COMPILED if r["overrides"] == overrides)
+    # time: benchmarks/tpu_memory.py): the compiler's heap, what ProgramMemory reports.
+    compiled = next(r for r in COMPILED
+                    if (r["preset"], r["batch"], r["overrides"]) == ("gpt2-small", 16, overrides))
     assert compiled["attention"] == "flash"
     p = plan("gpt2-small", mesh="data=1", global_batch_size=16, sequence_length=1024,
              precision="bf16", device="tpu-v5e", num_devices=1, compile="none",
              model_overrides=overrides)
     temporaries = p.memory["activations_and_temporaries"] + p.memory["gradients"]
-    assert temporaries == pytest.approx(compiled["temp_gib"] * 2**30, rel=0.2)
+    assert temporaries == pytest.approx(compiled["heap_gib"] * 2**30, rel=0.2)
     assert p.memory["total"] == pytest.approx(compiled["peak_gib"] * 2**30, rel=0.2)
+    # The file's estimates are this code's: a change of the cost model regenerates it.
+    assert round(temporaries / 2**30, 3) == compiled["estimate_temp_gib"]
