@@ -49,7 +49,8 @@ class GPTBackbone(Backbone, keras.Model):
         vocabulary_size: number of token ids.
         num_layers: number of decoder blocks.
         num_heads: query heads per block.
-        hidden_dim: model width D (must divide by ``num_heads``).
+        hidden_dim: model width D (must divide by ``num_heads`` unless ``head_dim`` is
+            given).
         intermediate_dim: MLP width F.
         max_sequence_length: the longest sequence accepted (and the learned position
             table's length).
@@ -101,6 +102,12 @@ class GPTBackbone(Backbone, keras.Model):
         matmul_precision: ``"bf16"`` (default: the dtype policy's matmuls), ``"int8"`` or
             ``"fp8"``: every block's attention and MLP projections quantized forward and
             backward (:mod:`kdist.precision`); embeddings, head, norms, softmax, loss unchanged.
+        head_dim: each attention head's width H (Qwen3: 128 at D=2048 with 32 heads); None
+            (default): ``hidden_dim // num_heads``. Queries are ``N x H`` wide, which need
+            not equal D: the output projection maps ``(N, H)`` back to D.
+        qk_norm: an RMSNorm over each query and key head (weights ``query_norm`` and
+            ``key_norm`` ``(H,)``, epsilon ``layer_norm_epsilon``) after the projections
+            and before RoPE (Qwen3, OLMo 2). Off by default.
         moe: routed experts in place of the MLP (:mod:`kdist.models.moe`): a dict with
             ``num_experts`` and optionally ``experts_per_token``, ``expert_dim``, ``every``,
             ``router``, ``shared_experts``, ``capacity_factor``, ``aux_loss_weight``,
@@ -118,8 +125,10 @@ class GPTBackbone(Backbone, keras.Model):
     """
 
     presets = GPT_PRESETS
-    config_attributes = {"position_embedding": "position_embedding_type"}
-    hf_model_types = ("gpt2", "llama", "mixtral")  # Hugging Face checkpoints (kdist.models.hf)
+    config_attributes = {"position_embedding": "position_embedding_type",
+                         "head_dim": "given_head_dim"}
+    # Hugging Face checkpoints (kdist.models.hf); an export takes the first that fits.
+    hf_model_types = ("gpt2", "llama", "mixtral")
 
     def __init__(
         self,
@@ -149,6 +158,8 @@ class GPTBackbone(Backbone, keras.Model):
         attention_implementation: str = "auto",
         matmul_precision: str = "bf16",
         moe: dict | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
         **kwargs,
     ):
         moe = check_moe(moe, num_layers, intermediate_dim, scan_layers)
@@ -157,11 +168,20 @@ class GPTBackbone(Backbone, keras.Model):
                 f"matmul_precision={matmul_precision!r} quantizes the attention and MLP "
                 f"projections, but the MoE experts (moe=...) have no quantized grouped matmul "
                 f"yet. Use matmul_precision='bf16' with moe, or a dense model with it.")
-        if hidden_dim % num_heads:
+        if head_dim is None and hidden_dim % num_heads:
             raise ValueError(
                 f"hidden_dim={hidden_dim} must be divisible by num_heads={num_heads} "
-                f"(head_dim = hidden_dim / num_heads)."
+                f"(head_dim = hidden_dim / num_heads), or pass head_dim explicitly."
             )
+        if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(
+                head_dim, int) or head_dim < 1 or (position_embedding == "rotary"
+                                                   and head_dim % 2)):
+            raise ValueError(f"head_dim must be None (hidden_dim // num_heads) or a positive "
+                             f"int (even with rotary positions: RoPE rotates pairs); got "
+                             f"{head_dim!r}.")
+        if not isinstance(qk_norm, bool):
+            raise ValueError(f"qk_norm must be True (per-head query/key RMSNorms: Qwen3) or "
+                             f"False; got {qk_norm!r}.")
         if position_embedding not in ("learned", "rotary"):
             raise ValueError(
                 f"Unknown position_embedding '{position_embedding}'. Use 'learned' or 'rotary'."
@@ -174,7 +194,7 @@ class GPTBackbone(Backbone, keras.Model):
         check_divisible("intermediate_dim", intermediate_dim)
         table_rows = token_table_rows(vocabulary_size, vocabulary_divisible_by)
         dtype = kwargs.pop("dtype", None)
-        head_dim = hidden_dim // num_heads
+        given_head_dim, head_dim = head_dim, head_dim or hidden_dim // num_heads
         rotary = position_embedding == "rotary"
 
         # === Layers ===
@@ -215,6 +235,7 @@ class GPTBackbone(Backbone, keras.Model):
                 attention_implementation=attention_implementation,
                 matmul_precision=matmul_precision,
                 moe=block_moe(moe, index),
+                qk_norm=qk_norm,
                 dtype=dtype,
                 name=name,
             )
@@ -266,10 +287,12 @@ class GPTBackbone(Backbone, keras.Model):
         self.attention_implementation = attention_implementation
         self.matmul_precision = matmul_precision
         self.moe = moe
+        self.given_head_dim = given_head_dim
+        self.qk_norm = qk_norm
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_dim // self.num_heads
+        return self.given_head_dim or self.hidden_dim // self.num_heads
 
     @property
     def kv_heads(self) -> int:

@@ -54,11 +54,12 @@ class GPTCostModel(CostModel):
         multiple = c["vocabulary_divisible_by"]
         v = -(-c["vocabulary_size"] // multiple) * multiple  # token table rows
         k = c["num_key_value_heads"] or n
-        h = d // n
+        h = c.get("head_dim") or d // n
         bias = c["use_bias"]
         gated = c["mlp_activation"] == "swiglu"
         norm = 2 * d if c["norm"] == "layer_norm" else d
-        attention = d * (n + 2 * k) * h + n * h * d + (bias and (n + 2 * k) * h + d)
+        attention = (d * (n + 2 * k) * h + n * h * d + (bias and (n + 2 * k) * h + d)
+                     + (2 * h if c.get("qk_norm") else 0))  # per-head query/key norms
         mlp = d * f * (3 if gated else 2) + (bias and f * (2 if gated else 1) + d)
         blocks = c["num_layers"] * (attention + mlp + 2 * norm)
         embeddings = v * d * (1 if c["tie_embeddings"] else 2)
@@ -138,8 +139,8 @@ class GPTCostModel(CostModel):
         return flops.transformer_flops_per_token(
             c["num_layers"], c["hidden_dim"], c["num_heads"], c["intermediate_dim"],
             c["vocabulary_size"], sequence_length, num_kv_heads=c["num_key_value_heads"],
-            causal=True, causal_half=causal_half, gated_mlp=c["mlp_activation"] == "swiglu",
-            remat=c["remat"] in (True, "block"))
+            head_dim=c.get("head_dim"), causal=True, causal_half=causal_half,
+            gated_mlp=c["mlp_activation"] == "swiglu", remat=c["remat"] in (True, "block"))
 
     def activation_bytes_per_token(self, sequence_length: int, bytes_per_value: int = 4,
                                    remat=False, scores_kept: bool | None = None,
@@ -170,7 +171,7 @@ class GPTCostModel(CostModel):
         benchmarks/README.md)."""
         c = self.config
         d, f, n, v = c["hidden_dim"], c["intermediate_dim"], c["num_heads"], c["vocabulary_size"]
-        kv = (c["num_key_value_heads"] or n) * (d // n)
+        kv = (c["num_key_value_heads"] or n) * (c.get("head_dim") or d // n)
         up = (2 if c["mlp_activation"] == "swiglu" else 1) * f
         if scores_kept is None:
             scores_kept = not c["attention_chunk_size"]

@@ -92,6 +92,19 @@ def matches(config: dict) -> list[str]:
     wrong = [f"{k}={config[k]!r} (Llama: {v!r})" for k, v in want.items() if config[k] != v]
     if config.get("moe"):  # routed experts: a Mixtral (mixtral.py), not a Llama
         wrong.append("moe=... (Llama: a dense MLP)")
+    return wrong + attention_differences(config, "Llama")
+
+
+def attention_differences(config: dict, name: str) -> list[str]:
+    """A kdist config's attention options that a family with hidden_size / heads wide heads
+    and no query/key norms (GPT-2, Llama, Mixtral) cannot express."""
+    wrong = []
+    derived = config["hidden_dim"] // config["num_heads"]
+    if config.get("head_dim") not in (None, derived):
+        wrong.append(f"head_dim={config['head_dim']} ({name}: hidden_dim / num_heads = "
+                     f"{derived})")
+    if config.get("qk_norm"):
+        wrong.append(f"qk_norm=True ({name}: no query/key norms)")
     return wrong
 
 
@@ -143,7 +156,7 @@ def tensor_map(path: str, config: dict) -> TensorMap | StackedMap | None:
 def block_tensor_map(layer: int, name: str, config: dict) -> TensorMap | None:
     """Block ``layer``'s weight ``name`` (e.g. ``attention/key/kernel``)."""
     d, f, n = config["hidden_dim"], config["intermediate_dim"], config["num_heads"]
-    k, h = config["num_key_value_heads"] or n, d // n
+    k, h = config["num_key_value_heads"] or n, config.get("head_dim") or d // n
     at = f"{PREFIX}layers.{layer}."
     linear = (Transpose((1, 0)),)  # nn.Linear (out, in) -> (in, out)
     maps = {
