@@ -128,7 +128,7 @@ class GPTBackbone(Backbone, keras.Model):
     config_attributes = {"position_embedding": "position_embedding_type",
                          "head_dim": "given_head_dim"}
     # Hugging Face checkpoints (kdist.models.hf); an export takes the first that fits.
-    hf_model_types = ("gpt2", "llama", "mixtral")
+    hf_model_types = ("gpt2", "llama", "mixtral", "qwen3_moe")
 
     def __init__(
         self,
