@@ -147,11 +147,12 @@ class GPTCostModel(CostModel):
                                    logits: bool = True, fused: bool = False) -> float:
         """What the backward pass keeps per token, by rematerialisation policy
         (:mod:`kdist.models.remat`), per layer: ``False`` the block input and two norm
-        outputs (3D), q/k/v (3D), attention scores and probabilities (2NT, or the 2N
-        softmax statistics where ``scores_kept`` is False: chunked or splash attention;
-        None: as ``attention_chunk_size`` says), attention output and projection (2D), MLP
-        up and activation (2F, 3F gated), down (D); ``"minimal"`` the block input, q/k/v
-        (D + 2 x key/value width), attention output and statistics, the residual between
+        outputs (3D), q/k/v (3Q; Q = N x H, which is D unless ``head_dim`` says
+        otherwise), attention scores and probabilities (2NT, or the 2N softmax statistics
+        where ``scores_kept`` is False: chunked or splash attention; None: as
+        ``attention_chunk_size`` says), attention output and projection (Q + D), MLP up
+        and activation (2F, 3F gated), down (D); ``"minimal"`` the block input, q/k/v
+        (Q + 2 x key/value width), attention output (Q) and statistics, the residual between
         attention and MLP, the MLP's hidden pre-activations (F, 2F gated); ``"save_dots"``
         the projections' and MLP's matmul outputs; ``"block"``/``True`` the block inputs
         plus one block's ``False``. Once: with ``logits``, the float32 logits and their
@@ -171,19 +172,20 @@ class GPTCostModel(CostModel):
         benchmarks/README.md)."""
         c = self.config
         d, f, n, v = c["hidden_dim"], c["intermediate_dim"], c["num_heads"], c["vocabulary_size"]
-        kv = (c["num_key_value_heads"] or n) * (c.get("head_dim") or d // n)
+        h = c.get("head_dim") or d // n
+        q, kv = n * h, (c["num_key_value_heads"] or n) * h  # query and key/value widths
         up = (2 if c["mlp_activation"] == "swiglu" else 1) * f
         if scores_kept is None:
             scores_kept = not c["attention_chunk_size"]
         statistics = 2 * n * (sequence_length if scores_kept else 1)  # in float32 values
-        everything = bytes_per_value * (9 * d + statistics + f + up)
+        everything = bytes_per_value * (5 * d + 4 * q + statistics + f + up)
         lanes = 0 if scores_kept else (512 * n if fused else 4 * n)  # softmax statistics
         scanned = fused and c.get("scan_layers")
         if scanned and not scores_kept and _attention(c, sequence_length) == "flash":
             lanes = 4 * n  # the log-sum-exp, (B, N, 1, T) float32: no lanes padded
-        minimal = bytes_per_value * (4 * d + (d + 2 * kv) + up) + lanes
+        minimal = bytes_per_value * (3 * d + q + (q + 2 * kv) + up) + lanes
         kept = {False: minimal if fused else everything, "minimal": minimal,
-                "save_dots": bytes_per_value * (3 * d + 2 * kv + up)}
+                "save_dots": bytes_per_value * (2 * d + q + 2 * kv + up)}
         head = (2 * v * (2 if fused else 4)) if logits else 0
         if remat in (True, "block"):
             return c["num_layers"] * bytes_per_value * d + everything + head

@@ -120,6 +120,24 @@ def test_cost_model_counts_the_heads_as_configured():
     assert flops.output_projection == layers * 2 * n * h * d
 
 
+def test_activation_estimate_counts_queries_n_heads_wide():
+    """Queries and the attention output are N x H wide (96 here, D = 64): what the backward
+    pass keeps grows by exactly those widths, and a head_dim equal to D / N changes
+    nothing."""
+    wide, plain = (GPTCausalLM.cost_model_for(c) for c in (QWEN, TINY_LLAMA))
+    same = GPTCausalLM.cost_model_for(dict(TINY_LLAMA, head_dim=8))
+    layers, d, q, kv, kv_wide = 2, 64, 96, 4 * 8, 4 * 12
+    # In float32 values per layer: q, k, v counted 3Q and the output Q without remat; q,
+    # k, v (Q + 2 K H) and the output Q kept by "minimal"; q, k, v by "save_dots".
+    for remat, extra in ((False, 4 * (q - d)), ("minimal", 2 * (q - d) + 2 * (kv_wide - kv)),
+                         ("save_dots", (q - d) + 2 * (kv_wide - kv))):
+        grown = (wide.activation_bytes_per_token(32, remat=remat)
+                 - plain.activation_bytes_per_token(32, remat=remat))
+        assert grown == layers * 4 * extra, remat
+        assert (same.activation_bytes_per_token(32, remat=remat)
+                == plain.activation_bytes_per_token(32, remat=remat))
+
+
 def test_the_qwen3_preset_has_the_published_size_and_plans_its_heads():
     # Qwen3-30B-A3B: 30.5 B parameters, 3.3 B active (its model card).
     preset = GPT_PRESETS["qwen3-30b-a3b"]
