@@ -29,11 +29,12 @@ TASKS = {
     "GPT2LMHeadModel": GPTCausalLM, "GPT2Model": GPTCausalLM,
     "LlamaForCausalLM": GPTCausalLM, "LlamaModel": GPTCausalLM,
     "MixtralForCausalLM": GPTCausalLM, "MixtralModel": GPTCausalLM,
+    "Qwen3MoeForCausalLM": GPTCausalLM, "Qwen3MoeModel": GPTCausalLM,
     "BertForMaskedLM": BertMaskedLM, "BertForPreTraining": BertMaskedLM,
     "BertModel": BertMaskedLM, "BertForSequenceClassification": BertClassifier,
 }
 _DEFAULT_TASK = {"gpt2": GPTCausalLM, "llama": GPTCausalLM, "mixtral": GPTCausalLM,
-                 "bert": BertMaskedLM}
+                 "qwen3_moe": GPTCausalLM, "bert": BertMaskedLM}
 
 
 def task_for(directory: str | os.PathLike):

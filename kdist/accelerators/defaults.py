@@ -206,7 +206,8 @@ def attention_of(config: dict, length: int) -> str:
     if name == "auto":
         heads = config["num_heads"]
         name = attention_for(target(), queries=length, keys=length,
-                             head_dim=config["hidden_dim"] // heads, arbitrary_mask=False,
+                             head_dim=config.get("head_dim") or config["hidden_dim"] // heads,
+                             arbitrary_mask=False,
                              chunk_size=config.get("attention_chunk_size"),
                              groups=heads // (config.get("num_key_value_heads") or heads))
     return name

@@ -3,7 +3,8 @@
 ==============================  =============================================================
 ``base``                        ``Backbone``, ``Task`` (declared step features, the parts a
                                 pipeline schedule runs), ``CostModel``
-``gpt``, ``bert``               the families' backbones and tasks
+``gpt``, ``gpt_lm``, ``bert``   the families' backbones and tasks (``GPTCausalLM`` in
+                                ``gpt_lm``)
 ``cost``                        ``CostModel``: what planning, FLOPs and throughput read of a
                                 family
 ``gpt_cost``, ``bert_cost``     their parameters, FLOPs and activation bytes per token
@@ -33,8 +34,9 @@ from kdist.models.bert import BertBackbone, BertClassifier, BertMaskedLM
 from kdist.models.bert_cost import BertCostModel
 from kdist.models.cost import CostModel
 from kdist.models.embeddings import PositionEmbedding, SegmentEmbedding, TokenEmbedding
-from kdist.models.gpt import GPTBackbone, GPTCausalLM
+from kdist.models.gpt import GPTBackbone
 from kdist.models.gpt_cost import GPTCostModel
+from kdist.models.gpt_lm import GPTCausalLM
 from kdist.models.presets import BERT_PRESETS, GPT_PRESETS
 from kdist.models.pretrained import load_backbone_weights
 

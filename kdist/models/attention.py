@@ -63,6 +63,11 @@ class CausalSelfAttention(layers.Layer):
         matmul_precision: ``"bf16"`` (the dtype policy's matmuls), ``"int8"`` or ``"fp8"``:
             the query/key/value (or fused qkv) and output projections' matmuls quantized
             (:mod:`kdist.precision`); attention's own matmuls and softmax are unchanged.
+        qk_norm: an RMSNorm over the head axis H of every query and key head, after the
+            projections and before RoPE (Qwen3, OLMo 2): weights ``query_norm/scale`` and
+            ``key_norm/scale`` ``(H,)``, shared by the heads, in float32 under mixed
+            precision. Off by default.
+        qk_norm_epsilon: those norms' epsilon (the model's ``layer_norm_epsilon``).
 
     Example:
         >>> attn = CausalSelfAttention(num_heads=4, head_dim=16, num_key_value_heads=2,
@@ -86,9 +91,12 @@ class CausalSelfAttention(layers.Layer):
         rope_scaling: dict | None = None,
         attention_implementation: str = "auto",
         matmul_precision: str = "bf16",
+        qk_norm: bool = False,
+        qk_norm_epsilon: float = 1e-6,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.qk_norm, self.qk_norm_epsilon = bool(qk_norm), qk_norm_epsilon
         self.matmul_precision = check_precision(matmul_precision)
         self.attention_implementation = accelerators.check_implementation(
             attention_implementation)
@@ -170,9 +178,24 @@ class CausalSelfAttention(layers.Layer):
         )
         build_with_axes(self.attention_output, (None, None, self.num_heads, self.head_dim),
                         kernel=("heads", "head_dim", "embed"), bias=("norm",))
+        self.query_norm = self.key_norm = None
+        if self.qk_norm:  # one (H,) scale per projection, shared by its heads: never over model
+            self.query_norm, self.key_norm = (
+                layers.RMSNormalization(epsilon=self.qk_norm_epsilon, dtype=self.dtype_policy,
+                                        name=name) for name in ("query_norm", "key_norm"))
+            for norm, heads in ((self.query_norm, self.num_heads),
+                                (self.key_norm, self.kv_heads)):
+                build_with_axes(norm, (None, None, heads, self.head_dim), scale=("head_dim",))
 
     def project_qkv(self, x):
-        """``x (B, T, D)`` to queries ``(B, T, N, H)``, keys and values ``(B, T, K, H)``."""
+        """``x (B, T, D)`` to queries ``(B, T, N, H)``, keys and values ``(B, T, K, H)``
+        (queries and keys normalised per head with ``qk_norm``)."""
+        q, k, v = self._project(x)
+        if self.qk_norm:
+            q, k = self.query_norm(q), self.key_norm(k)  # over H, each head alike
+        return q, k, v
+
+    def _project(self, x):
         if not self.fused_qkv:
             return self.query(x), self.key(x), self.value(x)
         qkv = self.qkv(x)  # (B, T, K, G + 2, H), G = N / K query heads per key/value head
@@ -307,4 +330,6 @@ class CausalSelfAttention(layers.Layer):
             "rope_scaling": self.rope_scaling,
             "attention_implementation": self.attention_implementation,
             "matmul_precision": self.matmul_precision,
+            "qk_norm": self.qk_norm,
+            "qk_norm_epsilon": self.qk_norm_epsilon,
         }

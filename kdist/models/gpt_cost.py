@@ -54,11 +54,12 @@ class GPTCostModel(CostModel):
         multiple = c["vocabulary_divisible_by"]
         v = -(-c["vocabulary_size"] // multiple) * multiple  # token table rows
         k = c["num_key_value_heads"] or n
-        h = d // n
+        h = c.get("head_dim") or d // n
         bias = c["use_bias"]
         gated = c["mlp_activation"] == "swiglu"
         norm = 2 * d if c["norm"] == "layer_norm" else d
-        attention = d * (n + 2 * k) * h + n * h * d + (bias and (n + 2 * k) * h + d)
+        attention = (d * (n + 2 * k) * h + n * h * d + (bias and (n + 2 * k) * h + d)
+                     + (2 * h if c.get("qk_norm") else 0))  # per-head query/key norms
         mlp = d * f * (3 if gated else 2) + (bias and f * (2 if gated else 1) + d)
         blocks = c["num_layers"] * (attention + mlp + 2 * norm)
         embeddings = v * d * (1 if c["tie_embeddings"] else 2)
@@ -149,19 +150,20 @@ class GPTCostModel(CostModel):
         return flops.transformer_flops_per_token(
             c["num_layers"], c["hidden_dim"], c["num_heads"], c["intermediate_dim"],
             c["vocabulary_size"], sequence_length, num_kv_heads=c["num_key_value_heads"],
-            causal=True, causal_half=causal_half, gated_mlp=c["mlp_activation"] == "swiglu",
-            remat=c["remat"] in (True, "block"))
+            head_dim=c.get("head_dim"), causal=True, causal_half=causal_half,
+            gated_mlp=c["mlp_activation"] == "swiglu", remat=c["remat"] in (True, "block"))
 
     def activation_bytes_per_token(self, sequence_length: int, bytes_per_value: int = 4,
                                    remat=False, scores_kept: bool | None = None,
                                    logits: bool = True, fused: bool = False) -> float:
         """What the backward pass keeps per token, by rematerialisation policy
         (:mod:`kdist.models.remat`), per layer: ``False`` the block input and two norm
-        outputs (3D), q/k/v (3D), attention scores and probabilities (2NT, or the 2N
-        softmax statistics where ``scores_kept`` is False: chunked or splash attention;
-        None: as ``attention_chunk_size`` says), attention output and projection (2D), MLP
-        up and activation (2F, 3F gated), down (D); ``"minimal"`` the block input, q/k/v
-        (D + 2 x key/value width), attention output and statistics, the residual between
+        outputs (3D), q/k/v (3Q; Q = N x H, which is D unless ``head_dim`` says
+        otherwise), attention scores and probabilities (2NT, or the 2N softmax statistics
+        where ``scores_kept`` is False: chunked or splash attention; None: as
+        ``attention_chunk_size`` says), attention output and projection (Q + D), MLP up
+        and activation (2F, 3F gated), down (D); ``"minimal"`` the block input, q/k/v
+        (Q + 2 x key/value width), attention output (Q) and statistics, the residual between
         attention and MLP, the MLP's hidden pre-activations (F, 2F gated); ``"save_dots"``
         the projections' and MLP's matmul outputs; ``"block"``/``True`` the block inputs
         plus one block's ``False``. Once: with ``logits``, the float32 logits and their
@@ -180,18 +182,19 @@ class GPTCostModel(CostModel):
         (:meth:`stacked_parameters`; the planner counts it)."""
         c = self.config
         d, f, n, v = c["hidden_dim"], c["intermediate_dim"], c["num_heads"], c["vocabulary_size"]
-        kv = (c["num_key_value_heads"] or n) * (d // n)
+        h = c.get("head_dim") or d // n
+        q, kv = n * h, (c["num_key_value_heads"] or n) * h  # query and key/value widths
         up = (2 if c["mlp_activation"] == "swiglu" else 1) * f
         if scores_kept is None:
             scores_kept = not c["attention_chunk_size"]
         statistics = 2 * n * (sequence_length if scores_kept else 1)  # in float32 values
-        everything = bytes_per_value * (9 * d + statistics + f + up)
+        everything = bytes_per_value * (5 * d + 4 * q + statistics + f + up)
         lanes = 0 if scores_kept else (512 * n if fused else 4 * n)  # softmax statistics
         if fused and not scores_kept and _attention(c, sequence_length) == "flash":
             lanes = 4 * n  # the log-sum-exp, (B, N, 1, T) float32: no lanes padded
-        minimal = bytes_per_value * (4 * d + (d + 2 * kv) + up) + lanes
+        minimal = bytes_per_value * (3 * d + q + (q + 2 * kv) + up) + lanes
         kept = {False: minimal if fused else everything, "minimal": minimal,
-                "save_dots": bytes_per_value * (3 * d + 2 * kv + up)}
+                "save_dots": bytes_per_value * (2 * d + q + 2 * kv + up)}
         head = (2 * v * (2 if fused else 4)) if logits else 0
         if remat in (True, "block"):
             return c["num_layers"] * bytes_per_value * d + everything + head

@@ -171,10 +171,12 @@ class PreNormBlock(layers.Layer):
         attention_implementation: str = "auto",
         matmul_precision: str = "bf16",
         moe: dict | None = None,
+        qk_norm: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
         remat_policies.check(remat)
+        self.qk_norm = qk_norm  # CausalSelfAttention's per-head query/key RMSNorm (Qwen3)
         self.matmul_precision = check_precision(matmul_precision)
         self.moe = moe
         self.fused_qkv = fused_qkv
@@ -209,6 +211,8 @@ class PreNormBlock(layers.Layer):
             rope_scaling=rope_scaling,
             attention_implementation=attention_implementation,
             matmul_precision=matmul_precision,
+            qk_norm=qk_norm,
+            qk_norm_epsilon=layer_norm_epsilon,
             dtype=dtype,
             name="attention",
         )
@@ -293,6 +297,7 @@ class PreNormBlock(layers.Layer):
             "attention_implementation": self.attention_implementation,
             "matmul_precision": self.matmul_precision,
             "moe": self.moe,
+            "qk_norm": self.qk_norm,
         }
 
 

@@ -55,7 +55,8 @@ from kdist.parallel.rules import add_weight
 # What a block's `moe` dict may hold, with defaults (GPTBackbone's `moe` argument).
 MOE_DEFAULTS = dict(num_experts=None, experts_per_token=2, expert_dim=None, every=1,
                     router="softmax", shared_experts=0, capacity_factor=None,
-                    aux_loss_weight=0.01, z_loss_weight=0.001, balance_bias_rate=0.0)
+                    aux_loss_weight=0.01, z_loss_weight=0.001, balance_bias_rate=0.0,
+                    renormalize=True)
 
 
 class MoEStats(NamedTuple):
@@ -106,6 +107,10 @@ def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
                          f"experts_per_token or raise num_experts.")
     if moe["router"] not in ROUTERS:
         raise ValueError(f"moe['router']={moe['router']!r} is unknown; use one of {ROUTERS}.")
+    if not isinstance(moe["renormalize"], bool):
+        raise ValueError(f"moe['renormalize'] must be True (the k weights divided by their "
+                         f"sum: Mixtral) or False (as routed: Qwen3-MoE's norm_topk_prob: "
+                         f"false); got {moe['renormalize']!r}.")
     if not isinstance(moe["every"], int) or not 1 <= moe["every"] <= num_layers:
         raise ValueError(f"moe['every']={moe['every']!r} must be an int in [1, num_layers="
                          f"{num_layers}] (1: every block; 2: every second block...).")
@@ -207,6 +212,9 @@ class MoEFeedForward(layers.Layer):
         balance_bias_rate: > 0: DeepSeek-V3's auxiliary-loss-free balance bias, moved by
             this much per training step (module docstring; non-trainable weight
             ``balance_bias`` ``(E,)``, float32, replicated). 0 (default): no bias.
+        renormalize: the k chosen experts' weights divided by their sum (default, Mixtral),
+            or (False) the router's probabilities as they are (Qwen3-MoE's
+            ``norm_topk_prob: false``).
         initializer_range, output_initializer_range: as :class:`MLP`'s.
 
     Weights: ``router (D, E)``; ``gate``, ``up`` ``(E, D, F)`` and ``down`` ``(E, F, D)``
@@ -225,11 +233,13 @@ class MoEFeedForward(layers.Layer):
                  capacity_factor: float | None = None, aux_loss_weight: float = 0.01,
                  z_loss_weight: float = 0.001, initializer_range: float = 0.02,
                  output_initializer_range: float | None = None,
-                 balance_bias_rate: float = 0.0, **kwargs):
+                 balance_bias_rate: float = 0.0, renormalize: bool = True, **kwargs):
         super().__init__(**kwargs)
         check_moe(dict(num_experts=num_experts, experts_per_token=experts_per_token,
                        router=router, capacity_factor=capacity_factor,
-                       balance_bias_rate=balance_bias_rate), 1, expert_dim)
+                       balance_bias_rate=balance_bias_rate, renormalize=renormalize), 1,
+                  expert_dim)
+        self.renormalize = renormalize
         self.num_experts = num_experts
         self.experts_per_token = experts_per_token
         self.expert_dim = expert_dim
@@ -285,7 +295,8 @@ class MoEFeedForward(layers.Layer):
         logits = ops.matmul(ops.cast(tokens, "float32"),
                             ops.cast(self.router_kernel, "float32"))  # (N, E) float32
         bias = None if self.balance_bias is None else ops.cast(self.balance_bias, "float32")
-        weights, experts, probs = route(logits, self.experts_per_token, self.router, bias)
+        weights, experts, probs = route(logits, self.experts_per_token, self.router, bias,
+                                        self.renormalize)
         counts = expert_counts(experts, self.num_experts)  # (E,)
         parallel = experts_module.dispatch(tokens, experts, *kernels, self.capacity_factor)
         if parallel is not None:  # over the 'expert' mesh axis (kdist.parallel.experts)
@@ -338,7 +349,7 @@ class MoEFeedForward(layers.Layer):
                 "aux_loss_weight": self.aux_loss_weight, "z_loss_weight": self.z_loss_weight,
                 "initializer_range": self.initializer_range,
                 "output_initializer_range": self.output_initializer_range,
-                "balance_bias_rate": self.balance_bias_rate}
+                "balance_bias_rate": self.balance_bias_rate, "renormalize": self.renormalize}
 
 
 def expert_load(model) -> dict[str, dict[str, float]]:

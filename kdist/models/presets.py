@@ -79,6 +79,16 @@ GPT_PRESETS.update({
         rotary_max_wavelength=1000000.0, tie_embeddings=False,
         moe=dict(num_experts=8, experts_per_token=2, expert_dim=14336),
     ),
+    # Qwen3-30B-A3B's shape (HF config): head_dim 128 (wider than 2048 / 32), per-head
+    # query/key RMSNorms, 128 experts of width 768, top-8 renormalised, every block. For
+    # planning (30.5 B parameters, 3.3 B active).
+    "qwen3-30b-a3b": dict(
+        _LLAMA, vocabulary_size=151936, num_layers=48, num_heads=32, num_key_value_heads=4,
+        hidden_dim=2048, intermediate_dim=6144, max_sequence_length=40960,
+        rotary_max_wavelength=1000000.0, tie_embeddings=False, layer_norm_epsilon=1e-6,
+        head_dim=128, qk_norm=True,
+        moe=dict(num_experts=128, experts_per_token=8, expert_dim=768),
+    ),
 })
 
 # BERT encoder shapes as published (Devlin et al. 2019; the small ones from Turc et al. 2019,

@@ -4,7 +4,9 @@ Shapes: N tokens, E experts, k experts per token. Everything here computes in fl
 the router's choices must not flip with the compute dtype's rounding.
 
 - ``"softmax"`` (Mixtral, Qwen-MoE): ``p = softmax(logits)``, the k largest, their weights
-  renormalised to sum to 1 (Mixtral's top-k then softmax over the k is the same).
+  renormalised to sum to 1 (Mixtral's top-k then softmax over the k is the same); with
+  ``renormalize=False`` the k probabilities as they are (Qwen-MoE's ``norm_topk_prob:
+  false``: the weights sum to less than 1).
 - ``"sigmoid"`` (DeepSeek-V3): ``s = sigmoid(logits)``, the k largest, weights ``s / sum(s)``
   over the chosen k.
 
@@ -26,7 +28,7 @@ from kdist.parallel.experts import expert_counts  # noqa: F401  (the routers' co
 ROUTERS = ("softmax", "sigmoid")
 
 
-def route(logits, k: int, kind: str = "softmax", bias=None):
+def route(logits, k: int, kind: str = "softmax", bias=None, renormalize: bool = True):
     """``logits (N, E)`` -> ``(weights (N, k), experts (N, k) int32, probs (N, E))``.
 
     ``probs`` is what the load-balance loss reads: the softmax, or the sigmoid scores
@@ -34,6 +36,8 @@ def route(logits, k: int, kind: str = "softmax", bias=None):
     Ties go to the lower expert id (``lax.top_k``). ``bias (E,)``: DeepSeek-V3's
     auxiliary-loss-free balance bias, added to the scores for the choice of the k only; the
     weights stay the unbiased scores' (the bias steers the load, not the output's mix).
+    ``renormalize=False``: the chosen k scores are the weights as they are, not divided by
+    their sum.
 
     Example:
         >>> import numpy as np
@@ -41,6 +45,9 @@ def route(logits, k: int, kind: str = "softmax", bias=None):
         >>> weights, experts, _ = route(logits, 1, "sigmoid", bias=np.array([0, 0, 5.0]))
         >>> experts.tolist(), weights.tolist()  # chosen by the bias, weighed without it
         ([[2]], [[1.0]])
+        >>> weights, _, _ = route(np.zeros((1, 4), "float32"), 2, renormalize=False)
+        >>> weights.tolist()  # two of four uniform probabilities, as they are
+        [[0.25, 0.25]]
     """
     logits = jnp.asarray(logits, jnp.float32)
     if kind == "softmax":
@@ -56,7 +63,7 @@ def route(logits, k: int, kind: str = "softmax", bias=None):
     else:
         _, experts = jax.lax.top_k(scores + jnp.asarray(bias, jnp.float32), k)  # (N, k)
         chosen = jnp.take_along_axis(scores, experts, axis=-1)  # (N, k) unbiased
-    weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+    weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True) if renormalize else chosen
     return weights, experts.astype(jnp.int32), probs
 
 

@@ -188,7 +188,8 @@ def context_terms(dims, s, m, local_batch, length, value_bytes, variant,
     """Keys and values crossing the seq axis per step (``layers``, default all), by kind."""
     heads = dims["num_heads"]
     kv_heads = dims.get("num_key_value_heads") or heads
-    width = kv_heads / m * (dims["hidden_dim"] // heads)  # K/m heads of H per token
+    head_dim = dims.get("head_dim") or dims["hidden_dim"] // heads
+    width = kv_heads / m * head_dim  # K/m heads of H per token
     layers = dims["num_layers"] if layers is None else layers
     if variant == "ring":  # kdist.parallel.context.cost.ring_bytes, for every layer
         block = local_batch * length / s * width
@@ -204,5 +205,5 @@ def gathered_kv_bytes(dims: dict, rows: float, length: int, m: int, value_bytes:
     """The keys and values ``context_parallel="all_gather"`` keeps gathered: ``layers``
     layers of ``rows`` whole sequences, ``K/m`` heads each."""
     kv = dims.get("num_key_value_heads") or dims["num_heads"]
-    head_dim = dims["hidden_dim"] // dims["num_heads"]
+    head_dim = dims.get("head_dim") or dims["hidden_dim"] // dims["num_heads"]
     return layers * rows * length * 2 * kv / m * head_dim * value_bytes

@@ -5,7 +5,8 @@ small random GPT-2, Llama-3 and BERT models, so no test needs a download (or tor
 ``model.safetensors`` (or ``N`` shards and ``model.safetensors.index.json``). Weights are
 drawn with a large scale (0.2 where HF initialises with 0.02; norms around 1) so attention
 is far from uniform and a wrong head order, transpose or RoPE frequency changes the outputs
-visibly.
+visibly. ``assert_loads_sharded`` loads a MoE checkpoint under a mesh and checks its
+logits, expert shards, reads and export.
 """
 
 from __future__ import annotations
@@ -154,3 +155,34 @@ def write_checkpoint(directory, family: str, shards: int = 1, seed: int = 0,
         tensors = random_tensors(shapes, seed, scale)
     save_safetensors(tensors, directory, shards)
     return tensors
+
+
+def assert_loads_sharded(directory: Path, want: np.ndarray, ids: np.ndarray, mesh: str,
+                         shard: tuple, tensor: str, reads: int, monkeypatch, out: Path):
+    """Loads the MoE checkpoint ``directory`` into a ``GPTCausalLM`` under ``mesh``: its
+    logits of ``ids`` are ``want`` (<= 1e-5), block 0's ``moe/gate`` shards have shape
+    ``shard``, the tensor whose name ends with ``tensor`` (an expert's) is opened ``reads``
+    times — once per box that holds it, never by every device — and the export to ``out``,
+    gathered from the shards, is bit-exact to the source's tensors."""
+    import keras
+    from safetensors.numpy import load_file
+
+    import kdist
+    from kdist.models import GPTCausalLM
+    from kdist.models.hf import HFCheckpoint
+
+    opened = []
+    original = HFCheckpoint.opened
+    monkeypatch.setattr(HFCheckpoint, "opened",
+                        lambda self, name: opened.append(name) or original(self, name))
+    keras.distribution.set_distribution(kdist.distribution(mesh))
+    lm = GPTCausalLM.from_pretrained(directory)
+    logits = np.asarray(lm.predict_on_batch(ids.astype("int32")))
+    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-5)
+    gate = next(w for w in lm.weights if w.path.endswith("block_0/moe/gate"))
+    assert {s.data.shape for s in gate.value.addressable_shards} == {shard}
+    assert sum(name.endswith(tensor) for name in opened) == reads
+    lm.save_pretrained(out)
+    source, written = (load_file(Path(d) / "model.safetensors") for d in (directory, out))
+    assert sorted(source) == sorted(written)
+    assert all(np.array_equal(source[k], written[k]) for k in source)

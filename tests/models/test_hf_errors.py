@@ -56,7 +56,8 @@ def test_unknown_model_types_and_the_wrong_class_are_refused(gpt2, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
     (tmp_path / "model.safetensors").write_bytes((gpt2[0] / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match="Unknown Hugging Face model_type 't5': kdist loads "
-                                         "bert, gpt2, llama, mixtral checkpoints"):
+                                         "bert, gpt2, llama, mixtral, qwen3_moe "
+                                         "checkpoints"):
         GPTCausalLM.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="Unknown Hugging Face model_type 't5'"):
         kdist.hf.from_pretrained(tmp_path)

@@ -9,14 +9,13 @@ checked on config dicts (no model built)."""
 import json
 import warnings
 
-import keras
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 import kdist
 from kdist.models import GPTCausalLM
-from kdist.models.hf import HFCheckpoint, backbone_config, export, mixtral
+from kdist.models.hf import backbone_config, export, mixtral
+from tests.models.hf_fixtures import assert_loads_sharded
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -65,27 +64,11 @@ def test_logits_match_transformers_both_ways(reference, tmp_path):
 @pytest.mark.parametrize("mesh, shard, reads", [("expert=2,data=4", (2, 64, 48), 1),
                                                  ("expert=4,fsdp=2", (1, 32, 48), 2)])
 def test_loads_sharded_over_experts(reference, mesh, shard, reads, monkeypatch, tmp_path):
-    directory, want = reference
-    opened = []
-    original = HFCheckpoint.opened
-    monkeypatch.setattr(HFCheckpoint, "opened",
-                        lambda self, name: opened.append(name) or original(self, name))
-    keras.distribution.set_distribution(kdist.distribution(mesh))
-    lm = GPTCausalLM.from_pretrained(directory)
-    got = np.asarray(lm.predict_on_batch(IDS.astype("int32")))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
-
-    gate = next(w for w in lm.weights if w.path.endswith("block_0/moe/gate"))  # (4, 64, 48)
-    assert {s.data.shape for s in gate.value.addressable_shards} == {shard}
     # Each expert tensor is read once per box that holds it: by the devices of its expert
-    # shard (and, under fsdp, once per half of the hidden axis), never by every device.
-    w1 = [n for n in opened if n.endswith("layers.0.block_sparse_moe.experts.0.w1.weight")]
-    assert len(w1) == reads
-
-    lm.save_pretrained(tmp_path)  # gathered from the expert shards: bit-exact
-    source, written = (load_file(d / "model.safetensors") for d in (directory, tmp_path))
-    assert sorted(source) == sorted(written)
-    assert all(np.array_equal(source[k], written[k]) for k in source)
+    # shard (and, under fsdp, once per half of the hidden axis); exported bit-exact.
+    assert_loads_sharded(*reference, IDS, mesh, shard,  # gate (4, 64, 48)
+                         "layers.0.block_sparse_moe.experts.0.w1.weight", reads, monkeypatch,
+                         tmp_path)
 
 
 def test_config_mapping_and_refusals():

@@ -29,7 +29,8 @@ def _silu(v):
     return v / (1 + jnp.exp(-v))
 
 
-def dense_reference(params, x, k, router="softmax", shared=None, kept=None, chosen=None):
+def dense_reference(params, x, k, router="softmax", shared=None, kept=None, chosen=None,
+                    renormalize=True):
     """Every expert on every token, weighted by the router (zero for unchosen experts);
     ``kept (N, k)``: which assignments the capacity let through; ``chosen (N, k)``: the
     experts (when differentiating: the choice is discrete, found on concrete values)."""
@@ -44,7 +45,9 @@ def dense_reference(params, x, k, router="softmax", shared=None, kept=None, chos
         mask[n, experts] = 1.0 if kept is None else kept[n]
     top = scores * np.asarray(jnp.zeros_like(scores).at[
         np.arange(len(chosen))[:, None], chosen].set(1.0))
-    weights = top / top.sum(-1, keepdims=True) * mask  # (N, E), renormalised over the k
+    if renormalize:  # (N, E), renormalised over the k
+        top = top / top.sum(-1, keepdims=True)
+    weights = top * mask
     y = 0
     for e in range(gate.shape[0]):
         y = y + weights[:, e:e + 1] * ((_silu(tokens @ gate[e]) * (tokens @ up[e])) @ down[e])
@@ -66,6 +69,21 @@ def test_dropless_equals_every_expert_weighted_by_the_router(router, k, shared):
     expected, _ = dense_reference(_params(layer), x, k, router, shared_params)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(x)), expected,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_unrenormalised_weights_are_the_routers_probabilities():
+    """``renormalize=False`` (Qwen3-MoE's ``norm_topk_prob: false``): the k softmax
+    probabilities weigh the experts as they are."""
+    layer = _layer(experts_per_token=2, renormalize=False)
+    x = _x()
+    expected, _ = dense_reference(_params(layer), x, 2, renormalize=False)
+    got = keras.ops.convert_to_numpy(layer(x))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    renormalised, _ = dense_reference(_params(layer), x, 2)
+    assert np.abs(got - renormalised).max() > 0.1 * np.abs(renormalised).max()  # it matters
+    config = layer.get_config()
+    assert config["renormalize"] is False
+    assert MoEFeedForward.from_config(config).get_config() == config
 
 
 def test_gradients_equal_the_dense_reference():
@@ -168,6 +186,7 @@ def test_config_round_trips_and_places_moe_blocks():
     ({"num_experts": 4, "capacity_factor": 0}, "capacity_factor"),
     ({"num_experts": 4, "balance_bias_rate": -0.001}, "balance_bias_rate"),
     ({"num_experts": 4, "balance_bias_rate": "0.1"}, "balance_bias_rate"),
+    ({"num_experts": 4, "renormalize": 0}, "renormalize"),
 ])
 def test_wrong_moe_configs_are_refused(moe, message):
     with pytest.raises(ValueError, match=message):

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out of kdist models: GPT-2, Llama (2, 3, 3.1, 3.2),
-Mixtral, BERT.
+Mixtral, Qwen3-MoE, BERT.
 
 * :func:`load_pretrained` (behind ``GPTCausalLM.from_pretrained(DIR)``,
   ``BertMaskedLM.from_pretrained``, ``BertClassifier.from_pretrained`` and the backbones'):
@@ -11,10 +11,10 @@ Mixtral, BERT.
   tokenizer (:mod:`.tokenizers`).
 
 Each family is one small module of config fields and tensor maps (:mod:`.gpt2`,
-:mod:`.llama`, :mod:`.mixtral`, :mod:`.bert`); :mod:`.tensors` is the exact re-indexing
-they are written in, :mod:`.checkpoint` the directory reader, :mod:`.stacked` a stacked
-weight from its layers' (or experts') tensors, :mod:`.exported_config` the
-``config.json`` an export writes.
+:mod:`.llama`, :mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.bert`); :mod:`.tensors` is the
+exact re-indexing they are written in, :mod:`.checkpoint` the directory reader,
+:mod:`.stacked` a stacked weight from its layers' (or experts') tensors,
+:mod:`.exported_config` the ``config.json`` an export writes.
 
 Example:
     >>> lm = kdist.models.GPTCausalLM.from_pretrained("path/to/gpt2")  # doctest: +SKIP

@@ -3,9 +3,10 @@
 ``export(model, directory)`` writes ``config.json`` and safetensors weights — one
 ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards and
 ``model.safetensors.index.json`` above ``max_shard_bytes`` — in the layout ``transformers``
-reads (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MixtralForCausalLM``, ``BertForMaskedLM``,
-``BertForSequenceClassification``, ``BertModel``), plus the tokenizer's files when one is
-given (:mod:`kdist.models.hf.tokenizers`).
+reads (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MixtralForCausalLM``,
+``Qwen3MoeForCausalLM``, ``BertForMaskedLM``, ``BertForSequenceClassification``,
+``BertModel``), plus the tokenizer's files when one is given
+(:mod:`kdist.models.hf.tokenizers`).
 
 Every header is known before any value (shapes and dtypes come from the variables), so each
 file is streamed: its header first, then each tensor as it is gathered. A tensor is built

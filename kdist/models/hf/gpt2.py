@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 
+from kdist.models.hf import llama
 from kdist.models.hf.stacked import StackedMap, stacked_map
 from kdist.models.hf.tensors import Pad, Split, TensorMap, Transpose
 
@@ -78,7 +79,7 @@ def matches(config: dict) -> list[str]:
         wrong.append(f"mlp_activation={config['mlp_activation']!r} (GPT-2: 'gelu')")
     if config.get("moe"):
         wrong.append("moe=... (GPT-2: a dense MLP)")
-    return wrong
+    return wrong + llama.attention_differences(config, "GPT-2")
 
 
 def hf_config(config: dict) -> dict:

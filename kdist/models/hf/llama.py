@@ -45,9 +45,10 @@ def _rope(hf: dict, name: str = "Llama") -> tuple[float, dict | None]:
     return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in LLAMA3_FIELDS}}
 
 
-def backbone_config(hf: dict, name: str = "Llama") -> dict:
+def backbone_config(hf: dict, name: str = "Llama", free_head_dim: bool = False) -> dict:
     """kdist ``GPTBackbone`` arguments of a Llama ``config.json`` (``name``: the family
-    its errors name; Mixtral's attention and norms are Llama's)."""
+    its errors name; Mixtral's attention and norms are Llama's; ``free_head_dim``: the
+    family's ``head_dim`` is its own, not hidden_size / heads, and its caller maps it)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{name} hidden_act {hf['hidden_act']!r} is not supported; kdist's "
                          f"SwiGLU MLP computes 'silu'.")
@@ -55,10 +56,12 @@ def backbone_config(hf: dict, name: str = "Llama") -> dict:
         raise ValueError(f"{name} configs with attention_bias or mlp_bias are not supported: "
                          f"kdist's Llama-style blocks have no biases.")
     heads, width = hf["num_attention_heads"], hf["hidden_size"]
-    if hf.get("head_dim") not in (None, width // heads) or width % heads:
+    if not free_head_dim and (hf.get("head_dim") not in (None, width // heads)
+                              or width % heads):
         raise ValueError(f"{name} head_dim={hf.get('head_dim')} with hidden_size={width} and "
-                         f"{heads} heads is not supported: kdist's head_dim is hidden_size / "
-                         f"num_attention_heads.")
+                         f"{heads} heads is not supported: kdist maps {name}'s heads as "
+                         f"hidden_size / num_attention_heads wide (GPTBackbone's head_dim= is "
+                         f"read from Qwen3-MoE checkpoints only).")
     if hf.get("pretraining_tp", 1) != 1:
         raise ValueError(f"{name} pretraining_tp != 1 (a sliced MLP) is not supported.")
     theta, scaling = _rope(hf, name)
@@ -92,6 +95,19 @@ def matches(config: dict) -> list[str]:
     wrong = [f"{k}={config[k]!r} (Llama: {v!r})" for k, v in want.items() if config[k] != v]
     if config.get("moe"):  # routed experts: a Mixtral (mixtral.py), not a Llama
         wrong.append("moe=... (Llama: a dense MLP)")
+    return wrong + attention_differences(config, "Llama")
+
+
+def attention_differences(config: dict, name: str) -> list[str]:
+    """A kdist config's attention options that a family with hidden_size / heads wide heads
+    and no query/key norms (GPT-2, Llama, Mixtral) cannot express."""
+    wrong = []
+    derived = config["hidden_dim"] // config["num_heads"]
+    if config.get("head_dim") not in (None, derived):
+        wrong.append(f"head_dim={config['head_dim']} ({name}: hidden_dim / num_heads = "
+                     f"{derived})")
+    if config.get("qk_norm"):
+        wrong.append(f"qk_norm=True ({name}: no query/key norms)")
     return wrong
 
 
@@ -143,7 +159,7 @@ def tensor_map(path: str, config: dict) -> TensorMap | StackedMap | None:
 def block_tensor_map(layer: int, name: str, config: dict) -> TensorMap | None:
     """Block ``layer``'s weight ``name`` (e.g. ``attention/key/kernel``)."""
     d, f, n = config["hidden_dim"], config["intermediate_dim"], config["num_heads"]
-    k, h = config["num_key_value_heads"] or n, d // n
+    k, h = config["num_key_value_heads"] or n, config.get("head_dim") or d // n
     at = f"{PREFIX}layers.{layer}."
     linear = (Transpose((1, 0)),)  # nn.Linear (out, in) -> (in, out)
     maps = {

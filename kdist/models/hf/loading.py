@@ -3,7 +3,7 @@
 The order of events (``load_pretrained``):
 
 1. the directory is opened: ``config.json`` and every safetensors *header* (no data);
-2. the HF config becomes the kdist config (``gpt2.py`` / ``llama.py`` / ``bert.py``), the
+2. the HF config becomes the kdist config (``gpt2.py`` / ``llama.py`` / ``bert.py``...), the
    caller's overrides on top; the model is built inside
    ``keras.StatelessScope(initialize_variables=False)``, so its variables have shapes and
    (under the active distribution) layouts but **no values** — nothing is allocated and no
@@ -38,12 +38,12 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
-from kdist.models.hf import bert, exported_config, gpt2, llama, mixtral, stacked
+from kdist.models.hf import bert, exported_config, gpt2, llama, mixtral, qwen3_moe, stacked
 from kdist.models.hf.checkpoint import HFCheckpoint, read_config
 from kdist.models.hf.tensors import TensorMap
 from kdist.parallel.layout import current_mesh_shape, divisors
 
-FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, bert, llama, mixtral)}
+FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, bert, llama, mixtral, qwen3_moe)}
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors names of the weights kdist reads
 
 
@@ -59,6 +59,7 @@ def family_for(model_type: str, cls=None) -> object:
     if model_type not in accepted:
         owners = {"gpt2": "GPTCausalLM / GPTBackbone", "llama": "GPTCausalLM / GPTBackbone",
                   "mixtral": "GPTCausalLM / GPTBackbone",
+                  "qwen3_moe": "GPTCausalLM / GPTBackbone",
                   "bert": "BertMaskedLM / BertClassifier / BertBackbone"}
         raise ValueError(f"{cls.__name__} cannot load a {model_type!r} checkpoint (it loads "
                          f"{list(accepted) or 'none'}); use {owners[model_type]}.")

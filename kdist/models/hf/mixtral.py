@@ -67,7 +67,7 @@ def backbone_config(hf: dict) -> dict:
     return config
 
 
-def _moe(config: dict) -> dict:
+def full_moe(config: dict) -> dict:
     """The backbone config's ``moe`` dict with kdist's defaults filled in (a config given
     by hand may leave them out)."""
     moe = {**MOE_DEFAULTS, **config["moe"]}
@@ -79,15 +79,15 @@ def matches(config: dict) -> list[str]:
     wrong = llama.matches({**config, "moe": None})
     if not config.get("moe"):
         return wrong + ["moe=None (Mixtral: routed experts)"]
-    moe = _moe(config)
-    want = dict(router="softmax", shared_experts=0, every=1)
+    moe = full_moe(config)
+    want = dict(router="softmax", shared_experts=0, every=1, renormalize=True)
     return wrong + [f"moe['{k}']={moe[k]!r} (Mixtral: {v!r})" for k, v in want.items()
                     if moe[k] != v]
 
 
 def hf_config(config: dict) -> dict:
     """The ``config.json`` of a kdist Mixtral-style backbone config."""
-    moe, layers = _moe(config), config["num_layers"]
+    moe, layers = full_moe(config), config["num_layers"]
     hf = llama.hf_config(config)
     for key in ("mlp_bias", "pretraining_tp", "attention_bias"):  # not Mixtral fields
         hf.pop(key)
@@ -104,15 +104,23 @@ def tensor_map(path: str, config: dict) -> TensorMap | StackedMap | None:
     found = re.fullmatch(r"block_(\d+)/moe/(.+)", path)
     if not found:
         return llama.tensor_map(path, config)  # (MoE refuses scan_layers: no stacked blocks)
-    layer, name = int(found[1]), found[2]
-    moe = _moe(config)
+    return expert_tensor_map(f"{PREFIX}layers.{found[1]}.{_MOE}", found[2], config,
+                             _EXPERT_TENSORS)
+
+
+def expert_tensor_map(at: str, name: str, config: dict,
+                      expert_names: dict[str, str]) -> TensorMap | StackedMap | None:
+    """A MoE layer's weight ``name`` (``router``, ``gate``, ``up``, ``down``) from the
+    tensors under ``at``: the router ``at + "gate.weight"``, expert ``j``'s
+    ``at + "experts.j.<expert_names[name]>.weight"`` (Mixtral's ``w1``, Qwen3-MoE's
+    ``gate_proj``...), stacked over the experts."""
+    moe = full_moe(config)
     d, f, e = config["hidden_dim"], moe["expert_dim"], moe["num_experts"]
-    at = f"{PREFIX}layers.{layer}.{_MOE}"
     linear = (Transpose((1, 0)),)  # nn.Linear (out, in) -> (in, out)
     if name == "router":
         return TensorMap(at + "gate.weight", (e, d), steps=linear)
-    if name not in _EXPERT_TENSORS:
+    if name not in expert_names:
         return None
     shape = (d, f) if name == "down" else (f, d)
-    return StackedMap(tuple(TensorMap(f"{at}experts.{j}.{_EXPERT_TENSORS[name]}.weight", shape,
+    return StackedMap(tuple(TensorMap(f"{at}experts.{j}.{expert_names[name]}.weight", shape,
                                       steps=linear) for j in range(e)))
