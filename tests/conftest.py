@@ -157,6 +157,17 @@ def pytest_runtest_protocol(item, nextitem):
         log.write(json.dumps(record) + "\n")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_runs_folder(tmp_path_factory):
+    """Where the parity harness' reference runs are shared by this session's processes
+    (tests/parallel/shared_runs.py): in the session's temporary folder, which an xdist
+    worker's is a folder of (pytest keeps the last three sessions' and removes older ones)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
+    os.environ["KDIST_TEST_SHARED_RUNS"] = str(folder)
+    return folder
+
+
 @pytest.fixture(autouse=True)
 def fresh_keras_state():
     """Each test starts with no distribution, float32 and no remat scope, and a fixed seed."""
