@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_COMPILE
 from tests.helpers import ROOT, child_environment
+from tests.xla_flags import for_run_time
 
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -115,29 +115,22 @@ def workdir(tmp_path_factory):
     return root
 
 
-def running(env: dict) -> dict:
-    """``env`` with XLA:CPU optimising for run time instead of the suite's compile-time flags
-    (tests/conftest.py's FAST_COMPILE). For the README's script, whose time is running code:
-    its validation is 16 batches of 32 x 256 tokens through gpt-nano. Only the machine code
-    changes (what runs, and the outputs the test checks, do not): 72 CPU-s against 105
-    (measured on 2 cores, STEPS=2). The other commands compile more than they run."""
-    fast = {flag.split("=")[0] for flag in FAST_COMPILE.split()}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if f.split("=")[0] not in fast]
-    return {**env, "XLA_FLAGS": " ".join([*flags, "--xla_backend_optimization_level=1"])}
-
-
 @pytest.mark.slow
 def test_the_readme_runs_as_written(workdir):
     env = child_environment(STEPS="2", EXTRA_ARGS=QUICK)
     env.pop("MAKEFLAGS", None)
     text = README.read_text()
     (workdir / "script.py").write_text(blocks(text, "python")[0])
+    # The script's time is running code (its validation: 16 batches of 32 x 256 tokens
+    # through gpt-nano), so XLA optimises it for run time: 72 CPU-s against 105 (measured).
+    # The other commands compile more than they run.
+    script_env = {**env, "XLA_FLAGS": for_run_time(env.get("XLA_FLAGS", ""))}
     ran = []
     for command in [f"{sys.executable} script.py"] + [
             c for block in blocks(text, "bash") for c in commands(block) if c not in SKIPPED]:
         start = time.perf_counter()
         done = subprocess.run(command, shell=True, cwd=workdir, text=True, timeout=600,
-                              env=running(env) if command.endswith("script.py") else env,
+                              env=script_env if command.endswith("script.py") else env,
                               capture_output=True)
         print(f"{time.perf_counter() - start:6.1f} s  {command}")
         assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
