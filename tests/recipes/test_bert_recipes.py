@@ -1,14 +1,11 @@
 """The BERT recipes end to end, small: pretrain, then fine-tune from the pretraining output."""
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import RECIPES, ROOT, child_environment
-from tests.xla_flags import for_run_time
+from tests.helpers import RECIPES, run_recipe
 
 sys.path.insert(0, str(RECIPES))
 import bert_finetune  # noqa: E402
@@ -23,21 +20,6 @@ PRETRAIN = ["--steps", "200", "--eval-every", "100", "--eval-steps", "2",
             "--warmup-steps", "30", "--learning-rate", "1e-3", "--log-every", "50"]
 FINETUNE = ["--steps", "200", "--eval-every", "200", "--global-batch-size", "32",
             "--sequence-length", "64", "--warmup-steps", "20", "--learning-rate", "1e-3"]
-
-
-def run_recipe(name: str, argv: list[str]) -> tuple[dict, str]:
-    """``recipes/<name>.py`` on 8 host devices in a child process: its summary.json (what
-    ``main`` returns) and its output. A child, so that XLA optimises for run time
-    (tests/xla_flags.py): these 400 steps are the suite's longest training, 160 ms a step
-    with the suite's compile-time flags against 90 ms."""
-    env = child_environment()
-    env["XLA_FLAGS"] = for_run_time(env.get("XLA_FLAGS", ""))
-    done = subprocess.run([sys.executable, str(RECIPES / f"{name}.py"), "--host-devices", "8",
-                           *argv], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    summary = Path(argv[argv.index("--output-dir") + 1]) / "summary.json"
-    return json.loads(summary.read_text()), done.stdout
 
 
 @pytest.mark.slow
