@@ -2,7 +2,7 @@
 compilation per distinct program per run.
 
 The suite's time is a budget (25 minutes on 2 cores, CI included). What keeps it: XLA:CPU
-flags that compile for compile time (FAST_COMPILE below), Python's collector kept off what
+flags that compile for compile time (tests/xla_flags.py), Python's collector kept off what
 outlives a test (``gc.freeze``, below), the caches below, one harness for every parity
 test (tests/parallel/harness.py) and one multi-process launch (``multihost_cases``). A
 module-scoped fixture that trains runs once per xdist worker that needs it: the tests that
@@ -30,6 +30,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from tests.xla_flags import FAST_COMPILE
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
 
@@ -47,18 +49,7 @@ os.environ.setdefault("KDIST_CACHE", str(CACHE / f"kdist-test-{_data_code_hash()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# Compile for compile time, not run time: the suite's programs are small and its time is
-# mostly XLA:CPU compiling them. The first two flags change only the machine code LLVM
-# emits; the last two make XLA:CPU emit fusions with its older elemental emitter and let
-# LLVM split a module without inlining it first. Together they cut a tiny GPT's train step
-# from 2.1-4.1 s to 0.7 s of compilation (1 device) and 2.7-3.8 s to 1.1 s (8 devices).
-# Every collective (kind, bytes, group), every sharding and every op of the partitioned
-# program are the same; XLA:CPU groups elementwise ops into fusions differently (372
-# fusions against 460 for data=2,fsdp=2,model=2), and float32 results move in the 7th
-# digit, alike for a sharded run and its 1-device reference. Children inherit them (a key
-# of JAX's cache includes them).
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false --xla_llvm_force_inline_before_split=false")
+# Compile for compile time, not run time (tests/xla_flags.py says why and what changes).
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
@@ -155,6 +146,17 @@ def pytest_runtest_protocol(item, nextitem):
               "wall": round(time.perf_counter() - start, 2), "worker": os.getpid()}
     with open(CPU_LOG, "a") as log:  # one short append per line: workers do not interleave
         log.write(json.dumps(record) + "\n")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_runs_folder(tmp_path_factory):
+    """Where the parity harness' reference runs are shared by this session's processes
+    (tests/parallel/shared_runs.py): in the session's temporary folder, which an xdist
+    worker's is a folder of (pytest keeps the last three sessions' and removes older ones)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
+    os.environ["KDIST_TEST_SHARED_RUNS"] = str(folder)
+    return folder
 
 
 @pytest.fixture(autouse=True)

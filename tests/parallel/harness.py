@@ -51,6 +51,7 @@ from kdist.parallel import reduction as reduction_module
 from kdist.parallel.context import layer as context_layer
 from tests.bert_helpers import TINY_BERT, mlm_batches
 from tests.helpers import TINY_GPT, TINY_LLAMA, parity_optimizer, token_batches, weights
+from tests.parallel import shared_runs
 from tests.parallel.expected_layouts import TOY_AXES, assert_layouts
 from tests.toy_family import HIDDEN, MLP, MLPLM, VOCAB, MLPBackbone
 
@@ -485,11 +486,15 @@ def reference_run(family: str, mesh: str | None = None, diloco: dict | None = No
     with these arguments of :func:`diloco_reference` instead."""
     key = _freeze([family, mesh, diloco, settings])
     if key not in _REFERENCES:
-        run = (diloco_reference(family, **diloco, **settings) if diloco else
-               train_run(family, mesh, evaluate_first=True, **settings))
-        run.model = None  # keep the numbers, not the model
-        _REFERENCES[key] = run
-        keras.utils.clear_session()
+        def compute() -> Run:
+            run = (diloco_reference(family, **diloco, **settings) if diloco else
+                   train_run(family, mesh, evaluate_first=True, **settings))
+            run.model = run.distribution = None  # keep the numbers, not the model
+            keras.utils.clear_session()
+            return run
+
+        # Trained once per session, not once per xdist worker (tests/parallel/shared_runs.py)
+        _REFERENCES[key] = shared_runs.shared(key, compute)
     return _REFERENCES[key]
 
 

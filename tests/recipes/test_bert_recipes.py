@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.helpers import RECIPES
+from tests.helpers import RECIPES, run_recipe
 
 sys.path.insert(0, str(RECIPES))
 import bert_finetune  # noqa: E402
@@ -23,11 +23,10 @@ FINETUNE = ["--steps", "200", "--eval-every", "200", "--global-batch-size", "32"
 
 
 @pytest.mark.slow
-def test_pretrain_then_finetune_beats_the_majority_baseline(tmp_path, capsys):
+def test_pretrain_then_finetune_beats_the_majority_baseline(tmp_path):
     pre_dir, fine_dir = tmp_path / "pretrain", tmp_path / "finetune"
-    pre = bert_pretrain.main(PRETRAIN + ["--mesh", "data=2,fsdp=2,model=2",
-                                         "--output-dir", str(pre_dir)])
-    out = capsys.readouterr().out
+    pre, out = run_recipe("bert_pretrain", PRETRAIN + ["--mesh", "data=2,fsdp=2,model=2",
+                                                       "--output-dir", str(pre_dir)])
     assert pre["validation_loss_after"] < pre["validation_loss_before"] - 1.0
     assert pre["masked_accuracy_after"] > pre["masked_accuracy_before"] + 0.01
     assert "masked predictions on a validation sequence" in out
@@ -36,9 +35,8 @@ def test_pretrain_then_finetune_beats_the_majority_baseline(tmp_path, capsys):
     rows = [json.loads(line) for line in (pre_dir / "throughput.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "interval"] == [50, 100, 150, 200]
 
-    fine = bert_finetune.main(FINETUNE + ["--pretrained", str(pre_dir), "--mesh", "fsdp=4,model=2",
-                                          "--output-dir", str(fine_dir)])
-    out = capsys.readouterr().out
+    fine, out = run_recipe("bert_finetune", FINETUNE + [
+        "--pretrained", str(pre_dir), "--mesh", "fsdp=4,model=2", "--output-dir", str(fine_dir)])
     assert f"backbone initialised from {pre_dir / 'model.keras'}" in out
     assert fine["initialised_from"] == str(pre_dir)
     assert 0.15 < fine["majority_baseline"] < 0.5

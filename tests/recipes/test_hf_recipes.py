@@ -9,7 +9,7 @@ import pytest
 from tokenizers import ByteLevelBPETokenizer
 
 import kdist
-from tests.helpers import RECIPES
+from tests.helpers import RECIPES, run_recipe
 from tests.models.hf_fixtures import write_checkpoint
 
 sys.path.insert(0, str(RECIPES))
@@ -83,11 +83,10 @@ def test_bert_finetune_from_a_hugging_face_directory(tmp_path):
                      max_position_embeddings=64, scale=0.02)
     (tmp_path / "bert" / "vocab.txt").write_text("\n".join(vocabulary) + "\n")
     (tmp_path / "bert" / "tokenizer_config.json").write_text('{"do_lower_case": false}')
-    summary = bert_finetune.main(["--init-from", str(tmp_path / "bert"), "--steps", "200",
-                                  "--eval-every", "100", "--global-batch-size", "16",
-                                  "--sequence-length", "64", "--warmup-steps", "20",
-                                  "--learning-rate", "1e-3", "--mesh", "fsdp=8",
-                                  "--output-dir", str(tmp_path / "run")])
+    summary, _ = run_recipe("bert_finetune", [
+        "--init-from", str(tmp_path / "bert"), "--steps", "200", "--eval-every", "100",
+        "--global-batch-size", "16", "--sequence-length", "64", "--warmup-steps", "20",
+        "--learning-rate", "1e-3", "--mesh", "fsdp=8", "--output-dir", str(tmp_path / "run")])
     losses = summary["history"]["val_loss"]
     assert summary["initialised_from"] == str(tmp_path / "bert")
     assert losses[-1] < summary["validation_loss_before"] - 0.1, losses  # 1.79 -> 1.60 here
