@@ -33,6 +33,8 @@ run "$PYTHON" benchmarks/pipeline.py compile   # gpt2-xl: minutes, ~7 GB peak
 run "$PYTHON" benchmarks/context_length.py
 run "$PYTHON" benchmarks/context_length.py --step-time 4096 --rounds 5
 run "$PYTHON" benchmarks/hf_loading.py
+run "$PYTHON" benchmarks/moe.py
+run "$PYTHON" benchmarks/moe.py --shape mixtral-nano
 run "$PYTHON" benchmarks/communicate_less.py --parts bytes error  # its train part: ~1.5 h idle
 run "$PYTHON" benchmarks/fault_trials.py --kills 3 --steps 80 --step-sleep 0.5 \
   --json benchmarks/results/fault_trials.json  # the full 10 kills: ~30 min

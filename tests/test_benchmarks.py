@@ -70,3 +70,22 @@ def test_the_plain_jax_step_with_rematerialised_blocks_trains_the_same():
             state, loss = step(state, x, x)
         losses.append(float(loss))
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_moe_benchmark_compares_kdist_moe_with_keras_hub_mixtral_and_the_dense_model(tmp_path):
+    stdout = _dry_run(tmp_path, "moe.py")
+    result = json.loads((tmp_path / "moe_dry_run.json").read_text())
+    sides = {r["side"]: r for r in result["rows"]}
+    assert list(sides) == ["kdist MoE", "keras-hub Mixtral", "kdist dense"], result["rows"]
+    ours = sides["kdist MoE"]["tokens_per_s"]
+    for row in sides.values():
+        assert row["kdist MoE vs this"] == pytest.approx(ours / row["tokens_per_s"])
+    # The same shape: keras-hub's Mixtral holds kdist MoE's weights one for one; the dense
+    # model holds what a token goes through (2 of 8 experts), without the router.
+    shape = result["shape"]
+    d, layers = shape["overrides"]["hidden_dim"], shape["overrides"]["num_layers"]
+    moe = sides["kdist MoE"]["parameters"]
+    assert sides["keras-hub Mixtral"]["parameters"] == moe
+    unused = (shape["experts"] - shape["top_k"]) * 3 * d * shape["expert"]
+    assert sides["kdist dense"]["parameters"] == moe - layers * (unused + d * shape["experts"])
+    assert "kdist MoE vs this" in stdout
