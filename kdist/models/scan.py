@@ -212,7 +212,7 @@ class LayerStack(layers.Layer):
     def _prepare(self, x, attention_mask, positions, segment_ids, training):
         """What both forward paths need: the weights, the step's dropout seed, the layers'
         keyword arguments, the layer function and the pipeline schedule (or None)."""
-        weights = [ops.convert_to_tensor(v) for v in self._parts.stacked]  # lead + shape
+        weights = self._stacked_values()  # lead + shape, as stored
         seed = None
         if self.seed_generator is not None:  # the stream advances only where dropout runs,
             # as Keras' own Dropout's does (an evaluation between steps must not change the
@@ -259,6 +259,15 @@ class LayerStack(layers.Layer):
                 x = scan_layers(layer, self._flat(weights), x, kwargs, seed)
         return shard_batch(x)  # (B, T, D), B split over the replica axes
 
+    def _stacked_values(self):
+        """The stacked weights as stored (float32 under mixed precision): each layer's block
+        casts its own slice, as an unstacked block casts its weights. ``autocast=False``
+        alone does not ensure it: Keras opens an autocast scope of the compute dtype for a
+        layer called with none open (a backbone run by ``stateless_call``), and the whole
+        stack cast before the loop is a second copy of the weights."""
+        with keras.src.backend.AutocastScope(None):
+            return [ops.convert_to_tensor(v) for v in self._parts.stacked]
+
     def _flat(self, weights):
         lead = len(self.lead)
         return [ops.reshape(w, (self.num_layers,) + tuple(w.shape[lead:])) for w in weights]
@@ -266,7 +275,7 @@ class LayerStack(layers.Layer):
     def call_with_cache(self, x, cache, cache_index):
         """Cached decoding (``kdist.models.generation``): ``x`` ``(B, T, D)``, ``cache``
         ``(B, L, 2, S, K, H)``; returns ``(x, updated cache)``."""
-        weights = self._flat([ops.convert_to_tensor(v) for v in self._parts.stacked])
+        weights = self._flat(self._stacked_values())
         states = [jnp.zeros((2,), "uint32")] * self.seed_count  # no dropout at inference
 
         def body(h, xs):

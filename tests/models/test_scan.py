@@ -185,3 +185,23 @@ def test_stacked_initializer_draws_each_layer_independently():
     normal = np.asarray(StackedInitializer(keras.initializers.RandomNormal(stddev=0.02),
                                            (3,))((3, 200, 200)))
     assert abs(normal.std() - 0.02) < 1e-3 and not np.array_equal(normal[0], normal[1])
+
+
+def test_the_stack_is_read_as_stored_and_each_layer_casts_its_own_slice():
+    # Under mixed precision a backbone run by stateless_call (no autocast scope open) once
+    # read its stacked weights cast to bfloat16 whole, before the scan: a second copy of
+    # every block weight alive through the step. Only slices are cast, inside the loop.
+    import jax
+
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    backbone = GPTBackbone(**{**TINY_GPT, "scan_layers": True})
+    trainable = [v.value for v in backbone.trainable_variables]
+    rest = [v.value for v in backbone.non_trainable_variables]
+    ids = np.zeros((3, 8), "int32")
+    jaxpr = jax.make_jaxpr(lambda t: backbone.stateless_call(t, rest, ids)[0])(trainable)
+    stacks = {tuple(v.shape) for v in backbone.trainable_variables
+              if "blocks" in v.path and v.shape[0] == TINY_GPT["num_layers"]}
+    cast_whole = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
+                  and tuple(e.invars[0].aval.shape) in stacks]
+    assert stacks and not cast_whole, cast_whole
+    assert any(e.primitive.name == "scan" for e in jaxpr.eqns)
