@@ -93,10 +93,7 @@ RULES: tuple[Rule, ...] = (
     # The expert axis: the MoE layers' all-to-all inside a shard_map manual over 'expert'
     # only (kdist.parallel.experts); the other axes stay XLA's.
     _built("expert", "data"), _built("expert", "fsdp"),
-    refused("expert", "model",
-            "with {b} is not built yet: the experts' all-to-all region has not been tested "
-            "with their 'mlp' dimension split over 'model'. Put those devices on 'expert', "
-            "'data' or 'fsdp'."),
+    _built("expert", "model"),
     refused("expert", "stage",
             "needs a scanned layer stack, which cannot hold MoE blocks yet (their losses "
             "would be the scan's tracers). Use 'expert' with 'data' or 'fsdp'."),

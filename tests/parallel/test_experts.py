@@ -59,7 +59,8 @@ def test_experts_not_divisible_by_the_axis_refused():
                                 "expert", 16)
 
 
-def test_the_compiled_step_moves_tokens_not_expert_weights_over_the_expert_axis():
+@pytest.mark.parametrize("mesh", ["expert=4,fsdp=2", "expert=2,model=2,data=2"])
+def test_the_compiled_step_moves_tokens_not_expert_weights_over_the_expert_axis(mesh):
     import keras
 
     import kdist
@@ -68,13 +69,16 @@ def test_the_compiled_step_moves_tokens_not_expert_weights_over_the_expert_axis(
     from kdist.planning.compile import compile_train_step
     from tests.helpers import TINY_GPT
 
-    dist = kdist.distribution("expert=4,fsdp=2")
+    dist = kdist.distribution(mesh)
     keras.distribution.set_distribution(dist)
     lm = GPTCausalLM(GPTBackbone(**TINY_GPT, moe={"num_experts": 8, "expert_dim": 32}))
     lm.compile(optimizer="adamw")
     for block in lm.backbone.blocks:  # each expert's weights on its own devices
-        assert all(tuple(w.value.sharding.spec)[0] == "expert"
-                   for w in (block.mlp.gate, block.mlp.up, block.mlp.down))
+        specs = [tuple(w.value.sharding.spec) for w in (block.mlp.gate, block.mlp.up,
+                                                          block.mlp.down)]
+        assert all(spec[0] == "expert" for spec in specs), specs
+        if "model" in mesh:  # and each expert's hidden width split over 'model'
+            assert [spec.index("model") for spec in specs] == [2, 2, 1], specs
     x = np.zeros((8, 16), "int32")
     compiled, _ = compile_train_step(lm, x, x, dist)
     found = hlo.parse_collectives(compiled.as_text(), 8)
