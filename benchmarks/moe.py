@@ -37,7 +37,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import print_table, run_child, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bench_adamw,
+    keras_clock,
+    print_table,
+    run_child,
+    write_result,
+)
 
 # Llama-style shapes (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases); "expert"
 # is each expert's width, "dense" the dense model's MLP: 2 x expert (top-2, same active).
@@ -69,7 +75,7 @@ def kdist_model(shape: dict, moe: bool):
     else:
         overrides["intermediate_dim"] = TOP_K * shape["expert"]
     model = kdist.models.GPTCausalLM.from_preset(shape["preset"], **overrides)
-    model.compile(optimizer=_adamw())
+    model.compile(optimizer=bench_adamw())
     return model
 
 
@@ -90,24 +96,16 @@ def keras_hub_model(shape: dict):
         layer_norm_epsilon=c["layer_norm_epsilon"], sliding_window=shape["length"], dropout=0)
     model = keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None)
     # No metrics (keras-hub adds a masked accuracy by default): the training step alone.
-    model.compile(optimizer=_adamw(),
+    model.compile(optimizer=bench_adamw(),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   weighted_metrics=[])
     return model
-
-
-def _adamw():
-    from benchmarks.common import bench_adamw
-
-    return bench_adamw()
 
 
 def child(side: str, shape_name: str) -> dict:
     """One side's tokens/s (in this process, on its first device)."""
     import keras
     import numpy as np
-
-    from benchmarks.common import keras_clock
 
     shape = SHAPES[shape_name]
     keras.utils.clear_session()
