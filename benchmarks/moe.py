@@ -22,7 +22,7 @@ rounds. Shapes (``--shape``):
 kdist's MoE adds its balance losses (auxiliary 0.01, router z 0.001; a few (N, E) float32
 ops), keras-hub's Mixtral none (its ``output_router_logits`` is off).
 
-    python benchmarks/moe.py                    # a CPU: ~15 minutes on 2 cores
+    python benchmarks/moe.py                    # a CPU: ~5 minutes on 2 cores
     python benchmarks/moe.py --shape small      # one TPU v5e chip or GPU (keras-hub installed)
     python benchmarks/moe.py --dry-run          # tiny, one round (CI)
 """
@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+os.environ.setdefault("KERAS_BACKEND", "jax")  # keras is imported before kdist below
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     bench_adamw,
