@@ -451,3 +451,10 @@ def live_non_trainable_values(model, indices: list[int]) -> list:
         return [values[i] for i in indices]
     variables = model.non_trainable_variables
     return [variables[i].value for i in indices]
+
+
+def no_autocast():
+    """A scope in which variables read as stored: Keras' ``AutocastScope(None)``."""
+    from keras.src.backend import AutocastScope
+
+    return AutocastScope(None)

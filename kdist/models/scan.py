@@ -265,7 +265,7 @@ class LayerStack(layers.Layer):
         alone does not ensure it: Keras opens an autocast scope of the compute dtype for a
         layer called with none open (a backbone run by ``stateless_call``), and the whole
         stack cast before the loop is a second copy of the weights."""
-        with keras.src.backend.AutocastScope(None):
+        with _keras_compat.no_autocast():
             return [ops.convert_to_tensor(v) for v in self._parts.stacked]
 
     def _flat(self, weights):
