@@ -72,7 +72,15 @@ SWEEP = [
 DRY_SWEEP = [("gpt2-small", 256, 4, {"remat": False}), ("gpt2-small", 256, 4,
                                                           {"remat": "minimal"})]
 TIMED_STEPS = 10
+# --dry-run times 2 steps: it checks that every side runs and reports, not its speed (10
+# timed steps of 8 x 256 bf16 tokens on a CPU were ~30 of the dry run's 52 CPU-s).
+DRY_TIMED_STEPS = 2
 WARMUP = 2
+
+
+def timed_steps(dry_run: bool) -> int:
+    """Steps timed after the warm-up: :data:`TIMED_STEPS`, or 2 for ``--dry-run``."""
+    return DRY_TIMED_STEPS if dry_run else TIMED_STEPS
 
 
 def dry_shape(preset: str, length: int) -> dict:
@@ -178,7 +186,7 @@ def kdist_row(preset, length, batch, options, dry_run) -> dict:
     model.compile(optimizer=kdist.optim.adamw(1e-4, warmup_steps=10, decay_steps=1000))
     if batch is None:
         batch = kdist.accelerators.default_batch(model, length)
-    steps = WARMUP + TIMED_STEPS
+    steps = WARMUP + timed_steps(dry_run)
     x, y = _tokens(model.backbone.vocabulary_size, batch, length, steps)
     rate, first, loss = _fit_rate(model, x, y, batch, steps)
     flops = kdist.flops.model_flops_per_token(model, length)
@@ -225,7 +233,7 @@ def keras_hub_row(preset, length, batch, dry_run) -> dict:
     model.compile(optimizer=kdist.optim.adamw(1e-4, warmup_steps=10, decay_steps=1000),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   weighted_metrics=[])
-    steps = WARMUP + TIMED_STEPS
+    steps = WARMUP + timed_steps(dry_run)
     ids, y = _tokens(c["vocabulary_size"], batch, length, steps)
     x = {"token_ids": ids, "padding_mask": np.ones_like(ids, dtype=bool)}
     rate, first, loss = _fit_rate(model, x, y, batch, steps, plain_fit=True)
@@ -244,7 +252,7 @@ def plain_jax_row(preset, length, batch, dry_run, remat: bool = False) -> dict:
         config.update(dry_shape(preset, length))
     init_state, step = plain_jax.make_step(config, remat=remat)
     state = init_state(plain_jax.init(config, 0))
-    steps = WARMUP + TIMED_STEPS
+    steps = WARMUP + timed_steps(dry_run)
     x, y = _tokens(config["vocabulary_size"], batch, length, steps)
     abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state)
     spec = jax.ShapeDtypeStruct((batch, length), "int32")
@@ -259,7 +267,7 @@ def plain_jax_row(preset, length, batch, dry_run, remat: bool = False) -> dict:
         rows = slice(i * batch, (i + 1) * batch)
         state, loss = step(state, x[rows], y[rows])
     loss = float(loss)
-    rate = TIMED_STEPS * batch * length / (time.perf_counter() - begin)
+    rate = timed_steps(dry_run) * batch * length / (time.perf_counter() - begin)
     del state
     return {"side": "plain JAX" + (" (remat)" if remat else ""), "batch": batch,
             "tokens_per_s": rate, "first_step_s": first,

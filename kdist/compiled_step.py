@@ -127,6 +127,12 @@ class CompiledStep:
         """How many programs were compiled ahead (one per argument signature seen)."""
         return len(self._executables)
 
+    @property
+    def compiled(self) -> list:
+        """The programs compiled so far (``jax.stages.Compiled``), in the order compiled:
+        what ran, e.g. to read its HLO (``as_text()``) without compiling it again."""
+        return list(self._executables.values())
+
     def prepare(self, *args):
         """The executable for ``args``, compiled now if it is not yet (nothing runs)."""
         key = signature(args)

@@ -10,8 +10,9 @@ one device and returns its peak memory above an idle baseline:
 
 Compilation can need more host memory than the step itself, which would make the peak
 measure the compiler. So the subprocess runs twice with a persistent compilation cache:
-the first run compiles and fills the cache; the second, measured, run loads the compiled
-step from the cache. Weights are initialised for real (random), the optimizer state is
+the first run compiles and fills the cache (one step: a second runs the same programs);
+the second, measured, run loads every program from the cache (``"compiled"``, the programs
+it compiled, is 0). Weights are initialised for real (random), the optimizer state is
 real, and ``train_on_batch`` is the same jitted step ``fit`` runs.
 """
 
@@ -29,7 +30,11 @@ import jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+import jax.monitoring
 import kdist, keras, numpy as np
+
+events = []  # the persistent cache's: a program compiled is a request without a hit
+jax.monitoring.register_event_listener(lambda event, **_: events.append(event))
 
 def rss(field):
     for line in open("/proc/self/status"):
@@ -54,7 +59,9 @@ tokens = rng.integers(0, vocab, (args["batch"], args["length"] + 1), dtype=np.in
 losses = [float(model.train_on_batch(tokens[:, :-1], tokens[:, 1:]))
           for _ in range(args["steps"])]
 stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-out = {"baseline_rss": baseline, "peak_rss": rss("VmHWM"), "losses": losses}
+out = {"baseline_rss": baseline, "peak_rss": rss("VmHWM"), "losses": losses,
+       "compiled": events.count("/jax/compilation_cache/compile_requests_use_cache")
+       - events.count("/jax/compilation_cache/cache_hits")}
 if stats and stats.get("peak_bytes_in_use"):
     out.update(source="device memory_stats peak_bytes_in_use",
                peak=stats["peak_bytes_in_use"] - baseline_device)
@@ -78,8 +85,9 @@ def measure_train_memory(
 ) -> dict:
     """Peak memory of ``steps`` real train steps of a kdist GPT on one device, in bytes.
 
-    Returns ``{"peak", "source", "baseline_rss", "peak_rss", "losses"}``; ``peak`` is the
-    figure to compare with a 1-device :func:`kdist.planning.plan` of the same configuration.
+    Returns ``{"peak", "source", "baseline_rss", "peak_rss", "losses", "compiled"}``;
+    ``peak`` is the figure to compare with a 1-device :func:`kdist.planning.plan` of the
+    same configuration.
 
     Example:
         >>> m = measure_train_memory("gpt-nano", 4, 64)  # doctest: +SKIP
@@ -99,9 +107,12 @@ def measure_train_memory(
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     with tempfile.TemporaryDirectory(prefix="kdist-measure-") as cache:
         result = None
-        for _ in range(2):  # 1: compile into the cache; 2: measured, loads from the cache
+        # 1: compile into the cache (one step compiles every program a step runs); 2: the
+        # measured run of ``steps`` steps, which loads them from the cache.
+        for run_steps in (1, steps):
             proc = subprocess.run(
-                [sys.executable, "-c", _SCRIPT, json.dumps(args), cache],
+                [sys.executable, "-c", _SCRIPT, json.dumps({**args, "steps": run_steps}),
+                 cache],
                 env=env, capture_output=True, text=True, timeout=timeout,
             )
             if proc.returncode:

@@ -47,14 +47,16 @@ def child_environment(**overrides: str) -> dict[str, str]:
     return env
 
 
-def run_recipe(name: str, argv: list[str]) -> tuple[dict, str]:
-    """``recipes/<name>.py`` on 8 host devices in a child process: its summary.json (what
-    ``main`` returns) and its output. A child, so that XLA optimises for run time
+def run_recipe(name: str, argv: list[str], host_devices: int = 8) -> tuple[dict, str]:
+    """``recipes/<name>.py`` on ``host_devices`` host devices in a child process: its
+    summary.json (what ``main`` returns) and its output. A child, so that XLA optimises for
+    run time
     (tests/xla_flags.py), for the recipe tests of hundreds of steps: a BERT step of 16 x 64
     tokens takes 160 ms with the suite's compile-time flags, 90 ms with these."""
     env = child_environment()
     env["XLA_FLAGS"] = for_run_time(env.get("XLA_FLAGS", ""))
-    done = subprocess.run([sys.executable, str(RECIPES / f"{name}.py"), "--host-devices", "8",
+    done = subprocess.run([sys.executable, str(RECIPES / f"{name}.py"),
+                           "--host-devices", str(host_devices),
                            *argv], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

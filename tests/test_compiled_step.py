@@ -48,6 +48,7 @@ def test_fit_compiles_the_step_once_and_keeps_its_memory(compile_log):
     model.fit(x, x, batch_size=8, verbose=0)  # 5 equal batches: one program
     (step,) = compiled_step.steps_of(model.train_function)
     assert step.programs == 1 and compile_log.count("train_step") == 1
+    assert step.compiled[0].memory_analysis().argument_size_in_bytes == step.memory.argument
     assert step.memory == independent_memory(model, x[:8], x[:8])
     assert step.memory.peak == (step.memory.argument + step.memory.temp
                                 + step.memory.output - step.memory.alias
@@ -56,6 +57,7 @@ def test_fit_compiles_the_step_once_and_keeps_its_memory(compile_log):
     full = step.memory
     model.fit(x[:36], x[:36], batch_size=8, verbose=0)
     assert step.programs == 2 and compile_log.count("train_step") == 2
+    assert len(step.compiled) == 2  # what ran, read without compiling again
     assert step.memory == full and full.peak > independent_memory(model, x[:4], x[:4]).peak
 
 

@@ -6,9 +6,16 @@
     python checkpoint_worker.py DIR until-signal-validation  # the same, with validation data
     python checkpoint_worker.py DIR faults         # 40 steps, a save every step, all kept;
                                                    # prints "batch k" and "loss k <repr>"
+    python checkpoint_worker.py DIR reference      # the same 40 steps, no checkpoint
     python checkpoint_worker.py DIR unwritable     # the directory turns into a file at step 2
+
+The tests start it with :func:`start_worker`: one host device (no forced device count) and
+the suite's compile-time flags (tests/xla_flags.py), which compile its step cold in ~0.7 s
+rather than 2-4 s; every run a test compares (a fault trial's reference and its reruns)
+has the same flags, so their losses match bit for bit.
 """
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +28,15 @@ import numpy as np
 
 from kdist.callbacks import Checkpoint
 from kdist.data.lm import LMBatches
-from tests.helpers import parity_optimizer, tiny_gpt
+from tests.helpers import ROOT, child_environment, parity_optimizer, tiny_gpt
+from tests.xla_flags import FAST_COMPILE
+
+
+def start_worker(directory, mode) -> subprocess.Popen:
+    """This script in a child process, its output piped (see the module's docstring)."""
+    return subprocess.Popen([sys.executable, __file__, str(directory), mode], cwd=ROOT,
+                            env=child_environment(XLA_FLAGS=FAST_COMPILE),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 class SayRunning(keras.callbacks.Callback):
@@ -85,6 +100,10 @@ def main(directory, mode):
             write(self)
 
         Checkpoint._write_metadata = hang_at_step_4
+    if mode == "reference":  # the faults run's 40 steps without a checkpoint: its losses
+        model.fit(data, epochs=1, steps_per_epoch=40, verbose=0, callbacks=[Report(0)])
+        print("DONE", flush=True)
+        return
     if mode == "faults":
         ckpt = Checkpoint(directory, save_every_steps=1, keep=1000, data=data)
         start = ckpt.restore(model)

@@ -3,10 +3,7 @@
 import errno
 import json
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import jax
 import keras
@@ -17,18 +14,16 @@ import kdist
 from kdist.callbacks import Checkpoint, CheckpointError, Throughput
 from kdist.checkpointing import committed_steps, read_metadata, verify_step
 from kdist.data.lm import LMBatches
+from tests.checkpointing.checkpoint_worker import start_worker
 from tests.helpers import (
-    ROOT,
     TINY_GPT,
     ProcessOutput,
-    child_environment,
     parity_optimizer,
     tiny_gpt,
     weights,
 )
 
 TOKENS = np.random.default_rng(0).integers(0, 256, size=4000).astype(np.int32)
-WORKER = Path(__file__).with_name("checkpoint_worker.py")
 
 
 class Record(keras.callbacks.Callback):
@@ -343,12 +338,6 @@ def test_resume_flags(tmp_path):
     target = fresh(None)
     Checkpoint(tmp_path / "c", init_from=tmp_path / "w.weights.h5", verbose=False).restore(target)
     assert not np.asarray(target.weights[0].value).any()
-
-
-def start_worker(directory, mode):
-    return subprocess.Popen([sys.executable, str(WORKER), str(directory), mode], cwd=ROOT,
-                            env=child_environment(XLA_FLAGS=""), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
 
 
 def said(word):

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from kdist import _keras_compat, hlo
+from kdist import _keras_compat, compiled_step, hlo
 from kdist.groups import diloco
 from tests.parallel.combinations import CONFIGS
 from tests.parallel.harness import train_run
@@ -55,10 +55,11 @@ def test_stage_seq_fsdp_collectives_stay_on_their_axes():
 
 
 def _compiled_step(run):
-    from kdist.planning.compile import compile_train_step
-
-    x, y = run.batches[0][:2]
-    return compile_train_step(run.model, x, y, run.distribution)[0].as_text()
+    """The HLO of the train step the run compiled and ran (read, not traced and compiled
+    again: kdist.planning.compile.compile_train_step's is the same program)."""
+    (step,) = compiled_step.steps_of(run.model.train_function)
+    (program,) = step.compiled
+    return program.as_text()
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +77,17 @@ def diloco_pipeline_ring():
     names = {sync: _scopes(program) for sync, program in lowered.items()}
     assert {"kdist/split_sequence", "kdist/outer_sync"} <= names[True]
     assert "kdist/split_sequence" in names[False] and "kdist/outer_sync" not in names[False]
-    texts = {sync: program.compile().as_text() for sync, program in lowered.items()}
+    texts = _trained_programs(run.model)
     return run, {sync: _by_axes(t, run.distribution.mesh_shape) for sync, t in texts.items()}
+
+
+def _trained_programs(model) -> dict[bool, str]:
+    """The HLO of the inner step's and the sync step's programs as training compiled and
+    ran them (kdist.groups.diloco compiles both in the first step): read, not compiled
+    again (~3.5 CPU-s each here)."""
+    inner, sync = compiled_step.steps_of(model.train_function)
+    assert len(inner.compiled) == len(sync.compiled) == 1
+    return {False: inner.compiled[0].as_text(), True: sync.compiled[0].as_text()}
 
 
 def test_the_schedule_and_the_reduction_are_named_in_the_program():

@@ -3,18 +3,15 @@ crosses replica groups, mid-round resume, settings. (The exact special cases —
 synced every step is synchronous SGD; 8-bit exchange inside groups — are the ``replica``
 rows of tests/parallel/combinations.py.)"""
 
-import functools
-
 import jax
 import keras
 import numpy as np
 import pytest
 
 import kdist
-from kdist import _keras_compat, hlo
+from kdist import compiled_step, hlo
 from kdist.checkpointing.state import read_arrays, state_variables
 from kdist.data.lm import LMBatches
-from kdist.groups import diloco
 from kdist.models import GPTBackbone, GPTCausalLM
 from tests.helpers import (
     TINY_GPT,
@@ -94,13 +91,12 @@ def test_groups_drift_between_syncs_and_meet_at_them(diloco_run):
     np.testing.assert_array_equal(step.value, [4, 4])  # each group's own inner AdamW count
 
 
-def _cross_group_bytes(model, sync, groups=2):
-    x, y = token_batches(1)[0]
-    state = _keras_compat.jax_state(model)
-    step = jax.jit(functools.partial(diloco.train_step, model, sync=sync))
-    text = step.lower(state, (x, y)).compile().as_text()
+def _cross_group_bytes(step, groups=2):
+    """Bytes across groups in the program ``step`` (a CompiledStep) compiled and ran: its
+    HLO read, not compiled again (~5 CPU-s each)."""
+    (program,) = step.compiled
     block = jax.device_count() // groups
-    return sum(c.bytes for c in hlo.parse_collectives(text, jax.device_count())
+    return sum(c.bytes for c in hlo.parse_collectives(program.as_text(), jax.device_count())
                if c.crosses(block))
 
 
@@ -108,7 +104,8 @@ def _cross_group_bytes(model, sync, groups=2):
 def test_only_the_sync_step_communicates_across_groups(diloco_run):
     model, _, dist = diloco_run
     keras.distribution.set_distribution(dist)
-    inner, sync = _cross_group_bytes(model, False), _cross_group_bytes(model, True)
+    # The fixture's 4 steps (H = 3) ran both of diloco.make_train_function's programs.
+    inner, sync = map(_cross_group_bytes, compiled_step.steps_of(model.train_function))
     assert inner <= 8  # the mean of the logged loss; nothing of the weights
     # Per device: its shard (over model) of every parameter's change, and the loss.
     shard = sum(np.prod(w.value.sharding.shard_shape(w.shape)) * 4

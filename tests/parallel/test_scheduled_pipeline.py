@@ -163,9 +163,12 @@ def test_the_plan_compiles_the_schedule_and_its_activations_do_not_grow_with_m()
     estimate (what --mesh auto ranks by) follows the schedule, and the bytes sent between
     stages are the table's: one activation each way per tick."""
     activations, reports = {}, {}
+    # GPipe at M = 16 only: it is the yardstick of the others at M = 16, and the claim of
+    # not growing from M = 8 to 16 is theirs (its own activations do grow); each compiled
+    # plan costs ~7 CPU-s.
     for schedule, repeats in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
                               ("zero_bubble", 1)):
-        for m in (8, 16):
+        for m in (16,) if schedule == "gpipe" else (8, 16):
             result = _plan(schedule, m, repeats)
             reports[schedule, m] = result.report()
             activations[schedule, m] = result.memory["activations_and_temporaries"]

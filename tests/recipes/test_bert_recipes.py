@@ -25,8 +25,11 @@ FINETUNE = ["--steps", "200", "--eval-every", "200", "--global-batch-size", "32"
 @pytest.mark.slow
 def test_pretrain_then_finetune_beats_the_majority_baseline(tmp_path):
     pre_dir, fine_dir = tmp_path / "pretrain", tmp_path / "finetune"
-    pre, out = run_recipe("bert_pretrain", PRETRAIN + ["--mesh", "data=2,fsdp=2,model=2",
-                                                       "--output-dir", str(pre_dir)])
+    # Pretraining on one device: the same losses as on data=2,fsdp=2,model=2 (BERT's masked
+    # LM on every axis is the parity tests'), 50 CPU-s against 64 on 8 devices. The
+    # fine-tuning below still runs on a mesh, from this 1-device model.keras.
+    pre, out = run_recipe("bert_pretrain", PRETRAIN + ["--output-dir", str(pre_dir)],
+                          host_devices=1)
     assert pre["validation_loss_after"] < pre["validation_loss_before"] - 1.0
     assert pre["masked_accuracy_after"] > pre["masked_accuracy_before"] + 0.01
     assert "masked predictions on a validation sequence" in out
