@@ -22,6 +22,7 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
+from kdist.checkpointing import writer
 from kdist.checkpointing.agreement import any_process, check_writable_everywhere, save_failed
 from kdist.checkpointing.format import (
     TMP_MARK,
@@ -356,10 +357,9 @@ class Checkpoint(keras.callbacks.Callback):
 
             multihost_utils.sync_global_devices("kdist_checkpoint_clean")
         self._manager = ocp.CheckpointManager(
-            self.directory,
+            self.directory, item_handlers=writer.pytree_handler(),
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=self.keep,
-                keep_period=self.keep_every,
+                max_to_keep=self.keep, keep_period=self.keep_every,
                 enable_async_checkpointing=True,  # sync saves wait right after save()
                 async_options=ocp.AsyncOptions(post_finalization_callback=self._write_metadata),
                 create=True,
@@ -394,7 +394,7 @@ class Checkpoint(keras.callbacks.Callback):
             self.step // spe if spe else None, loss)
         tree = {k: v.value for k, v in self._variables.items()}
         try:
-            self._manager.save(self.step, args=ocp.args.StandardSave(tree), force=True)
+            self._manager.save(self.step, args=ocp.args.PyTreeSave(tree), force=True)
         except Exception as e:  # noqa: BLE001 (the previous async save's error lands here)
             raise save_failed(self.directory, e) from e
         self._saved_step = self.step

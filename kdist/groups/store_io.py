@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+from kdist.checkpointing import writer
 from kdist.durable import file_checksum, fsync_dir
 
 STORE_WAIT = 300.0  # seconds a write waits for a full or read-only store before giving up
@@ -137,7 +138,7 @@ def orbax_save(target: Path, tree: dict, clean: bool) -> None:
 
     for leftover in target.parent.glob(f"{target.name}*") if clean else ():
         shutil.rmtree(leftover, ignore_errors=True)
-    with ocp.PyTreeCheckpointer() as checkpointer:
+    with writer.checkpointer() as checkpointer:
         checkpointer.save(target, args=ocp.args.PyTreeSave(tree))
 
 
