@@ -89,3 +89,50 @@ def test_moe_benchmark_compares_kdist_moe_with_keras_hub_mixtral_and_the_dense_m
     unused = (shape["experts"] - shape["top_k"]) * 3 * d * shape["expert"]
     assert sides["kdist dense"]["parameters"] == moe - layers * (unused + d * shape["experts"])
     assert "kdist MoE vs this" in stdout
+
+
+def test_int8_matmul_benchmark_compares_bf16_kdist_int8_and_reused_codes(tmp_path, monkeypatch):
+    # In-process: the dry run's two tiny shapes compile in ~3 s.
+    from benchmarks import common, int8_matmul
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    rows = int8_matmul.main(["--dry-run"])
+    assert [r["side"] for r in rows[:3]] == ["bf16", "int8 (kdist)", "int8, forward codes reused"]
+    assert {r["shape"] for r in rows} == set(int8_matmul.DRY_SHAPES)
+    for r in rows:  # every product near float32's: bf16 rounding, or int8's 1/127 steps
+        bound = 5e-3 if r["side"] == "bf16" else 3e-2
+        assert max(r["error_y"], r["error_dx"], r["error_dw"]) < bound, r
+    assert (tmp_path / "int8_matmul_dry_run.json").is_file()
+
+
+def test_step_profile_classifies_the_ops_of_a_compiled_step():
+    from benchmarks.step_profile import classify
+
+    hlo = "\n".join([
+        "%fused_int8 (p0: s8[4,8], p1: s8[8,2]) -> s32[4,2] {",
+        "  ROOT %convolution.1 = s32[4,2]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf",
+        "}",
+        "%fused_bf16 (p0: bf16[4,8], p1: bf16[8,2]) -> bf16[4,2] {",
+        "  ROOT %convolution.2 = bf16[4,2]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf",
+        "}",
+        "%fused_codes (p0: bf16[4,8]) -> s8[4,8] {",
+        "  %round.1 = f32[4,8]{1,0} round-nearest-even(%p0)",
+        "  ROOT %convert.3 = s8[4,8]{1,0} convert(%round.1)",
+        "}",
+        "%fused_max (p0: bf16[4,8], p1: bf16[]) -> bf16[4] {",
+        "  ROOT %reduce.4 = bf16[4]{0} reduce(%p0, %p1), dimensions={1}, to_apply=%max",
+        "}",
+        "ENTRY %main (a: bf16[4,8], b: s8[8,2], c: bf16[8,2]) -> s32[4,2] {",
+        "  %fusion.1 = s8[4,8]{1,0} fusion(%a), kind=kLoop, calls=%fused_codes",
+        "  %fusion.2 = bf16[4]{0} fusion(%a, %zero), kind=kInput, calls=%fused_max",
+        "  %fusion.3 = bf16[4,2]{1,0} fusion(%a, %c), kind=kOutput, calls=%fused_bf16",
+        "  %copy.5 = bf16[8,4]{0,1} copy(%a)",
+        "  %custom-call.6 = bf16[4,8]{1,0} custom-call(%a), custom_call_target=\"tpu_custom_call\"",
+        "  ROOT %fusion.4 = s32[4,2]{1,0} fusion(%fusion.1, %b), kind=kOutput, calls=%fused_int8",
+        "}"])
+    kinds = classify(hlo)
+    assert {name: kinds[name] for name in ("fusion.1", "fusion.2", "fusion.3", "fusion.4",
+                                            "copy.5", "custom-call.6")} == {
+        "fusion.1": "quantizers (int8 codes)", "fusion.2": "reduce fusions",
+        "fusion.3": "bf16/f32 matmul", "fusion.4": "int8 matmul",
+        "copy.5": "copies and layout", "custom-call.6": "kernels (custom calls)"}
