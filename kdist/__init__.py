@@ -30,6 +30,7 @@ The package's map:
 ``multihost``, ``launch``      ``kdist.initialize()``; the local multi-process launcher
 ``local_processes``            a JAX process started here (the launcher's, the groups')
 ``durable``                    fsync, checksums, the writability probe (checkpoints, stores)
+``orbax_writer``               the orbax handler arrays are written with (checkpoints, stores)
 ``cli``, ``__main__``          the ``kdist`` command (``python -m kdist``)
 ``run_report``, ``measure``    ``kdist report``; real-run memory for the plan's checks
 ``_optional``, ``noise``       extras imported at first use; native start-up lines filtered

@@ -52,6 +52,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Compile for compile time, not run time (tests/xla_flags.py says why and what changes).
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+# Each op's location in a lowered program: the frame of the user's code that made it, not
+# JAX's default of its whole Python traceback (Keras' call stacks run 40+ frames deep, and
+# XLA carries every frame into the program's metadata). The ops, their names and the cache
+# key (which strips locations) are unchanged; no test reads a program's stack frames.
+# Measured on 5 parity rows, cold: XLA's compilation 15.8 -> 14.6 s, the rows' CPU 40.5 ->
+# 38.9 s.
+os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 
 import kdist  # noqa: E402
 

@@ -22,7 +22,7 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
-from kdist.checkpointing import writer
+from kdist import orbax_writer as writer
 from kdist.checkpointing.agreement import any_process, check_writable_everywhere, save_failed
 from kdist.checkpointing.format import (
     TMP_MARK,

@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from kdist.checkpointing import writer
+from kdist import orbax_writer as writer
 from kdist.durable import file_checksum, fsync_dir
 
 STORE_WAIT = 300.0  # seconds a write waits for a full or read-only store before giving up

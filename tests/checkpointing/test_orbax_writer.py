@@ -1,11 +1,11 @@
 """kdist's orbax writer: in one process a replicated array is written by one replica, not
-sliced into parts on the devices first (kdist/checkpointing/writer.py)."""
+sliced into parts on the devices first (kdist/orbax_writer.py)."""
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from kdist.checkpointing import writer
+from kdist import orbax_writer as writer
 
 
 def test_one_process_writes_a_replicated_array_without_slicing_it(tmp_path, monkeypatch):
