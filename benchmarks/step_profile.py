@@ -146,7 +146,7 @@ def main(argv=None):
     jax.profiler.stop_trace()
 
     hlo = max((e.as_text() for s in compiled_step.steps_of(model.train_function)
-               for e in s._executables.values()), key=len)
+               for e in s.compiled), key=len)
     kinds = classify(hlo)
     per_op = device_time(trace_dir, args.steps)
     if not per_op:

@@ -54,10 +54,12 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 # Each op's location in a lowered program: the frame of the user's code that made it, not
 # JAX's default of its whole Python traceback (Keras' call stacks run 40+ frames deep, and
-# XLA carries every frame into the program's metadata). The ops, their names and the cache
-# key (which strips locations) are unchanged; no test reads a program's stack frames.
-# Measured on 5 parity rows, cold: XLA's compilation 15.8 -> 14.6 s, the rows' CPU 40.5 ->
-# 38.9 s.
+# XLA carries every frame into the program's metadata). The ops and the cache key (which
+# strips locations) are unchanged; what changes is debug metadata: stack frames, and the
+# HLO op_name of an op inside a shard_map, which loses its enclosing scopes ("shard_map/
+# all_to_all", not "jit(train_step)/.../block_0/shard_map/all_to_all"). A test that reads
+# op names takes the ``full_locations`` fixture (JAX's default). Measured cold, the whole
+# suite on 2 cores: CPU 2945 -> 2581 s (children included); 5 parity rows 40.5 -> 38.9 s.
 os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 
 import kdist  # noqa: E402
@@ -189,6 +191,15 @@ def _become_child_environment(patch: pytest.MonkeyPatch) -> None:
         patch.delenv(name)
     for name, value in env.items():
         patch.setenv(name, value)
+
+
+@pytest.fixture
+def full_locations():
+    """JAX's default op locations (whole tracebacks) for a test that reads HLO op names,
+    which XLA derives from them; the suite lowers user frames only (top of this file)."""
+    jax.config.update("jax_include_full_tracebacks_in_locations", True)
+    yield
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
 
 
 @pytest.fixture

@@ -60,7 +60,8 @@ def test_experts_not_divisible_by_the_axis_refused():
 
 
 @pytest.mark.parametrize("mesh", ["expert=4,fsdp=2", "expert=2,model=2,data=2"])
-def test_the_compiled_step_moves_tokens_not_expert_weights_over_the_expert_axis(mesh):
+def test_the_compiled_step_moves_tokens_not_expert_weights_over_the_expert_axis(
+        mesh, full_locations):  # the exchanges are found by their HLO op names
     import keras
 
     import kdist
