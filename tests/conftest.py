@@ -2,7 +2,8 @@
 compilation per distinct program per run.
 
 The suite's time is a budget (25 minutes on 2 cores, CI included). What keeps it: XLA:CPU
-flags that compile for compile time (tests/xla_flags.py), Python's collector kept off what
+flags that compile for compile time (tests/xla_flags.py), programs lowered with the user's
+frame as each op's location instead of its whole traceback (below), Python's collector kept off what
 outlives a test (``gc.freeze``, below), the caches below, one harness for every parity
 test (tests/parallel/harness.py) and one multi-process launch (``multihost_cases``). A
 module-scoped fixture that trains runs once per xdist worker that needs it: the tests that
