@@ -3,12 +3,13 @@ compilation per distinct program per run.
 
 The suite's time is a budget (25 minutes on 2 cores, CI included). What keeps it: XLA:CPU
 flags that compile for compile time (tests/xla_flags.py), programs lowered with the user's
-frame as each op's location instead of its whole traceback (below), Python's collector kept off what
-outlives a test (``gc.freeze``, below), the caches below, one harness for every parity
-test (tests/parallel/harness.py) and one multi-process launch (``multihost_cases``). A
-module-scoped fixture that trains runs once per xdist worker that needs it: the tests that
-share one carry ``@pytest.mark.xdist_group(<its name>)``, so they go to one worker and it
-trains once (seen: the composed checkpoint's three fits ran on both workers, 35 s twice).
+frame as each op's location instead of its whole traceback (below), Python's collector
+kept off what outlives a test (``gc.freeze``, below), the caches below, one harness for
+every parity test (tests/parallel/harness.py) and one multi-process launch
+(``multihost_cases``). A module-scoped fixture that trains runs once per xdist worker that
+needs it: the tests that share one carry ``@pytest.mark.xdist_group(<its name>)``, so they
+go to one worker and it trains once (seen: the composed checkpoint's three fits ran on
+both workers, 35 s twice).
 ``KDIST_TEST_CPU_LOG=FILE`` appends each test's CPU seconds (its worker's and its child
 processes') to FILE as JSON lines: where the budget goes, unlike ``--durations``' wall
 times, which a loaded machine inflates.
@@ -198,9 +199,10 @@ def _become_child_environment(patch: pytest.MonkeyPatch) -> None:
 def full_locations():
     """JAX's default op locations (whole tracebacks) for a test that reads HLO op names,
     which XLA derives from them; the suite lowers user frames only (top of this file)."""
+    previous = jax.config.jax_include_full_tracebacks_in_locations
     jax.config.update("jax_include_full_tracebacks_in_locations", True)
     yield
-    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    jax.config.update("jax_include_full_tracebacks_in_locations", previous)
 
 
 @pytest.fixture
