@@ -50,9 +50,8 @@ def child_environment(**overrides: str) -> dict[str, str]:
 def run_recipe(name: str, argv: list[str], host_devices: int = 8) -> tuple[dict, str]:
     """``recipes/<name>.py`` on ``host_devices`` host devices in a child process: its
     summary.json (what ``main`` returns) and its output. A child, so that XLA optimises for
-    run time
-    (tests/xla_flags.py), for the recipe tests of hundreds of steps: a BERT step of 16 x 64
-    tokens takes 160 ms with the suite's compile-time flags, 90 ms with these."""
+    run time (tests/xla_flags.py), for the recipe tests of hundreds of steps: a BERT step of
+    16 x 64 tokens takes 160 ms with the suite's compile-time flags, 90 ms with these."""
     env = child_environment()
     env["XLA_FLAGS"] = for_run_time(env.get("XLA_FLAGS", ""))
     done = subprocess.run([sys.executable, str(RECIPES / f"{name}.py"),
