@@ -91,6 +91,11 @@ def train_step(model, state, data, sync: bool, guard: bool = True):
         unscaled, y_pred, params, non_trainable, inner_state, metrics = stateful.apply_step(
             model, inner, residuals, params, s.non_trainable, inner_state, s.metrics, s.x,
             s.y, s.sample_weight)
+        # Keras' state a group computed from its own rows (a MoE layer's expert load, its
+        # balance bias): the groups' mean, so that the job holds one value (a small
+        # all-reduce per step; state every group computes alike does not vary: untouched).
+        non_trainable = [mean(v) if groups > 1 and AXIS in region.varying_axes(v) else v
+                         for v in non_trainable]
         theta, momenta = s.theta, s.momenta
         if sync:  # the only collective across groups: the outer gradient's mean
             with jax.named_scope("kdist/outer_sync"):  # (named in profiles and HLO)

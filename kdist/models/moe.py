@@ -164,8 +164,11 @@ def swiglu_blocked(x, group_sizes, gate, up, down, block: int = 128):
     row = (ends - padded)[expert] + jnp.arange(a) - start[expert]  # (A,) padded position
     blocks = -(-(a + e * (block - 1)) // block)  # static: enough for any group sizes
     xb = jnp.zeros((blocks * block, d), x.dtype).at[row].set(x).reshape(blocks, block, d)
-    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"),
-                        e - 1)  # (blocks,) expert of each block (unused blocks: any)
+    # (blocks,) expert of each block: how many groups end at or before its first row
+    # (unused blocks: any). A comparison, not jnp.searchsorted, whose shape inference
+    # fails inside a shard_map region (a DiLoCo group's; JAX 0.10).
+    owner = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(blocks) * block)[:, None],
+                                axis=1), e - 1)
     h = jax.nn.silu(jnp.einsum("nbd,ndf->nbf", xb, gate[owner]))
     h = h * jnp.einsum("nbd,ndf->nbf", xb, up[owner])  # (blocks, block, F)
     return jnp.einsum("nbf,nfd->nbd", h, down[owner]).reshape(-1, d)[row]  # (A, D)
@@ -298,9 +301,12 @@ class MoEFeedForward(layers.Layer):
         weights, experts, probs = route(logits, self.experts_per_token, self.router, bias,
                                         self.renormalize)
         counts = expert_counts(experts, self.num_experts)  # (E,)
-        parallel = experts_module.dispatch(tokens, experts, *kernels, self.capacity_factor)
-        if parallel is not None:  # over the 'expert' mesh axis (kdist.parallel.experts)
-            out, dropped = parallel
+        # over the 'expert' mesh axis (kdist.parallel.experts), in the activations' layout
+        parallel = experts_module.dispatch(
+            x, ops.reshape(experts, (*shape[:-1], self.experts_per_token)), *kernels,
+            self.capacity_factor)
+        if parallel is not None:
+            out, dropped = parallel[0].reshape(experts.shape + (shape[-1],)), parallel[1]
         elif self.capacity_factor is None or not isinstance(tokens.shape[0], int):
             # (Keras' symbolic shape inference: no capacity of an unknown batch; same shape)
             out, dropped = dropless(tokens, experts, counts, *kernels), jnp.zeros((), "int32")

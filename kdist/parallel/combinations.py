@@ -90,20 +90,15 @@ RULES: tuple[Rule, ...] = (
     _built("schedule", "seq", "causal LMs; ring attention not with zero-bubble"),
     # Ring attention's collective-permutes over seq need every stage to run the same code
     # in every tick (kdist.parallel.pipeline.every_stage).
-    # The expert axis: the MoE layers' all-to-all inside a shard_map manual over 'expert'
-    # only (kdist.parallel.experts); the other axes stay XLA's.
+    # The expert axis: the MoE layers' all-to-all inside a shard_map manual over the batch's
+    # axes and 'seq' (kdist.parallel.experts); 'model' stays XLA's.
     _built("expert", "data"), _built("expert", "fsdp"),
     _built("expert", "model"),
+    _built("expert", "seq", "tokens enter the experts' region as their sequences lie"),
+    _built("expert", "replica", "the experts' region nested in each group's"),
     refused("expert", "stage",
             "needs a scanned layer stack, which cannot hold MoE blocks yet (their losses "
             "would be the scan's tracers). Use 'expert' with 'data' or 'fsdp'."),
-    refused("expert", "seq",
-            "with {b} is not built yet: the router's load-balance loss must see every "
-            "token of the batch, and the sequence is split per device there. Use 'expert' "
-            "with 'data' or 'fsdp'."),
-    refused("expert", "replica",
-            "with {b} is not built yet (each group's step would nest the experts' region in "
-            "DiLoCo's). Use 'expert' with 'data' or 'fsdp' in one group."),
     refused("expert", "reduction",
             "with {b} is not built yet: kdist's reduction computes the loss per device, so "
             "the load-balance loss would be each device's, not the batch's. Leave "

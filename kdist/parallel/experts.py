@@ -14,8 +14,9 @@ dropless layer's (tested); fewer slots drop the late assignments and count them.
 Under a distribution with an ``expert`` axis, :class:`kdist.models.moe.MoEFeedForward`
 routes every token first (XLA's partitioner: the router, its losses and the load see the
 whole batch, as on one device), then :func:`dispatch` runs only the experts' compute here,
-in a ``shard_map`` manual over the batch's axes (``expert`` among them: the rows enter as
-they lie; ``model`` is left to XLA). A dropless
+in a ``shard_map`` manual over the batch's axes (``expert`` among them) and ``seq``, so the
+activations enter as they lie (``model`` is left to XLA); nested in a DiLoCo group's
+region, over those still automatic there (the group's rows). A dropless
 layer gets ``slots = n x k`` (nothing can overflow: exact, at E x the buffer memory of a
 tuned capacity); a ``capacity_factor`` gets ``ceil(factor x n x k / E)`` per source device.
 :data:`TRANSFORM` is the axis's entry in the step: it refuses a model without experts.
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
+from kdist.parallel import region
 from kdist.parallel.layout import active
 from kdist.parallel.mesh import batch_axes
 from kdist.parallel.transform import Transform
@@ -106,49 +108,69 @@ def _return(outputs, axis: str, devices: int):
 
 
 def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, slots: int,
-                            token_axes: tuple[str, ...] | None = None):
-    """Every assignment's expert output ``(N, k, D)`` and the dropped count, with the expert
-    weights ``(E, ...)`` split over mesh axis ``axis`` and tokens ``(N, D)`` and their
-    experts ``(N, k)`` split over ``token_axes`` (default ``(axis,)``; the batch's axes, in
-    its layout's order, so that the rows enter as they lie). ``slots``: C per expert and
-    source device. The region is manual over ``token_axes``: a weight's shards over the
-    other batch axes (fsdp's) are gathered on the way in, as XLA gathers them for a matmul,
-    and its gradient summed over them on the way out (``shard_map``'s transpose)."""
+                            token_axes: tuple[str, ...] | None = None,
+                            seq_axis: str | None = None):
+    """Every assignment's expert output ``(..., k, D)`` and the dropped count, with the
+    expert weights ``(E, ...)`` split over mesh axis ``axis`` and tokens ``(..., D)`` and
+    their experts ``(..., k)`` split over ``token_axes`` along their first axis (default
+    ``(axis,)``; the batch's axes, in its layout's order, so that the rows enter as they
+    lie) and over ``seq_axis`` along their second (``(B, T, D)`` tokens of sequences split
+    over ``seq``). ``slots``: C per expert and source device.
+
+    The region is manual over ``token_axes`` (and ``seq_axis``), those of them still
+    automatic where it is traced (:func:`kdist.parallel.region.shard_map`: in a DiLoCo
+    group's region ``replica`` is manual already, and the rows are the group's): a
+    weight's shards over the other batch axes (fsdp's) are gathered on the way in, as XLA
+    gathers them for a matmul, and its gradient summed over them on the way out
+    (``shard_map``'s transpose)."""
     devices, num_experts = mesh.shape[axis], gate.shape[0]
     if num_experts % devices:
         raise ValueError(f"{num_experts} experts cannot be split over the '{axis}' mesh axis "
                          f"of size {devices}: use a number of experts divisible by it, or a "
                          f"smaller '{axis}' axis.")
-    token_axes = tuple(token_axes or (axis,))
-    k = experts.shape[1]
+    automatic = region.current().automatic(mesh.axis_names)
+    token_axes = tuple(a for a in (token_axes or (axis,)) if a in automatic)
+    split_tokens = (seq_axis,) if seq_axis in automatic else ()  # the sequence's split
+    k = experts.shape[-1]
 
-    def local(tokens, experts, gate, up, down):
+    def local(tokens, experts, gate, up, down):  # (b[, t], D), (b[, t], k): this device's
+        leading = tokens.shape[:-1]
+        tokens, experts = tokens.reshape(-1, tokens.shape[-1]), experts.reshape(-1, k)
         slot = dispatch_slots(experts, expert_counts(experts, num_experts), slots)  # (n k,)
         buffer = _exchange(to_buffer(tokens, slot, k, num_experts, slots), axis, devices)
         outputs = _return(swiglu_batched(buffer, gate, up, down), axis, devices)
-        dropped = jax.lax.psum(jnp.sum(slot == num_experts * slots), token_axes)
-        return from_buffer(outputs, slot, k), dropped
+        dropped = jax.lax.psum(jnp.sum(slot == num_experts * slots),
+                               (*token_axes, *split_tokens))
+        return from_buffer(outputs, slot, k).reshape(*leading, k, -1), dropped
 
-    rows, split = P(token_axes), P(axis)
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, split, split, split),
-                         out_specs=(rows, P()), axis_names=set(token_axes))(
+    rows, split = P(token_axes, *split_tokens), P(axis)
+    return region.shard_map(local, mesh=mesh, axes={*token_axes, *split_tokens},
+                            in_specs=(rows, rows, split, split, split),
+                            out_specs=(rows, P()), batch_axes=token_axes)(
         tokens, experts, gate, up, down)
 
 
 def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None):
-    """``(N, k, D)`` expert outputs and the dropped count over the active distribution's
-    ``expert`` axis, or None when it has none (the layer computes locally)."""
+    """``(..., k, D)`` expert outputs and the dropped count over the active distribution's
+    ``expert`` axis, or None when it has none (the layer computes locally). ``tokens
+    (..., D)`` and ``experts (..., k)`` keep the activations' leading axes, so that tokens
+    of sequences split over ``seq`` enter the experts' region as they lie."""
     dist = active()
     if (dist is None or dist.mesh_shape.get("expert", 1) == 1
-            or not isinstance(experts.shape[0], int)):  # symbolic: Keras inferring shapes
+            or not all(isinstance(n, int) for n in experts.shape)):  # Keras inferring shapes
         return None
-    token_axes = batch_axes(dist.mesh_shape)  # the rows' layout (expert among them)
-    n = experts.shape[0] // math.prod(dist.mesh_shape[a] for a in token_axes)  # per device
-    k = experts.shape[1]
+    sizes, here = dist.mesh_shape, region.current()
+    token_axes = batch_axes(sizes, here.automatic(sizes))  # the rows' layout (expert among)
+    seq = "seq" if (sizes.get("seq", 1) > 1 and "seq" not in here.manual
+                    and experts.ndim == 3) else None  # (B, T, k): tokens split over seq too
+    per_device = math.prod(sizes[a] for a in token_axes) * (sizes[seq] if seq else 1)
+    k = experts.shape[-1]
+    n = math.prod(experts.shape[:-1]) // per_device  # tokens per device
     slots = n * k if capacity_factor is None else capacity(n * k, gate.shape[0],
                                                             capacity_factor)
     return expert_parallel_outputs(tokens, experts, gate, up, down,
-                                   dist.device_mesh.backend_mesh, "expert", slots, token_axes)
+                                   dist.device_mesh.backend_mesh, "expert", slots, token_axes,
+                                   seq)
 
 
 def _has_experts(model) -> bool:
@@ -156,6 +178,15 @@ def _has_experts(model) -> bool:
 
 
 def _prepare(dist, model) -> None:
+    sizes = dist.mesh_shape
+    if sizes.get("replica", 1) > 1 and sizes.get("fsdp", 1) > 1:
+        # Each pair trains; all three abort XLA:CPU's partitioner (JAX 0.10: a CHECK in
+        # spmd_partitioner_util.cc gathering the token embedding in a group's region).
+        raise ValueError(
+            f"Mesh {dist.spec} puts 'expert', 'fsdp' and 'replica' together, which XLA's "
+            f"partitioner cannot compile (it aborts the process; each pair of them trains). "
+            f"Put the fsdp devices on 'data' (e.g. 'replica=2,expert=2,data=2'), or drop "
+            f"'replica'.")
     if not _has_experts(model):
         raise ValueError(
             f"Mesh {dist.spec} has an 'expert' axis of size {dist.mesh_shape['expert']}, but "

@@ -288,9 +288,16 @@ TABLE: list[Row] = [
     trains("data=2,fsdp=2,model=2", "gpt", config="moe", layouts=True),  # no expert axis
     trains("expert=2,model=2,data=2", "gpt", config="moe", layouts=True),
     refused("expert=2,stage=2,data=2", "expert x stage", "needs a scanned layer stack"),
-    refused("expert=2,seq=2,data=2", "expert x seq", "'seq' axis is not built yet"),
-    refused("replica=2,expert=2,data=2", "expert x replica", "is not built yet",
-            sync_every=2),
+    trains("expert=2,seq=2,data=2", "gpt", config="moe", context_parallel="ring"),
+    trains("expert=2,seq=2,data=2", "llama", config="moe", context_parallel="all_gather"),
+    # Each DiLoCo group routes its own rows (its load-balance loss is the group's), as
+    # DiLoCo on one device does group by group.
+    trains("replica=2,expert=2,data=2", "gpt", config="moe", sync_every=2, steps=4,
+           like={"diloco": {"groups": 2, "sync_every": 2}}),
+    trains("replica=2,expert=2,data=2", "llama", config="moe-bias", sync_every=2, steps=4,
+           like={"diloco": {"groups": 2, "sync_every": 2}}),
+    trains("replica=2,fsdp=4", "gpt", config="moe", sync_every=2, steps=4,  # no expert axis
+           like={"diloco": {"groups": 2, "sync_every": 2}}),
     refused("expert=2,data=4", "expert x reduction", "Leave gradient_reduction unset",
             gradient_reduction="float32"),
     refused("expert=2,data=4", "expert x 8-bit", "Leave gradient_reduction unset",

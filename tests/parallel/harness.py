@@ -462,6 +462,11 @@ def diloco_reference(family: str, *, groups: int, sync_every: int,
         losses.append(float(np.mean([
             fam.step(model, jax.tree.map(lambda a, g=g: a[g * share:(g + 1) * share], batch))
             for g, model in enumerate(models)])))
+        for states in zip(*(m.non_trainable_variables for m in models)):  # kdist's rule:
+            values = [np.asarray(v.value) for v in states]  # the groups' mean, every step
+            if any((v != values[0]).any() for v in values):
+                for v in states:
+                    v.assign(np.mean(values, axis=0).astype(values[0].dtype))
         if step % sync_every and step < steps:
             continue
         for i, w in enumerate(theta):  # the paper's PyTorch SGD with Nesterov momentum

@@ -105,3 +105,8 @@ def test_wrong_expert_meshes_are_refused_before_compiling():
     dense = GPTCausalLM(GPTBackbone(**TINY_GPT))
     with pytest.raises(ValueError, match="has no Mixture-of-Experts layer.*moe="):
         dense.compile(optimizer="adam")
+    keras.distribution.set_distribution(
+        kdist.distribution("replica=2,expert=2,fsdp=2", sync_every=2))
+    moe = GPTCausalLM(GPTBackbone(**TINY_GPT, moe={"num_experts": 8}))
+    with pytest.raises(ValueError, match="'expert', 'fsdp' and 'replica' together.*'data'"):
+        moe.compile(optimizer="adam")
