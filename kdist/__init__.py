@@ -33,6 +33,7 @@ The package's map:
 ``orbax_writer``               the orbax handler arrays are written with (checkpoints, stores)
 ``cli``, ``__main__``          the ``kdist`` command (``python -m kdist``)
 ``run_report``, ``measure``    ``kdist report``; real-run memory for the plan's checks
+``run_comparison``             ``kdist report RUN_A RUN_B``: several runs on one figure
 ``_optional``, ``noise``       extras imported at first use; native start-up lines filtered
 ``_keras_compat``              every use of private Keras/JAX API, in one place
 =============================  ==============================================================

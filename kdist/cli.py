@@ -24,13 +24,19 @@ from kdist import _keras_compat
 from kdist.accelerators import NAMES
 from kdist.parallel.pipeline.schedules import SCHEDULES
 from kdist.planning.target import COMPILERS
+from kdist.run_comparison import COMPARISON_PNG, write_comparison
 from kdist.run_report import REPORT_PNG, read_rows, trained_tokens, write_report
 
 # === Subcommands ===
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
+    if len(args.run_dir) > 1:  # several runs: one figure, their validations side by side
+        png, text = write_comparison(args.run_dir, args.output)
+        print(text)
+        print(f"plot: {png}")
+        return 0
+    run_dir = Path(args.run_dir[0])
     if (run_dir / "manifest.json").is_file() and (run_dir / "rounds").is_dir():
         from kdist.groups.history import job_lines  # a replica store: the job's history
 
@@ -48,13 +54,17 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def add_report_parser(subparsers) -> None:
-    """Registers ``kdist report RUN_DIR [--output PNG]``."""
-    p = subparsers.add_parser("report", help="plot and summarise a run (finished or running)",
+    """Registers ``kdist report RUN_DIR [RUN_DIR ...] [--output PNG]``."""
+    p = subparsers.add_parser("report", help="plot and summarise a run (finished or running), "
+                                             "or compare several on one figure",
                               description=write_report.__doc__.split("\n")[0])
-    p.add_argument("run_dir", help="the run's log directory (holds throughput.jsonl; with "
-                                   "group-*/ subdirectories, each group's), or a replica "
-                                   "store (python -m kdist.launch --replica-store)")
-    p.add_argument("--output", help=f"PNG path (default RUN_DIR/{REPORT_PNG})")
+    p.add_argument("run_dir", nargs="+",
+                   help="the run's log directory (holds throughput.jsonl; with group-*/ "
+                        "subdirectories, each group's), or a replica store (python -m "
+                        "kdist.launch --replica-store); two or more: their curves on one "
+                        "figure and their validation losses against the first's")
+    p.add_argument("--output", help=f"PNG path (default RUN_DIR/{REPORT_PNG}; for several "
+                                    f"runs, {COMPARISON_PNG} beside the first)")
     p.set_defaults(func=_run_report)
 
 

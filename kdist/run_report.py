@@ -127,7 +127,7 @@ def trained_tokens(rows: list[dict[str, Any]]) -> tuple[int, int]:
     return round(sum(r * (b - a) for a, b, r in kept)), round(retrained)
 
 
-def _series(rows, kind, key):
+def series(rows, kind, key):
     """``(steps, values)`` of ``key`` in the rows of ``kind``, over every session: where a
     session restarted from an older step, the earlier sessions' points past it are dropped
     (those steps were trained again), and a step logged twice keeps the later value."""
@@ -212,8 +212,8 @@ def summarize(rows: list[dict[str, Any]], run_dir: str | Path = "") -> str:
                          f"in use {last.get('memory_in_use_bytes', 0) / 2**30:.2f} GiB")
             lines.append(line.rstrip("; "))
     lines += _process_lines(intervals) + round_lines(rows) + load_lines(intervals)
-    _, train = _series(rows, "interval", "loss")
-    _, val = _series(rows, "validation", "val_loss")
+    _, train = series(rows, "interval", "loss")
+    _, val = series(rows, "validation", "val_loss")
     if train or val:
         parts = []
         if train:
@@ -302,8 +302,8 @@ def loss_series(rows: list[dict[str, Any]]) -> dict[str, tuple[list, list]]:
                             if r.get("kind") == "interval" else [])
     out = {"train": train}
     if not train[0]:
-        out["train_mean"] = _series(rows, "interval", "loss")
-    out["validation"] = _series(rows, "validation", "val_loss")
+        out["train_mean"] = series(rows, "interval", "loss")
+    out["validation"] = series(rows, "validation", "val_loss")
     return out
 
 
@@ -345,11 +345,11 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple
     loss_ax.set(title="loss", xlabel="step", ylabel="loss")
     loss_ax.legend()
 
-    tps_ax.plot(*_series(rows, "interval", "tokens_per_s"))
+    tps_ax.plot(*series(rows, "interval", "tokens_per_s"))
     tps_ax.set(title="throughput", xlabel="step", ylabel="tokens / s (global)")
 
-    mfu_ax.plot(*_series(rows, "interval", "mfu"), label="MFU")
-    steps, hfu = _series(rows, "interval", "hfu")
+    mfu_ax.plot(*series(rows, "interval", "mfu"), label="MFU")
+    steps, hfu = series(rows, "interval", "hfu")
     if hfu:
         mfu_ax.plot(steps, hfu, "--", label="HFU (with remat recompute)")
     mfu_ax.set(xlabel="step", ylabel="model FLOPs utilisation")
@@ -357,8 +357,8 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple
     mfu_ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     mfu_ax.legend()
 
-    time_ax.plot(*_series(rows, "interval", "step_time_median_s"), label="median")
-    time_ax.plot(*_series(rows, "interval", "step_time_p90_s"), label="p90")
+    time_ax.plot(*series(rows, "interval", "step_time_median_s"), label="median")
+    time_ax.plot(*series(rows, "interval", "step_time_p90_s"), label="p90")
     time_ax.set(title="step time (per optimizer step)", xlabel="step", ylabel="seconds")
     time_ax.legend()
 

@@ -176,3 +176,30 @@ def test_hints_name_the_kdist_command_as_the_user_can_type_it(tmp_path, monkeypa
     with pytest.raises(SystemExit) as exit_:
         runpy.run_module("kdist", run_name="__main__")
     assert exit_.value.code == 2 and "No throughput.jsonl" in capsys.readouterr().err
+
+
+def test_report_compares_runs_on_one_figure(tmp_path, capsys):
+    """Issue 44's bf16-against-int8 plot: two runs' curves on one figure, and each
+    validation loss against the first run's at the steps both reached."""
+    import json
+
+    for name, shift in (("bf16", 0.0), ("int8", 0.065)):
+        (tmp_path / name).mkdir()
+        write_run(tmp_path / name)
+        rows = [json.loads(line) for line in
+                (tmp_path / name / "throughput.jsonl").read_text().splitlines()]
+        for row in rows:
+            if row["kind"] == "validation":
+                row["val_loss"] += shift
+        (tmp_path / name / "throughput.jsonl").write_text(
+            "\n".join(json.dumps(r) for r in rows) + "\n")
+    assert cli.main(["report", str(tmp_path / "bf16"), str(tmp_path / "int8")]) == 0
+    out = capsys.readouterr().out
+    assert "validation loss (vs bf16):" in out
+    # 6.5 at step 30 against 6.565: +1.00 %; every step both validated is a line
+    assert "step 30: bf16 6.5000, int8 6.5650 (+1.00 %)" in out
+    assert "step 10: bf16 8.5000, int8 8.5650 (+0.76 %)" in out
+    image = matplotlib.image.imread(tmp_path / "comparison.png")
+    assert image.shape[:2] == (800, 1200) and (image[..., :3] < 0.5).mean() > 0.001
+    assert cli.main(["report", str(tmp_path / "bf16"), str(tmp_path / "none")]) == 2
+    assert "No throughput.jsonl in" in capsys.readouterr().err
