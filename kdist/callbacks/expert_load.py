@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
-from kdist.models.moe import MoEFeedForward, expert_load
+from kdist.models.moe import MoEFeedForward, expert_load, statistics  # noqa: F401 (examples)
 
 
 class ExpertLoad(keras.callbacks.Callback):
@@ -58,25 +58,32 @@ class IntervalExpertLoad:
 
     def __init__(self, model):
         self._model = model
-        self._layers = [layer for layer in _keras_compat.all_layers(model)
-                        if isinstance(layer, MoEFeedForward) and layer.built]
+        self._layers = statistics(model)  # (path, experts, load, dropped, row in a stack)
         index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
-        # Two indices per layer (load, dropped) into the state's non-trainable values:
-        # found once, at train begin, so that a row costs no walk over the model.
-        self._indices = [index[id(v)] for layer in self._layers
-                         for v in (layer.load, layer.dropped)]
+        # The state's non-trainable values to read (a scanned stack's once for all its
+        # layers): found once, at train begin, so that a row costs no walk over the model.
+        variables = {id(v): v for _, _, *pair, _ in self._layers for v in pair}
+        self._indices = [index[key] for key in variables]
+        self._position = {key: i for i, key in enumerate(variables)}
 
     def row(self) -> dict[str, Any]:
         """``{"expert_load": {path: {...}}}``, or ``{}`` for a model without experts."""
         if not self._layers:
             return {}
         values = _keras_compat.live_non_trainable_values(self._model, self._indices)
-        figures = np.asarray(jnp.stack([jnp.stack([jnp.min(load), jnp.max(load), dropped])
-                                        for load, dropped in zip(values[::2], values[1::2])]))
+
+        def value(variable, row):
+            v = values[self._position[id(variable)]]
+            return v if row is None else v[row]
+
+        figures = np.asarray(jnp.stack([
+            jnp.stack([jnp.min(value(load, row)), jnp.max(value(load, row)),
+                       value(dropped, row)])
+            for _, _, load, dropped, row in self._layers]))
         return {"expert_load": {
-            layer.path: {"min_share": float(low), "max_share": float(high),
-                         "dropped_tokens": float(dropped), "experts": layer.num_experts}
-            for layer, (low, high, dropped) in zip(self._layers, figures)}}
+            path: {"min_share": float(low), "max_share": float(high),
+                   "dropped_tokens": float(dropped), "experts": experts}
+            for (path, experts, *_), (low, high, dropped) in zip(self._layers, figures)}}
 
 
 def load_lines(intervals: list[dict[str, Any]]) -> list[str]:

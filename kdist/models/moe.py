@@ -38,8 +38,9 @@ import keras
 from keras import layers, ops
 
 from kdist import _keras_compat
+from kdist.models import stacking
 from kdist.models.router import ROUTERS, load_balance_loss, route, z_loss
-from kdist.models.scan import stacking_default
+from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel import experts as experts_module
 from kdist.parallel.experts import (
     capacity,
@@ -74,7 +75,8 @@ class MoEStats(NamedTuple):
 def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
               scan_layers: bool | None = False) -> dict | None:
     """``moe`` with :data:`MOE_DEFAULTS` filled in, or a ``ValueError`` naming what is wrong.
-    ``scan_layers``: the backbone's (a scanned stack cannot hold MoE blocks yet).
+    ``scan_layers``: the backbone's (a scanned stack holds one kind of block: MoE in every
+    one).
 
     Example:
         >>> check_moe({"num_experts": 8}, 4, 64)["experts_per_token"]
@@ -85,11 +87,11 @@ def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
     if not isinstance(moe, dict):
         raise TypeError(f"moe must be a dict such as {{'num_experts': 8}} or None; got "
                         f"{type(moe).__name__}.")
-    if scan_layers or (scan_layers is None and stacking_default()):
-        # The losses and statistics a block adds would be tracers of the scan's body.
-        raise ValueError("MoE blocks (moe=...) are not supported in a scanned layer stack "
-                         "yet (scan_layers=True, or a 'stage' mesh axis, which stacks the "
-                         "blocks). Pass scan_layers=False and use a mesh without 'stage'.")
+    if stacking_default():  # a pipeline: its schedules carry no block's losses yet
+        raise ValueError("MoE blocks (moe=...) are not supported in a pipeline yet (a 'stage' "
+                         "mesh axis): the schedules carry activations between stages, not "
+                         "the load-balance losses the blocks add. Use a mesh without "
+                         "'stage' (e.g. expert=2,data=4).")
     unknown = set(moe) - set(MOE_DEFAULTS)
     if unknown:
         raise ValueError(f"moe has unknown keys {sorted(unknown)}; known: "
@@ -114,6 +116,10 @@ def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
     if not isinstance(moe["every"], int) or not 1 <= moe["every"] <= num_layers:
         raise ValueError(f"moe['every']={moe['every']!r} must be an int in [1, num_layers="
                          f"{num_layers}] (1: every block; 2: every second block...).")
+    if scan_layers and moe["every"] != 1:  # one block stacked L times: all alike
+        raise ValueError(f"moe['every']={moe['every']} mixes dense and MoE blocks, which a "
+                         f"scanned stack (scan_layers=True) cannot hold: it stacks one block "
+                         f"L times. Use every=1 with scan_layers, or scan_layers=False.")
     factor = moe["capacity_factor"]
     if factor is not None and not factor > 0:
         raise ValueError(f"moe['capacity_factor'] must be None (dropless) or > 0; got "
@@ -358,6 +364,35 @@ class MoEFeedForward(layers.Layer):
                 "balance_bias_rate": self.balance_bias_rate, "renormalize": self.renormalize}
 
 
+def statistics(model) -> list[tuple[str, int, object, object, int | None]]:
+    """Where each MoE layer of ``model`` keeps its last batch's load: ``(path, experts,
+    load variable, dropped variable, index)`` — an unstacked layer's own variables
+    (``index`` None), or, for each layer of a scanned stack (:class:`~kdist.models.scan.
+    LayerStack`), the stack's ``(L, ...)`` variables and the layer's row in them (its path
+    as the unstacked layer's, ``block_3/moe``).
+
+    Example:
+        >>> layer = MoEFeedForward(num_experts=2, experts_per_token=1, expert_dim=4)
+        >>> _ = layer(keras.ops.ones((1, 4, 8)))
+        >>> [(path, e, index) for path, e, _, _, index in statistics(layer)]
+        [('moe_feed_forward', 2, None)]
+    """
+    found = []
+    for layer in _keras_compat.all_layers(model):
+        if isinstance(layer, MoEFeedForward) and layer.built:
+            found.append((layer.path, layer.num_experts, layer.load, layer.dropped, None))
+        if not (isinstance(layer, LayerStack) and layer.built):
+            continue
+        for inner in _keras_compat.all_layers(layer.block):  # the stack's template block
+            if isinstance(inner, MoEFeedForward):
+                load, dropped = (layer.stacked_state_of(v) for v in (inner.load, inner.dropped))
+                relative = inner.path.split(f"{layer.block.name}/", 1)[-1]  # moe
+                found += [(stacking.unstacked_key(f"{layer.path}/{relative}", i),
+                           inner.num_experts, load, dropped, i)
+                          for i in range(layer.num_layers)]
+    return found
+
+
 def expert_load(model) -> dict[str, dict[str, float]]:
     """Per MoE layer of ``model`` (by path), the last batch's load: the smallest and largest
     expert's share of the assignments (balanced: both ``1/E``) and the dropped count.
@@ -370,9 +405,10 @@ def expert_load(model) -> dict[str, dict[str, float]]:
         0.0
     """
     found = {}
-    for layer in _keras_compat.all_layers(model):
-        if isinstance(layer, MoEFeedForward) and layer.built:
-            load = ops.convert_to_numpy(layer.load)
-            found[layer.path] = {"min_share": float(load.min()), "max_share": float(load.max()),
-                                 "dropped_tokens": float(ops.convert_to_numpy(layer.dropped))}
+    for path, _, load, dropped, index in statistics(model):
+        load, dropped = (ops.convert_to_numpy(v) for v in (load, dropped))
+        if index is not None:
+            load, dropped = load[index], dropped[index]
+        found[path] = {"min_share": float(load.min()), "max_share": float(load.max()),
+                       "dropped_tokens": float(dropped)}
     return found

@@ -111,6 +111,12 @@ class _Untracked:
 
     block: layers.Layer
     stacked: list = dataclasses.field(default_factory=list)
+    # The block's non-trainable state besides dropout seeds (a MoE layer's load statistics
+    # and balance bias), stacked as the weights are; and for each of the block's
+    # non-trainable variables, in its order, ("seed", d) or ("state", index into state).
+    state: list = dataclasses.field(default_factory=list)
+    order: list = dataclasses.field(default_factory=list)
+    state_of: dict = dataclasses.field(default_factory=dict)  # id(block var) -> stacked
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -125,7 +131,8 @@ class LayerStack(layers.Layer):
 
     Args:
         block: the block layer (unbuilt; its config is this stack's config), e.g. a
-            ``PreNormBlock``. Its non-trainable weights may only be dropout seed states.
+            ``PreNormBlock``. Its non-trainable state is stacked like its weights (a MoE
+            layer's load statistics and balance bias; dropout seeds are drawn per layer).
         num_layers: L.
 
     Example:
@@ -171,7 +178,17 @@ class LayerStack(layers.Layer):
         _keras_compat.forget_uninitialized(block.weights)
         lead_axes = ("layers",) if len(self.lead) == 1 else (None, "layers")
         groups: dict[str, StackedWeights] = {}
-        for v in block.trainable_variables:
+        seeds = 0
+        for v in block.non_trainable_variables:  # seeds numbered as before: d = 0, 1, ...
+            if v.path.endswith("seed_generator_state"):
+                self._parts.order.append(("seed", seeds))
+                seeds += 1
+            else:
+                self._parts.order.append(("state", sum(k == "state" for k, _ in
+                                                       self._parts.order)))
+        state = [v for v in block.non_trainable_variables
+                 if not v.path.endswith("seed_generator_state")]
+        for v in [*block.trainable_variables, *state]:
             relative = v.path.split(f"{block.name}/", 1)[-1]  # attention/query/kernel
             group, _, name = relative.rpartition("/")
             axes = rules.declared_axes(v)
@@ -193,21 +210,53 @@ class LayerStack(layers.Layer):
             finally:
                 for scope in reversed(scopes):
                     scope.__exit__(None, None, None)
-            self._parts.stacked.append(stacked)
+            (self._parts.stacked if v.trainable else self._parts.state).append(stacked)
+            self._parts.state_of[id(v)] = stacked
         for holder in groups.values():
             holder.built = True
         self.weight_groups = list(groups.values())
 
     # === Forward ===
 
-    def _layer(self, weights, x, kwargs, index, seed, training):
-        """Layer ``index`` (a traced int) with its weight slices: ``(B, T, D) -> (B, T, D)``."""
-        states = []
-        if seed is not None:  # each layer and dropout its own mask
-            key = jax.random.fold_in(seed, index)
-            states = [jax.random.fold_in(key, d) for d in range(self.seed_count)]
-        y, _ = self.block.stateless_call(list(weights), states, x, training=training, **kwargs)
-        return y
+    def stacked_state_of(self, variable):
+        """The stacked ``(L, ...)`` variable holding the template block's non-trainable
+        ``variable`` (e.g. a MoE layer's ``expert_load``) for every layer."""
+        return self._parts.state_of[id(variable)]
+
+    def _layer(self, weights, x, kwargs, index, seed, training, state=()):
+        """Layer ``index`` (a traced int) with its weight slices: ``(B, T, D) -> (B, T, D)``;
+        with its ``state`` slices (see :meth:`_scan_with_state`), also the state after it
+        and the sum of the losses it added."""
+        key = None if seed is None else jax.random.fold_in(seed, index)  # each layer its own
+        values = [state[i] if kind == "state" else  # each dropout its own mask
+                  (jax.random.fold_in(key, i) if key is not None else jnp.zeros((2,), "uint32"))
+                  for kind, i in self._parts.order]
+        y, values, losses = self.block.stateless_call(
+            list(weights), values, x, training=training, return_losses=True, **kwargs)
+        if not self._parts.state:
+            return y
+        state = [v for (kind, _), v in zip(self._parts.order, values) if kind == "state"]
+        return y, state, sum(losses, jnp.zeros((), "float32"))
+
+    def _scan_with_state(self, layer, weights, x, kwargs, seed, training):
+        """The scan of a block with non-trainable state (a MoE block: its load statistics,
+        its balance bias): each layer reads and updates its slice of the stacked state, and
+        the losses it adds (load balance, router z-loss) leave the scan as outputs — a
+        Keras loss added inside the scan's body would be its tracer — and are added here."""
+        state = [ops.convert_to_tensor(v) for v in self._parts.state]  # (L, ...) each
+
+        def body(h, xs):
+            w, s, index = xs
+            h, s, loss = layer(w, h, kwargs, index, seed, s)
+            return h, (s, loss)
+
+        x, (state, losses) = jax.lax.scan(body, x, (list(weights), state,
+                                                   jnp.arange(self.num_layers)))
+        if training:
+            for variable, value in zip(self._parts.state, state):
+                variable.assign(value)
+            self.add_loss(jnp.sum(losses))
+        return x
 
     def _prepare(self, x, attention_mask, positions, segment_ids, training):
         """What both forward paths need: the weights, the step's dropout seed, the layers'
@@ -223,8 +272,8 @@ class LayerStack(layers.Layer):
                                     ("positions", positions),
                                     ("segment_ids", segment_ids)) if v is not None}
 
-        def layer(w, h, kw, index, seed):
-            return self._layer(w, h, kw, index, seed, training)
+        def layer(w, h, kw, index, seed, state=()):
+            return self._layer(w, h, kw, index, seed, training, state)
 
         schedule = pipeline.schedule_for(x.shape[0], self.num_layers, training=training)
         if schedule is not None and len(self.lead) != (1 if schedule.repeats == 1 else 2):
@@ -256,7 +305,11 @@ class LayerStack(layers.Layer):
             x = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule, layouts)
         else:  # a scan keeps what its blocks' policy says, never every intermediate
             with remat.stacked():  # (kdist.models.remat.in_scan; a pipeline's own stays)
-                x = scan_layers(layer, self._flat(weights), x, kwargs, seed)
+                if self._parts.state:
+                    x = self._scan_with_state(layer, self._flat(weights), x, kwargs, seed,
+                                              training)
+                else:
+                    x = scan_layers(layer, self._flat(weights), x, kwargs, seed)
         return shard_batch(x)  # (B, T, D), B split over the replica axes
 
     def _stacked_values(self):
@@ -276,15 +329,17 @@ class LayerStack(layers.Layer):
         """Cached decoding (``kdist.models.generation``): ``x`` ``(B, T, D)``, ``cache``
         ``(B, L, 2, S, K, H)``; returns ``(x, updated cache)``."""
         weights = self._flat(self._stacked_values())
-        states = [jnp.zeros((2,), "uint32")] * self.seed_count  # no dropout at inference
+        state = [ops.convert_to_tensor(v) for v in self._parts.state]  # (L, ...): routing's
 
         def body(h, xs):
-            w, layer_cache = xs
+            w, s, layer_cache = xs
+            values = [s[i] if kind == "state" else jnp.zeros((2,), "uint32")  # no dropout
+                      for kind, i in self._parts.order]
             (h, layer_cache), _ = self.block.stateless_call(
-                list(w), states, h, cache=layer_cache, cache_index=cache_index)
+                list(w), values, h, cache=layer_cache, cache_index=cache_index)
             return h, layer_cache
 
-        x, caches = jax.lax.scan(body, x, (weights, jnp.moveaxis(cache, 1, 0)))
+        x, caches = jax.lax.scan(body, x, (weights, state, jnp.moveaxis(cache, 1, 0)))
         return x, jnp.moveaxis(caches, 0, 1)
 
     def compute_output_spec(self, x, attention_mask=None, positions=None, segment_ids=None,

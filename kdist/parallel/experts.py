@@ -174,7 +174,10 @@ def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None):
 
 
 def _has_experts(model) -> bool:
-    return any(hasattr(layer, "num_experts") for layer in _keras_compat.all_layers(model))
+    layers = _keras_compat.all_layers(model)
+    templates = [_keras_compat.all_layers(layer.block) for layer in layers  # scanned stacks'
+                 if hasattr(layer, "stacked_state_of")]                     # one block each
+    return any(hasattr(layer, "num_experts") for layer in sum(templates, layers))
 
 
 def _prepare(dist, model) -> None:

@@ -322,12 +322,14 @@ def test_each_steps_own_loss_is_logged_and_a_validation_before_fit(tmp_path):
         np.testing.assert_allclose(means, per_step[3 * epoch:3 * epoch + 3], rtol=1e-5)
 
 
-def test_a_moe_models_expert_load_is_in_each_interval_row_and_the_report(monkeypatch):
+@pytest.mark.parametrize("scan_layers", [False, True])  # a scanned stack: each layer's row
+def test_a_moe_models_expert_load_is_in_each_interval_row_and_the_report(monkeypatch,
+                                                                       scan_layers):
     from kdist.models import GPTBackbone, GPTCausalLM
     from kdist.models.moe import expert_load
     from kdist.run_report import summarize
 
-    model = GPTCausalLM(GPTBackbone(**dict(TINY_GPT, num_layers=1),
+    model = GPTCausalLM(GPTBackbone(**dict(TINY_GPT, num_layers=1), scan_layers=scan_layers,
                                     moe={"num_experts": 4, "capacity_factor": 0.5}))
     model.compile(optimizer=parity_optimizer())
     syncs = []

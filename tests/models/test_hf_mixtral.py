@@ -61,6 +61,22 @@ def test_logits_match_transformers_both_ways(reference, tmp_path):
     np.testing.assert_allclose(hf_logits(back.eval()), got, rtol=0, atol=1e-5)
 
 
+def test_loads_into_and_exports_from_a_scanned_stack(reference, tmp_path):
+    # The stack's expert weights are (L, E, ...): every layer's every expert's tensor, read
+    # into its row and written back per layer and expert (transformers reads the export).
+    directory, want = reference
+    lm = GPTCausalLM.from_pretrained(directory, scan_layers=True)
+    gate = next(w for w in lm.weights if w.path == "blocks/moe/gate")
+    assert tuple(gate.shape) == (2, 4, 64, 48)  # (L, E, D, F)
+    got = np.asarray(lm.predict_on_batch(IDS.astype("int32")))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    export(lm, tmp_path)
+    back, info = transformers.MixtralForCausalLM.from_pretrained(tmp_path,
+                                                                 output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    np.testing.assert_allclose(hf_logits(back.eval()), got, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("mesh, shard, reads", [("expert=2,data=4", (2, 64, 48), 1),
                                                  ("expert=4,fsdp=2", (1, 32, 48), 2)])
 def test_loads_sharded_over_experts(reference, mesh, shard, reads, monkeypatch, tmp_path):

@@ -193,9 +193,42 @@ def test_wrong_moe_configs_are_refused(moe, message):
         check_moe(moe, 2, 8)
 
 
-def test_scanned_stack_refused():
-    with pytest.raises(ValueError, match="scan_layers=False"):
-        GPTBackbone(**TINY_GPT, scan_layers=True, moe={"num_experts": 4})
+def test_a_scanned_moe_stack_trains_like_unstacked_blocks():
+    """The stack's layers each read and update their row of the stacked load statistics and
+    balance bias, and add their losses outside the scan: the same training, statistics and
+    greedy decoding (which routes with the bias) as unstacked blocks."""
+    from kdist.models.stacking import match_layer_layout, unstack_layer_weights
+    from tests.helpers import token_batches, train, weights
+
+    moe = {"num_experts": 4, "expert_dim": 32, "balance_bias_rate": 0.01}
+
+    def gpt(scan):
+        keras.utils.set_random_seed(0)
+        return GPTCausalLM(GPTBackbone(**TINY_GPT, scan_layers=scan, moe=moe))
+
+    unstacked, stacked = gpt(False), gpt(True)
+    values = match_layer_layout(weights(unstacked), {w.path: w.shape for w in stacked.weights})
+    for w in stacked.weights:
+        w.assign(values[w.path])
+    batches = token_batches(3)
+    np.testing.assert_allclose(train(stacked, batches), train(unstacked, batches), rtol=2e-6)
+    back = unstack_layer_weights(weights(stacked))
+    for path, value in weights(unstacked).items():  # the statistics and the bias too
+        np.testing.assert_allclose(back[path], value, rtol=0, atol=2e-6, err_msg=path)
+    assert np.abs(back["block_1/moe/balance_bias"]).max() > 0  # the bias moved
+    load = expert_load(stacked)  # shares of 256 assignments: exact
+    assert load == expert_load(unstacked) and list(load) == ["block_0/moe", "block_1/moe"]
+    prompt = batches[0][0][:2, :4]
+    np.testing.assert_array_equal(stacked.generate(prompt, 10, sampler="greedy"),
+                                  unstacked.generate(prompt, 10, sampler="greedy"))
+
+
+def test_scanned_stacks_refuse_mixed_blocks_and_pipelines_refuse_moe():
+    with pytest.raises(ValueError, match="every'\\]=2 mixes dense and MoE blocks"):
+        GPTBackbone(**TINY_GPT, scan_layers=True, moe={"num_experts": 4, "every": 2})
+    keras.distribution.set_distribution(kdist.distribution("stage=2,data=4"))
+    with pytest.raises(ValueError, match="not supported in a pipeline yet.*without 'stage'"):
+        GPTBackbone(**TINY_GPT, moe={"num_experts": 4})
 
 
 def test_quantized_matmuls_are_refused_with_experts():

@@ -74,6 +74,9 @@ CONFIGS = {
     # ... with DeepSeek-V3's balance bias: the same choices on every device (global load).
     "moe-bias": {"moe": {"num_experts": 8, "experts_per_token": 2, "expert_dim": 32,
                          "balance_bias_rate": 0.01}},
+    # ... in a scanned stack: each layer's statistics and bias a row of the stack's.
+    "moe-scanned": {"scan_layers": True, "moe": {"num_experts": 8, "experts_per_token": 2,
+                                                 "expert_dim": 32, "balance_bias_rate": 0.01}},
 }
 # DiLoCo's exact special case: inner SGD, every step synchronised, outer lr 1 and no
 # momentum is synchronous data-parallel SGD, i.e. one device's SGD.
@@ -287,6 +290,7 @@ TABLE: list[Row] = [
     trains("expert=4,fsdp=2", "llama", config="moe", layouts=True),
     trains("data=2,fsdp=2,model=2", "gpt", config="moe", layouts=True),  # no expert axis
     trains("expert=2,model=2,data=2", "gpt", config="moe", layouts=True),
+    trains("expert=4,fsdp=2", "gpt", config="moe-scanned"),
     refused("expert=2,stage=2,data=2", "expert x stage", "needs a scanned layer stack"),
     trains("expert=2,seq=2,data=2", "gpt", config="moe", context_parallel="ring"),
     trains("expert=2,seq=2,data=2", "llama", config="moe", context_parallel="all_gather"),

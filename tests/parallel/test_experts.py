@@ -110,3 +110,18 @@ def test_wrong_expert_meshes_are_refused_before_compiling():
     moe = GPTCausalLM(GPTBackbone(**TINY_GPT, moe={"num_experts": 8}))
     with pytest.raises(ValueError, match="'expert', 'fsdp' and 'replica' together.*'data'"):
         moe.compile(optimizer="adam")
+
+
+def test_a_scanned_stacks_expert_weights_are_split_over_the_expert_axis():
+    import keras
+
+    import kdist
+    from kdist.models import GPTBackbone, GPTCausalLM
+    from tests.helpers import TINY_GPT
+
+    keras.distribution.set_distribution(kdist.distribution("expert=4,fsdp=2"))
+    lm = GPTCausalLM(GPTBackbone(**TINY_GPT, scan_layers=True,
+                                 moe={"num_experts": 8, "expert_dim": 32}))
+    specs = {w.path: tuple(w.value.sharding.spec) for w in lm.weights if "/moe/" in w.path}
+    for name in ("gate", "up", "down"):  # (L, E, ...): each expert on its own devices
+        assert specs[f"blocks/moe/{name}"][:2] == (None, "expert"), specs

@@ -26,7 +26,7 @@ import re
 import warnings
 
 from kdist.models.hf import llama
-from kdist.models.hf.stacked import StackedMap
+from kdist.models.hf.stacked import StackedMap, stacked_map
 from kdist.models.hf.tensors import TensorMap, Transpose
 from kdist.models.moe import MOE_DEFAULTS
 
@@ -101,9 +101,12 @@ def hf_config(config: dict) -> dict:
 
 def tensor_map(path: str, config: dict) -> TensorMap | StackedMap | None:
     """The HF tensor(s) a kdist Mixtral-style GPT weight path comes from."""
+    stacked = stacked_map(path, config, tensor_map)  # blocks/...: every layer's tensors
+    if stacked is not None:
+        return stacked
     found = re.fullmatch(r"block_(\d+)/moe/(.+)", path)
     if not found:
-        return llama.tensor_map(path, config)  # (MoE refuses scan_layers: no stacked blocks)
+        return llama.tensor_map(path, config)
     return expert_tensor_map(f"{PREFIX}layers.{found[1]}.{_MOE}", found[2], config,
                              _EXPERT_TENSORS)
 

@@ -111,11 +111,15 @@ def stacked_map(path: str, config: dict,
                 tensor_map: Callable[[str, dict], object]) -> StackedMap | None:
     """The :class:`StackedMap` of a stacked block weight path (``blocks/...``,
     ``encoder_blocks/...``): layer ``i`` is what ``tensor_map`` gives for the unstacked path
-    ``block_<i>/...``. None if ``path`` is not stacked, or a layer has no HF tensor."""
+    ``block_<i>/...`` (a stack itself for a MoE layer's experts: then one stack of leading
+    shape ``(L, E)``). None if ``path`` is not stacked, or a layer has no HF tensor."""
     if stacking.unstacked_key(path, 0) is None:
         return None
     layers = [tensor_map(stacking.unstacked_key(path, i), config)
               for i in range(config["num_layers"])]
+    if all(isinstance(m, StackedMap) for m in layers):  # a MoE layer's experts: (L, E, ...)
+        return StackedMap(tuple(t for m in layers for t in m.layers),
+                          (len(layers),) + layers[0].lead)
     if any(not isinstance(m, TensorMap) for m in layers):
         return None
     return StackedMap(tuple(layers))
