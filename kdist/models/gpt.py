@@ -100,8 +100,9 @@ class GPTBackbone(Backbone, keras.Model):
             (the ``stage`` mesh axis). None (default): stacked when the distribution has
             a ``stage`` axis. ``kdist.models.stacking`` converts weights between the two.
         matmul_precision: ``"bf16"`` (default: the dtype policy's matmuls), ``"int8"`` or
-            ``"fp8"``: every block's attention and MLP projections quantized forward and
-            backward (:mod:`kdist.precision`); embeddings, head, norms, softmax, loss unchanged.
+            ``"fp8"``: every block's attention and MLP projections (or MoE experts)
+            quantized forward and backward (:mod:`kdist.precision`); embeddings, head,
+            norms, softmax, the MoE router and the loss unchanged.
         head_dim: each attention head's width H (Qwen3: 128 at D=2048 with 32 heads); None
             (default): ``hidden_dim // num_heads``. Queries are ``N x H`` wide, which need
             not equal D: the output projection maps ``(N, H)`` back to D.
@@ -163,11 +164,6 @@ class GPTBackbone(Backbone, keras.Model):
         **kwargs,
     ):
         moe = check_moe(moe, num_layers, intermediate_dim, scan_layers)
-        if moe and matmul_precision != "bf16":
-            raise ValueError(
-                f"matmul_precision={matmul_precision!r} quantizes the attention and MLP "
-                f"projections, but the MoE experts (moe=...) have no quantized grouped matmul "
-                f"yet. Use matmul_precision='bf16' with moe, or a dense model with it.")
         if head_dim is None and hidden_dim % num_heads:
             raise ValueError(
                 f"hidden_dim={hidden_dim} must be divisible by num_heads={num_heads} "

@@ -220,7 +220,8 @@ class PreNormBlock(layers.Layer):
         # `moe`: routed experts in place of the MLP (kdist.models.moe, MoEFeedForward's args)
         self.mlp = MoEFeedForward(
             **moe, initializer_range=initializer_range,
-            output_initializer_range=output_initializer_range, dtype=dtype, name="moe",
+            output_initializer_range=output_initializer_range,
+            matmul_precision=matmul_precision, dtype=dtype, name="moe",
         ) if moe else MLP(
             intermediate_dim,
             activation=mlp_activation,

@@ -52,6 +52,8 @@ from kdist.parallel.experts import (
 )
 from kdist.parallel.layout import check_divisible
 from kdist.parallel.rules import add_weight
+from kdist.precision import matmul as quantized
+from kdist.precision.policy import check as check_precision
 
 # What a block's `moe` dict may hold, with defaults (GPTBackbone's `moe` argument).
 MOE_DEFAULTS = dict(num_experts=None, experts_per_token=2, expert_dim=None, every=1,
@@ -153,13 +155,17 @@ def swiglu_grouped(x, group_sizes, gate, up, down):
     return jax.lax.ragged_dot(h, down, group_sizes)  # (A, D)
 
 
-def swiglu_blocked(x, group_sizes, gate, up, down, block: int = 128):
+def swiglu_blocked(x, group_sizes, gate, up, down, block: int = 128,
+                   precision: str = "bf16"):
     """:func:`swiglu_grouped` by blocks of ``block`` rows of one expert each: every group
     padded with zero rows to a multiple of ``block`` (at most ``E x (block - 1)`` rows in
     all), each block through its expert's weights gathered for it (batched matmuls). Exact
     (padding rows are dropped); for XLA:CPU, which runs ``ragged_dot`` as a dense matmul
     over every expert with a mask (E x the FLOPs): measured 6.7x faster there, forward and
-    backward, at gpt-nano-moe's shape (A 8192, D 256, F 336, E 8)."""
+    backward, at gpt-nano-moe's shape (A 8192, D 256, F 336, E 8). Under an 8-bit
+    ``precision`` each block's three products are quantized
+    (:func:`kdist.parallel.experts.batched_matmul`): its
+    weight gradient scaled over the block's rows."""
     a, d = x.shape
     e = group_sizes.size
     block = max(1, min(block, a // e))
@@ -175,30 +181,35 @@ def swiglu_blocked(x, group_sizes, gate, up, down, block: int = 128):
     # fails inside a shard_map region (a DiLoCo group's; JAX 0.10).
     owner = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(blocks) * block)[:, None],
                                 axis=1), e - 1)
-    h = jax.nn.silu(jnp.einsum("nbd,ndf->nbf", xb, gate[owner]))
-    h = h * jnp.einsum("nbd,ndf->nbf", xb, up[owner])  # (blocks, block, F)
-    return jnp.einsum("nbf,nfd->nbd", h, down[owner]).reshape(-1, d)[row]  # (A, D)
+    h = swiglu_batched(xb, gate[owner], up[owner], down[owner], precision)  # (blocks, b, D)
+    return h.reshape(-1, d)[row]  # (A, D)
 
 
-def dropless(tokens, experts, counts, gate, up, down):
+def dropless(tokens, experts, counts, gate, up, down, precision: str = "bf16"):
     """``tokens (N, D)``, ``experts (N, k)`` -> every assignment's expert output
     ``(N, k, D)``: assignments sorted by expert, grouped matmuls (``ragged_dot``; blocks on
     a CPU, :func:`swiglu_blocked`), unsorted."""
     n, k = experts.shape
     order = jnp.argsort(experts.reshape(-1), stable=True)  # (A,): grouped by expert
-    blocks = jax.default_backend() == "cpu" and isinstance(n, int)  # (not Keras' symbolic
-    grouped = swiglu_blocked if blocks else swiglu_grouped           # shape inference)
-    sorted_out = grouped(tokens[order // k], counts, gate, up, down)  # (A, D)
+    # Blocks on a CPU, and for 8-bit matmuls (no quantized ragged_dot); not for Keras'
+    # symbolic shape inference.
+    if isinstance(n, int) and (jax.default_backend() == "cpu" or precision != "bf16"):
+        sorted_out = swiglu_blocked(tokens[order // k], counts, gate, up, down,
+                                    precision=precision)  # (A, D)
+    else:
+        sorted_out = swiglu_grouped(tokens[order // k], counts, gate, up, down)
     return sorted_out[jnp.argsort(order)].reshape(n, k, -1)  # back to token order
 
 
-def capacity_limited(tokens, experts, counts, gate, up, down, factor: float):
+def capacity_limited(tokens, experts, counts, gate, up, down, factor: float,
+                     precision: str = "bf16"):
     """The capacity path: ``(N, k, D)`` expert outputs (zeros where dropped) and the
     number of dropped assignments."""
     n, k = experts.shape
     slots = capacity(n * k, counts.size, factor)
     slot = dispatch_slots(experts, counts, slots)
-    out = swiglu_batched(to_buffer(tokens, slot, k, counts.size, slots), gate, up, down)
+    out = swiglu_batched(to_buffer(tokens, slot, k, counts.size, slots), gate, up, down,
+                         precision)
     return from_buffer(out, slot, k), jnp.sum(slot == counts.size * slots)
 
 
@@ -224,6 +235,10 @@ class MoEFeedForward(layers.Layer):
         renormalize: the k chosen experts' weights divided by their sum (default, Mixtral),
             or (False) the router's probabilities as they are (Qwen3-MoE's
             ``norm_topk_prob: false``).
+        matmul_precision: ``"bf16"`` (default), ``"int8"`` or ``"fp8"``: the experts' (and
+            shared experts') three matmuls quantized forward and backward, each expert
+            scaled per token and per output channel (:mod:`kdist.precision`); the router
+            stays float32.
         initializer_range, output_initializer_range: as :class:`MLP`'s.
 
     Weights: ``router (D, E)``; ``gate``, ``up`` ``(E, D, F)`` and ``down`` ``(E, F, D)``
@@ -242,8 +257,10 @@ class MoEFeedForward(layers.Layer):
                  capacity_factor: float | None = None, aux_loss_weight: float = 0.01,
                  z_loss_weight: float = 0.001, initializer_range: float = 0.02,
                  output_initializer_range: float | None = None,
-                 balance_bias_rate: float = 0.0, renormalize: bool = True, **kwargs):
+                 balance_bias_rate: float = 0.0, renormalize: bool = True,
+                 matmul_precision: str = "bf16", **kwargs):
         super().__init__(**kwargs)
+        self.matmul_precision = check_precision(matmul_precision)
         check_moe(dict(num_experts=num_experts, experts_per_token=experts_per_token,
                        router=router, capacity_factor=capacity_factor,
                        balance_bias_rate=balance_bias_rate, renormalize=renormalize), 1,
@@ -310,20 +327,21 @@ class MoEFeedForward(layers.Layer):
         # over the 'expert' mesh axis (kdist.parallel.experts), in the activations' layout
         parallel = experts_module.dispatch(
             x, ops.reshape(experts, (*shape[:-1], self.experts_per_token)), *kernels,
-            self.capacity_factor)
+            self.capacity_factor, self.matmul_precision)
         if parallel is not None:
             out, dropped = parallel[0].reshape(experts.shape + (shape[-1],)), parallel[1]
         elif self.capacity_factor is None or not isinstance(tokens.shape[0], int):
             # (Keras' symbolic shape inference: no capacity of an unknown batch; same shape)
-            out, dropped = dropless(tokens, experts, counts, *kernels), jnp.zeros((), "int32")
+            out, dropped = (dropless(tokens, experts, counts, *kernels, self.matmul_precision),
+                            jnp.zeros((), "int32"))
         else:
             out, dropped = capacity_limited(tokens, experts, counts, *kernels,
-                                            self.capacity_factor)
+                                            self.capacity_factor, self.matmul_precision)
         y = jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype))  # (N, D)
         y = ops.reshape(y, shape)
         if self.shared is not None:  # (..., D) -> (..., S) -> (..., D), every token
             gate, up, down = (ops.cast(w, x.dtype) for w in self.shared)
-            y = y + ops.matmul(ops.silu(ops.matmul(x, gate)) * ops.matmul(x, up), down)
+            y = y + self._matmul(ops.silu(self._matmul(x, gate)) * self._matmul(x, up), down)
         # The bias's direction from integer counts (mean count = A / E, compared as
         # A vs E x count): exact, so every device and every run moves it alike.
         balance = None if bias is None else jnp.sign(
@@ -332,6 +350,11 @@ class MoEFeedForward(layers.Layer):
                          counts.astype("float32") / experts.size, dropped.astype("float32"),
                          balance)
         return y, stats
+
+    def _matmul(self, x, w):
+        if self.matmul_precision == "bf16":
+            return ops.matmul(x, w)
+        return quantized.matmul(x, w, 1, self.matmul_precision)
 
     def record(self, stats: MoEStats, training=None) -> None:
         """The weighted losses added to the model's loss and the load statistics kept — in
@@ -361,7 +384,8 @@ class MoEFeedForward(layers.Layer):
                 "aux_loss_weight": self.aux_loss_weight, "z_loss_weight": self.z_loss_weight,
                 "initializer_range": self.initializer_range,
                 "output_initializer_range": self.output_initializer_range,
-                "balance_bias_rate": self.balance_bias_rate, "renormalize": self.renormalize}
+                "balance_bias_rate": self.balance_bias_rate, "renormalize": self.renormalize,
+                "matmul_precision": self.matmul_precision}
 
 
 def statistics(model) -> list[tuple[str, int, object, object, int | None]]:

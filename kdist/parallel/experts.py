@@ -39,6 +39,7 @@ from kdist.parallel import region
 from kdist.parallel.layout import active
 from kdist.parallel.mesh import batch_axes
 from kdist.parallel.transform import Transform
+from kdist.precision import matmul as quantized
 
 
 def expert_counts(experts, num_experts: int):
@@ -56,10 +57,31 @@ def capacity(num_assignments: int, num_experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * num_assignments / num_experts))
 
 
-def swiglu_batched(x, gate, up, down):
+def batched_matmul(x, w, precision: str = "bf16"):
+    """``x (n, c, d) @ w (n, d, f) -> (n, c, f)``: n independent products (one per expert,
+    or per block of one expert's rows), each quantized under an 8-bit ``precision`` as a
+    projection is (:func:`kdist.precision.matmul.matmul`: scales per row of ``x`` and per
+    output channel of its ``w``, both backward products quantized too).
+
+    Example:
+        >>> batched_matmul(jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5)), "int8").shape
+        (2, 3, 5)
+    """
+    if precision == "bf16":
+        return jnp.einsum("ncd,ndf->ncf", x, w)
+    # In the experts' shard_map the rows vary over the batch's axes, the weights over
+    # 'expert' only: both typed alike first, so that the quantized matmul's custom VJP
+    # returns each cotangent with its operand's type (the cast's transpose sums the
+    # weights' gradient over the batch's axes, as autodiff's einsum would).
+    x = region.to_varying(x, region.varying_axes(w))
+    w = region.to_varying(w, region.varying_axes(x))
+    return jax.vmap(lambda a, b: quantized.matmul(a, b, 1, precision))(x, w)
+
+
+def swiglu_batched(x, gate, up, down, precision: str = "bf16"):
     """``x (E, C, D)``: each expert's buffer through its own weights -> ``(E, C, D)``."""
-    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x, gate)) * jnp.einsum("ecd,edf->ecf", x, up)
-    return jnp.einsum("ecf,efd->ecd", h, down)
+    h = jax.nn.silu(batched_matmul(x, gate, precision)) * batched_matmul(x, up, precision)
+    return batched_matmul(h, down, precision)
 
 
 def dispatch_slots(experts, counts, slots: int):
@@ -109,7 +131,7 @@ def _return(outputs, axis: str, devices: int):
 
 def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, slots: int,
                             token_axes: tuple[str, ...] | None = None,
-                            seq_axis: str | None = None):
+                            seq_axis: str | None = None, precision: str = "bf16"):
     """Every assignment's expert output ``(..., k, D)`` and the dropped count, with the
     expert weights ``(E, ...)`` split over mesh axis ``axis`` and tokens ``(..., D)`` and
     their experts ``(..., k)`` split over ``token_axes`` along their first axis (default
@@ -138,7 +160,7 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
         tokens, experts = tokens.reshape(-1, tokens.shape[-1]), experts.reshape(-1, k)
         slot = dispatch_slots(experts, expert_counts(experts, num_experts), slots)  # (n k,)
         buffer = _exchange(to_buffer(tokens, slot, k, num_experts, slots), axis, devices)
-        outputs = _return(swiglu_batched(buffer, gate, up, down), axis, devices)
+        outputs = _return(swiglu_batched(buffer, gate, up, down, precision), axis, devices)
         dropped = jax.lax.psum(jnp.sum(slot == num_experts * slots),
                                (*token_axes, *split_tokens))
         return from_buffer(outputs, slot, k).reshape(*leading, k, -1), dropped
@@ -150,7 +172,8 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
         tokens, experts, gate, up, down)
 
 
-def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None):
+def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None,
+             precision: str = "bf16"):
     """``(..., k, D)`` expert outputs and the dropped count over the active distribution's
     ``expert`` axis, or None when it has none (the layer computes locally). ``tokens
     (..., D)`` and ``experts (..., k)`` keep the activations' leading axes, so that tokens
@@ -170,7 +193,7 @@ def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None):
                                                             capacity_factor)
     return expert_parallel_outputs(tokens, experts, gate, up, down,
                                    dist.device_mesh.backend_mesh, "expert", slots, token_axes,
-                                   seq)
+                                   seq, precision)
 
 
 def _has_experts(model) -> bool:

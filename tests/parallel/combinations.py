@@ -291,6 +291,8 @@ TABLE: list[Row] = [
     trains("data=2,fsdp=2,model=2", "gpt", config="moe", layouts=True),  # no expert axis
     trains("expert=2,model=2,data=2", "gpt", config="moe", layouts=True),
     trains("expert=4,fsdp=2", "gpt", config="moe-scanned"),
+    trains("expert=2,data=4", "gpt", config={**CONFIGS["moe"], "matmul_precision": "int8"},
+           tolerance="int8_experts"),
     refused("expert=2,stage=2,data=2", "expert x stage", "needs a scanned layer stack"),
     trains("expert=2,seq=2,data=2", "gpt", config="moe", context_parallel="ring"),
     trains("expert=2,seq=2,data=2", "llama", config="moe", context_parallel="all_gather"),

@@ -134,6 +134,17 @@ TOLERANCES = {
             "gradients differ from one device's by int8 rounding, not float32's: measured "
             "8.4e-6 relative on the losses of stage=2,data=4 1F1B over 3 steps (weights "
             "6e-4, not compared). 1e-4 is 12x that; the loss must move 10x the tolerance."),
+    "int8_experts": Tolerance(
+        loss_rtol=1e-4, min_loss_change=0.01,
+        why="matmul_precision='int8' MoE experts over an 'expert' axis: forwards and input "
+            "gradients scale per token and per expert channel, as on one device, but a "
+            "weight gradient's scales are maxima over the rows its product holds: one "
+            "device's blocks of an expert's rows against the expert's whole buffer "
+            "(every source device's rows) on its device. The gradients differ by int8 "
+            "rounding, not float32's: measured 7.9e-6 relative on the losses of "
+            "expert=2,data=4 over 3 steps (weights not compared: a token whose routing "
+            "flips moves an expert's load share by 1/128). 1e-4 is 12x that; the loss "
+            "must move 10x it."),
 }
 MOVES = 50  # the reference's weights move by more than MOVES x weight_atol
 
