@@ -326,8 +326,8 @@ class MoEFeedForward(layers.Layer):
         counts = expert_counts(experts, self.num_experts)  # (E,)
         # over the 'expert' mesh axis (kdist.parallel.experts), in the activations' layout
         parallel = experts_module.dispatch(
-            x, ops.reshape(experts, (*shape[:-1], self.experts_per_token)), *kernels,
-            self.capacity_factor, self.matmul_precision)
+            x, ops.reshape(experts, (*shape[:-1], self.experts_per_token)),
+            *self._region_weights(kernels), self.capacity_factor, self.matmul_precision)
         if parallel is not None:
             out, dropped = parallel[0].reshape(experts.shape + (shape[-1],)), parallel[1]
         elif self.capacity_factor is None or not isinstance(tokens.shape[0], int):
@@ -350,6 +350,17 @@ class MoEFeedForward(layers.Layer):
                          counts.astype("float32") / experts.size, dropped.astype("float32"),
                          balance)
         return y, stats
+
+    def _region_weights(self, kernels):
+        """The expert weights as they enter the experts' region: in the compute dtype, or
+        on a CPU as stored (float32; the region casts them): the transpose of the region's
+        entry sums their gradient over the batch's axes, and XLA:CPU aborts promoting a
+        bfloat16 all-reduce whose reducer JAX annotated with a sharding (JAX 0.10,
+        AllReducePromotion: "Invalid binary instruction opcode copy")."""
+        if jax.default_backend() != "cpu":
+            return kernels
+        with _keras_compat.no_autocast():
+            return [ops.convert_to_tensor(w) for w in (self.gate, self.up, self.down)]
 
     def _matmul(self, x, w):
         if self.matmul_precision == "bf16":

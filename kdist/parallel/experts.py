@@ -156,6 +156,10 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
     k = experts.shape[-1]
 
     def local(tokens, experts, gate, up, down):  # (b[, t], D), (b[, t], k): this device's
+        # Typed as varying with the rows before the cast: the gradient is summed over the
+        # batch's axes as the weights came in (float32 on a CPU: kdist.models.moe).
+        gate, up, down = (region.to_varying(w, region.varying_axes(tokens)).astype(tokens.dtype)
+                          for w in (gate, up, down))
         leading = tokens.shape[:-1]
         tokens, experts = tokens.reshape(-1, tokens.shape[-1]), experts.reshape(-1, k)
         slot = dispatch_slots(experts, expert_counts(experts, num_experts), slots)  # (n k,)
@@ -175,7 +179,8 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
 def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None,
              precision: str = "bf16"):
     """``(..., k, D)`` expert outputs and the dropped count over the active distribution's
-    ``expert`` axis, or None when it has none (the layer computes locally). ``tokens
+    ``expert`` axis, or None when it has none or cannot split the rows over the batch's
+    axes (the layer computes them all, XLA partitioning it as any op). ``tokens
     (..., D)`` and ``experts (..., k)`` keep the activations' leading axes, so that tokens
     of sequences split over ``seq`` enter the experts' region as they lie."""
     dist = active()
@@ -186,7 +191,10 @@ def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None,
     token_axes = batch_axes(sizes, here.automatic(sizes))  # the rows' layout (expert among)
     seq = "seq" if (sizes.get("seq", 1) > 1 and "seq" not in here.manual
                     and experts.ndim == 3) else None  # (B, T, k): tokens split over seq too
-    per_device = math.prod(sizes[a] for a in token_axes) * (sizes[seq] if seq else 1)
+    splits = math.prod(sizes[a] for a in token_axes)
+    if experts.shape[0] % splits or (seq and experts.shape[1] % sizes[seq]):
+        return None  # rows the axes do not split (decoding one sequence): XLA's, whole
+    per_device = splits * (sizes[seq] if seq else 1)
     k = experts.shape[-1]
     n = math.prod(experts.shape[:-1]) // per_device  # tokens per device
     slots = n * k if capacity_factor is None else capacity(n * k, gate.shape[0],

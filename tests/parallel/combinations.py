@@ -291,6 +291,7 @@ TABLE: list[Row] = [
     trains("data=2,fsdp=2,model=2", "gpt", config="moe", layouts=True),  # no expert axis
     trains("expert=2,model=2,data=2", "gpt", config="moe", layouts=True),
     trains("expert=4,fsdp=2", "gpt", config="moe-scanned"),
+    trains("expert=2,fsdp=4", "llama", config="moe", tolerance="bfloat16"),  # mixed precision
     trains("expert=2,data=4", "gpt", config={**CONFIGS["moe"], "matmul_precision": "int8"},
            tolerance="int8_experts"),
     refused("expert=2,stage=2,data=2", "expert x stage", "needs a scanned layer stack"),

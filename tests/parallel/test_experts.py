@@ -125,3 +125,29 @@ def test_a_scanned_stacks_expert_weights_are_split_over_the_expert_axis():
     specs = {w.path: tuple(w.value.sharding.spec) for w in lm.weights if "/moe/" in w.path}
     for name in ("gate", "up", "down"):  # (L, E, ...): each expert on its own devices
         assert specs[f"blocks/moe/{name}"][:2] == (None, "expert"), specs
+
+
+def test_decoding_one_sequence_under_an_expert_mesh_computes_the_rows_whole():
+    """One prompt's rows do not split over expert=2,data=4: the layer computes them whole
+    (the recipes' sample after training failed on every expert mesh), the same tokens as
+    the model's weights decode on one device."""
+    import keras
+
+    import kdist
+    from kdist.models import GPTBackbone, GPTCausalLM
+    from tests.helpers import TINY_GPT
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return GPTCausalLM(GPTBackbone(**TINY_GPT, moe={"num_experts": 8, "expert_dim": 32}))
+
+    keras.distribution.set_distribution(kdist.distribution("expert=2,data=4"))
+    sharded = build()
+    prompt = np.array([[5, 9, 2, 7]], "int32")
+    tokens = sharded.generate(prompt, 10, sampler="greedy")
+    values = [np.asarray(w.value) for w in sharded.weights]
+    keras.distribution.set_distribution(None)
+    local = build()
+    for w, v in zip(local.weights, values):
+        w.assign(v)
+    np.testing.assert_array_equal(tokens, local.generate(prompt, 10, sampler="greedy"))
