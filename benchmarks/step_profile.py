@@ -119,7 +119,8 @@ def main(argv=None):
     p.add_argument("--preset", default="gpt2-medium")
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--batch", type=int, default=None, help="default: kdist's for the device")
-    p.add_argument("--matmul-precision", default="bf16", choices=("bf16", "int8", "fp8"))
+    p.add_argument("--matmul-precision", default="bf16",
+                   choices=("bf16", "int8", "int8-sr", "fp8"))
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     args = p.parse_args(argv)
 

@@ -167,9 +167,10 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--preset", default="gpt-nano",
                    help="a kdist preset of any family, e.g. gpt2-xl, llama-1b, bert-base")
     p.add_argument("--mesh", default="auto", help="e.g. fsdp=8, data=2,model=4, or auto")
-    p.add_argument("--matmul-precision", default="bf16", choices=["bf16", "int8", "fp8"],
-                   help="the blocks' projections quantized (kdist.precision); int8: MFU's "
-                        "peak blends the device's int8 and bf16 peaks")
+    p.add_argument("--matmul-precision", default="bf16",
+                   choices=["bf16", "int8", "int8-sr", "fp8"],
+                   help="the blocks' projections quantized (kdist.precision); int8 and "
+                        "int8-sr: MFU's peak blends the device's int8 and bf16 peaks")
     p.add_argument("--global-batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--sequence-length", type=int, default=None,
                    help="tokens per sequence (default: the preset's context)")

@@ -176,10 +176,12 @@ def add_run_flags(p: argparse.ArgumentParser, output_dir: str, log_every: int) -
                    choices=("auto", "xla", "chunked", "splash", "flash"),
                    help="auto = the fastest measured for the device (kdist's Pallas flash "
                         "kernels on a TPU, XLA's elsewhere; kdist.accelerators)")
-    g.add_argument("--matmul-precision", default="bf16", choices=("bf16", "int8", "fp8"),
+    g.add_argument("--matmul-precision", default="bf16",
+                   choices=("bf16", "int8", "int8-sr", "fp8"),
                    help="the Transformer blocks' projections (kdist.precision): bf16 = as "
                         "--precision computes; int8 / fp8 = quantized forward and backward "
-                        "matmuls, float32 weights (docs/precision.md)")
+                        "matmuls, float32 weights; int8-sr = int8 with stochastically "
+                        "rounded gradients (docs/precision.md)")
     g.add_argument("--seed", type=nonnegative_int("--seed", 0), default=0,
                    help="random seed of the weights, data order, dropout, masking and sampling")
     g.add_argument("--output-dir", default=output_dir,

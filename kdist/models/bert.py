@@ -83,8 +83,9 @@ class BertBackbone(Backbone, keras.Model):
         scan_layers: the encoder blocks as one stacked, scanned ``LayerStack``
             (``encoder_blocks/...``); None: when the distribution has a ``stage`` axis
             (see ``GPTBackbone``).
-        matmul_precision: ``"bf16"`` (default), ``"int8"`` or ``"fp8"``: the encoder blocks'
-            projections quantized (:mod:`kdist.precision`; the pooler and MLM head are not).
+        matmul_precision: ``"bf16"`` (default), ``"int8"``, ``"int8-sr"`` or ``"fp8"``: the
+            encoder blocks' projections quantized (:mod:`kdist.precision`; the pooler and
+            MLM head are not).
 
     Build it after setting the distribution: the constructor checks the shape against the
     active mesh, and every weight is created with its sharded layout.

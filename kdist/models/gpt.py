@@ -99,10 +99,11 @@ class GPTBackbone(Backbone, keras.Model):
             compiles one block, not L), and the layers splittable into pipeline stages
             (the ``stage`` mesh axis). None (default): stacked when the distribution has
             a ``stage`` axis. ``kdist.models.stacking`` converts weights between the two.
-        matmul_precision: ``"bf16"`` (default: the dtype policy's matmuls), ``"int8"`` or
-            ``"fp8"``: every block's attention and MLP projections (or MoE experts)
-            quantized forward and backward (:mod:`kdist.precision`); embeddings, head,
-            norms, softmax, the MoE router and the loss unchanged.
+        matmul_precision: ``"bf16"`` (default: the dtype policy's matmuls), ``"int8"``,
+            ``"int8-sr"`` (int8, gradients stochastically rounded) or ``"fp8"``: every
+            block's attention and MLP projections (or MoE experts) quantized forward and
+            backward (:mod:`kdist.precision`); embeddings, head, norms, softmax, the MoE
+            router and the loss unchanged.
         head_dim: each attention head's width H (Qwen3: 128 at D=2048 with 32 heads); None
             (default): ``hidden_dim // num_heads``. Queries are ``N x H`` wide, which need
             not equal D: the output projection maps ``(N, H)`` back to D.

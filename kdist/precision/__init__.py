@@ -1,10 +1,11 @@
 """Low-precision matmul training: the ``matmul_precision`` policy (``"bf16"``, ``"int8"``,
-``"fp8"``), its quantizers, quantized matmuls with quantized backward passes, and the
-Keras layers the models build their projections with. See ``docs/precision.md``.
+``"int8-sr"``, ``"fp8"``), its quantizers, quantized matmuls with quantized backward
+passes, and the Keras layers the models build their projections with. See
+``docs/precision.md``.
 
 ==============  ==============================================================================
-``policy``      the names (``bf16``, ``int8``, ``fp8``), ``check``, ``precision()``
-``quantize``    dynamic symmetric scales and int8 / float8 codes
+``policy``      the names (``bf16``, ``int8``, ``int8-sr``, ``fp8``), ``check``, ``precision()``
+``quantize``    dynamic symmetric scales and int8 / float8 codes; stochastic int8 rounding
 ``matmul``      quantized matmuls whose backward products are quantized too (custom VJP)
 ``layers``      ``QuantizedDense``, ``QuantizedEinsumDense``; the models' factories
 ``peak``        the peak MFU divides by under a quantized policy (``kdist plan``)
@@ -20,11 +21,12 @@ import sys
 import types
 
 from kdist.precision.layers import QuantizedDense, QuantizedEinsumDense, dense, einsum_dense
-from kdist.precision.matmul import fp8_matmul, int8_matmul
+from kdist.precision.matmul import fp8_matmul, int8_matmul, int8_sr_matmul
 from kdist.precision.policy import PRECISIONS, Precision, check, precision
 
 __all__ = ["PRECISIONS", "Precision", "QuantizedDense", "QuantizedEinsumDense", "check",
-           "dense", "einsum_dense", "fp8_matmul", "int8_matmul", "precision"]
+           "dense", "einsum_dense", "fp8_matmul", "int8_matmul", "int8_sr_matmul",
+           "precision"]
 
 
 class _CallablePackage(types.ModuleType):

@@ -39,7 +39,7 @@ def _split_equation(equation: str) -> int:
 @keras.saving.register_keras_serializable(package="kdist")
 class QuantizedDense(layers.Dense):
     """``keras.layers.Dense`` with its matmul quantized by ``matmul_precision``
-    (``"int8"`` or ``"fp8"``; :mod:`kdist.precision.matmul`).
+    (``"int8"``, ``"int8-sr"`` or ``"fp8"``; :mod:`kdist.precision.matmul`).
 
     Example:
         >>> QuantizedDense(4, matmul_precision="int8")(keras.ops.ones((2, 3))).shape
@@ -49,8 +49,9 @@ class QuantizedDense(layers.Dense):
     def __init__(self, units, matmul_precision: str = "int8", **kwargs):
         super().__init__(units, **kwargs)
         if check(matmul_precision) == "bf16":
-            raise ValueError("QuantizedDense needs matmul_precision='int8' or 'fp8'; for "
-                             "'bf16' use keras.layers.Dense (kdist.precision.dense does).")
+            raise ValueError("QuantizedDense needs matmul_precision='int8', 'int8-sr' or "
+                             "'fp8'; for 'bf16' use keras.layers.Dense (kdist.precision.dense "
+                             "does).")
         self.matmul_precision = matmul_precision
 
     def call(self, inputs, training=None):
@@ -78,8 +79,8 @@ class QuantizedEinsumDense(layers.EinsumDense):
     def __init__(self, equation, output_shape, matmul_precision: str = "int8", **kwargs):
         super().__init__(equation, output_shape, **kwargs)
         if check(matmul_precision) == "bf16":
-            raise ValueError("QuantizedEinsumDense needs matmul_precision='int8' or 'fp8'; "
-                             "for 'bf16' use keras.layers.EinsumDense "
+            raise ValueError("QuantizedEinsumDense needs matmul_precision='int8', 'int8-sr' "
+                             "or 'fp8'; for 'bf16' use keras.layers.EinsumDense "
                              "(kdist.precision.einsum_dense does).")
         self.contracted = _split_equation(equation)
         self.matmul_precision = matmul_precision

@@ -1,9 +1,10 @@
 """The peak a quantized step's MFU divides by: its quantized matmuls at the chip's int8 rate,
 everything else at its bfloat16 rate.
 
-Under ``matmul_precision="int8"`` the blocks' projections (QKV, attention output, MLP: the
-``qkv``, ``output_projection`` and ``mlp`` groups of :class:`kdist.flops.FlopsPerToken`,
-forward and both backward matmuls) run on int8 operands; attention's score and value
+Under ``matmul_precision="int8"`` (and ``"int8-sr"``: the same int8 matmuls) the blocks'
+projections (QKV, attention output, MLP: the ``qkv``, ``output_projection`` and ``mlp``
+groups of :class:`kdist.flops.FlopsPerToken`, forward and both backward matmuls) run on
+int8 operands; attention's score and value
 matmuls and the vocabulary head stay bfloat16. At both peaks at once a training token takes
 ``q / int8_peak + (F - q) / bf16_peak`` seconds (``F`` its training FLOPs, ``q`` the
 quantized share), so the peak MFU compares with is ``F`` over that time: between the
@@ -19,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from kdist.precision.policy import check
+from kdist.precision.policy import check, precision
 
 
 def quantized_share(flops) -> float:
@@ -58,7 +59,7 @@ def fast_peak(device, matmul_precision: str) -> float:
         >>> fast_peak(accelerator("tpu-v5e"), "int8")
         393.0
     """
-    fast = device.int8_tops if matmul_precision == "int8" else None
+    fast = device.int8_tops if precision(matmul_precision).peak == "int8" else None
     if not fast:
         raise ValueError(
             f"{device.name} has no {matmul_precision} peak in kdist's accelerator table "

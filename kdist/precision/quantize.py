@@ -7,11 +7,17 @@ float32 on every call
 1 (its codes are zeros either way), so no division by zero reaches the codes.
 ``x ≈ codes * scale`` along the kept axes; the matmuls of :mod:`kdist.precision.matmul`
 rescale their integer or float8 products by the outer product of two such scales.
+
+:func:`int8` rounds to nearest; :func:`int8_stochastic` rounds each value down or up with
+the probabilities that make its code's expectation the value itself (the gradients of
+``matmul_precision="int8-sr"``), its randomness drawn from a key it derives from ``x``.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 INT8_MAX = 127  # symmetric: -128 is never produced, so negation cannot overflow
 FP8_FORWARD = jnp.float8_e4m3fn  # more mantissa: weights and activations
@@ -52,6 +58,61 @@ def int8(x, axis):
     """
     s = scale(x, axis, INT8_MAX)
     codes = jnp.clip(jnp.round(x.astype(jnp.float32) * _reciprocal(s)), -INT8_MAX, INT8_MAX)
+    return codes.astype(jnp.int8), s
+
+
+def data_key(x, axis):
+    """A threefry key that is a function of ``x``'s values and of ``axis`` only: no seed,
+    no state. The values enter as the wrapping ``uint32`` sum of their float32 bit patterns
+    (one cheap pass; an integer sum is exact in any order, so a sharded ``x`` hashes as one
+    device's), ``axis`` as the product's identity (``dy``'s two products reduce it over
+    different axes, so they draw different bits).
+
+    Example:
+        >>> x, bits = jnp.array([[0.5, -1.0]]), jax.random.key_data
+        >>> (bits(data_key(x, 1)) == bits(data_key(x * 1, 1))).all().item()
+        True
+        >>> (bits(data_key(x, 1)) == bits(data_key(x, 0))).all().item()
+        False
+    """
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    # Threefry pinned, not the configured default implementation: its bits are the same on
+    # any sharding and on CPU, GPU and TPU (jax.random's table: rbg's differ by backend, and
+    # by sharding where made shardable), so a sharded step draws one device's bits for the
+    # same dy. With jax_threefry_partitionable (JAX's default since 0.5, on here with 0.10)
+    # XLA also partitions the generation: each device computes only its shard's bits, with
+    # no communication. (Flipping that flag changes which bits are drawn, not their law.)
+    key = jax.random.fold_in(jax.random.key(0, impl="threefry2x32"),
+                             jnp.sum(bits, dtype=jnp.uint32))
+    for a in (len(axes), *axes):
+        key = jax.random.fold_in(key, a)
+    return key
+
+
+def int8_stochastic(x, axis, key=None):
+    """Int8 codes of ``x`` and their float32 scales over ``axis`` (the scales of
+    :func:`int8`), each code stochastically rounded: ``floor(v)`` plus one with
+    probability ``v - floor(v)`` (``v = x * (1 / scale)``; the same law as
+    ``floor(v + u)``, ``u`` uniform in [0, 1)), clipped to ±127. So ``E[codes] = v``:
+    unbiased, where round-to-nearest rounds a value below half a step to 0 every time.
+    ``key``: a JAX key; None (as the matmuls call it) derives one from ``x`` and ``axis``
+    (:func:`data_key`), so it changes whenever ``x`` does.
+
+    Example:
+        >>> codes, s = int8_stochastic(jnp.array([[0.5, -1.0, 0.25]]), axis=1)
+        >>> codes[0, 1].item(), codes[0, 0].item() in (63, 64), s.tolist()
+        (-127, True, [[0.007874015718698502]])
+    """
+    key = data_key(x, axis) if key is None else key
+    s = scale(x, axis, INT8_MAX)
+    v = x.astype(jnp.float32) * _reciprocal(s)
+    down = jnp.floor(v)
+    # Down plus a Bernoulli(fraction), not floor(v + u) (the same law): v - floor(v) is
+    # exact in float32 and nothing after it rounds, so a code is floor(v) or floor(v) + 1
+    # by construction, up with probability the fraction to uniform's 2^-23 grid.
+    up = jax.random.uniform(key, v.shape, jnp.float32) < v - down
+    codes = jnp.clip(down + up, -INT8_MAX, INT8_MAX)
     return codes.astype(jnp.int8), s
 
 

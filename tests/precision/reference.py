@@ -40,14 +40,15 @@ def fp8_product(a, b, dtype_a, dtype_b):
     return (qa.astype(np.float64) @ qb.astype(np.float64)) * sa * sb
 
 
-def int8_rounding_bound(a, b):
+def int8_rounding_bound(a, b, steps_a=0.5, steps_b=0.5):
     """The most ``int8_product(a, b)`` can differ from ``a @ b``: each code is within half
     a scale of its value, so entry (m, n) is off by at most
     ``e_a[m] sum_k |b[k, n]| + e_b[n] sum_k |a[m, k]| + K e_a[m] e_b[n]`` (e: half scales),
-    plus the float32 rescale's rounding."""
+    plus the float32 rescale's rounding. ``steps_a``/``steps_b``: the codes' error in
+    scales instead of half of one (1 for stochastic rounding: floor or ceiling)."""
     _, sa = int8(a, 1)
     _, sb = int8(b, 0)
-    ea, eb = 0.5 * sa.astype(np.float64), 0.5 * sb.astype(np.float64)
+    ea, eb = steps_a * sa.astype(np.float64), steps_b * sb.astype(np.float64)
     abs_a, abs_b = np.abs(a).astype(np.float64), np.abs(b).astype(np.float64)
     bound = ea * abs_b.sum(0, keepdims=True) + eb * abs_a.sum(1, keepdims=True)
     return bound + a.shape[1] * ea * eb + 1e-6 * np.abs(a.astype(np.float64) @ b)

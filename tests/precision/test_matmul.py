@@ -100,20 +100,27 @@ def test_sharded_operands_give_one_devices_result():
     """Rows over 4 devices and the contracted axis over 2 (as model splits the attention
     output's heads): the per-token maxima are all-reduced over the split axis and the int32
     partial sums add exactly, so forward and gradients equal one device's bit for bit."""
+    for got, want in zip(*sharded_and_one_device(int8_matmul)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def sharded_and_one_device(fn, dy_spec=("data", None)):
+    """``fn``'s forward and both gradients on :func:`_operands`, jitted with x's rows over
+    4 devices and its contracted axis over 2, w's over those 2 and dy's axes as
+    ``dy_spec``; then on one device."""
     x, w, dy = _operands()
     mesh = jax.make_mesh((4, 2), ("data", "model"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
     ws = jax.device_put(w, NamedSharding(mesh, P("model", None)))
-    dys = jax.device_put(dy, NamedSharding(mesh, P("data", None)))
+    dys = jax.device_put(dy, NamedSharding(mesh, P(*dy_spec)))
 
     @jax.jit
     def step(x, w, dy):
-        y, vjp = jax.vjp(int8_matmul, x, w)
+        y, vjp = jax.vjp(fn, x, w)
         return (y, *vjp(dy))
 
-    for got, want in zip(step(xs, ws, dys), step(x, w, dy)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    return step(xs, ws, dys), step(x, w, dy)
 
 
 @pytest.mark.parametrize("precision, match", [("int4", "matmul precision"),

@@ -24,3 +24,16 @@ def test_int8_peak_is_the_time_at_both_peaks():
 def test_no_published_peak_is_refused_naming_the_flag(device, precision):
     with pytest.raises(ValueError, match="--matmul-precision bf16"):
         peak_tflops(accelerator(device), precision, GPT2_SMALL)
+
+
+def test_int8_sr_is_counted_at_the_int8_peak():
+    """Its matmuls are int8's (only the gradients' rounding differs): the same blend, in
+    ``kdist plan`` and the Throughput callback alike."""
+    from kdist.callbacks.peak import Peak, matmul_peak
+
+    v5e = accelerator("tpu-v5e")
+    assert peak_tflops(v5e, "int8-sr", GPT2_SMALL) == peak_tflops(v5e, "int8", GPT2_SMALL)
+    peak = Peak(197.0, "table", "TPU v5 lite", "bfloat16")
+    sr = matmul_peak(peak, GPT2_SMALL, matmul_precision="int8-sr")
+    assert sr.tflops == matmul_peak(peak, GPT2_SMALL, matmul_precision="int8").tflops
+    assert sr.note.startswith("matmul precision int8-sr:")

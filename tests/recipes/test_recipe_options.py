@@ -217,3 +217,14 @@ def test_an_accelerator_trains_the_batch_that_fits_it():
         typed = parse("gpt_pretrain", ["--preset", "gpt2-medium", "--sequence-length", "1024",
                                        "--global-batch-size", "4"])
         assert recipe_run.device_batch(typed, config) == []
+
+
+def test_matmul_precision_takes_every_policy_in_the_recipes_and_kdist_plan():
+    """The flags' literal choices (no kdist import at parse time) are the policy's names."""
+    plan = cli.build_parser()
+    for name in kdist.precision.PRECISIONS:
+        assert plan.parse_args(["plan", "--matmul-precision", name]).matmul_precision == name
+        for recipe in RECIPE_MODULES:
+            if "--matmul-precision" in flags(recipe):
+                assert parse(recipe, ["--matmul-precision", name]).matmul_precision == name
+    assert "--matmul-precision" in flags("gpt_pretrain")
