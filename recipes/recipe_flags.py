@@ -150,6 +150,10 @@ def preset(table: str):
 
     def parse(text: str) -> str:
         kdist = importlib.util.find_spec("kdist")  # where it is; nothing is imported
+        if kdist is None:
+            raise SystemExit("kdist is not installed in this Python. Run `make setup` and use "
+                             ".venv/bin/python (or `pip install -e .`), then run the recipe "
+                             "again.")
         path = Path(kdist.origin).parent / "models" / "presets.py"
         spec = importlib.util.spec_from_file_location("_kdist_presets", path)
         module = importlib.util.module_from_spec(spec)

@@ -68,6 +68,16 @@ def test_recipe_flags_are_checked_before_work(tmp_path, capsys):
     assert "argument --preset: unknown preset 'gpt-huge'" in capsys.readouterr().err
 
 
+def test_a_python_without_kdist_is_told_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    import recipe_flags
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="kdist is not installed.*make setup"):
+        recipe_flags.preset("GPT_PRESETS")("gpt-nano")
+
+
 @pytest.mark.slow
 def test_recipe_with_gradient_accumulation(tmp_path):
     summary = gpt_pretrain.main(TINY + ["--grad-accum", "2", "--mesh", "fsdp=4,model=2",
