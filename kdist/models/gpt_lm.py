@@ -84,8 +84,6 @@ class GPTCausalLM(CachedGeneration, Task, keras.Model):
         logits = layers.Activation("linear", dtype="float32", name="logits")(logits)
         super().__init__(inputs=token_ids, outputs=logits, **kwargs)
         self._generators = {}  # sampler key -> (sampler, jitted decode loop)
-        if backbone.moe:  # a per-device loss would balance each device's tokens, not the batch's
-            self.step_features = self.step_features - {"gradient_reduction"}
 
     def compile(self, optimizer="adamw", loss=None, **kwargs):
         # The fused cross-entropy computes exactly the default loss; a loss or metrics of

@@ -42,6 +42,7 @@ from kdist.models import stacking
 from kdist.models.router import ROUTERS, load_balance_loss, route, z_loss
 from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel import experts as experts_module
+from kdist.parallel import region
 from kdist.parallel.experts import (
     capacity,
     dispatch_slots,
@@ -145,6 +146,21 @@ def block_moe(moe: dict | None, index: int) -> dict | None:
     if moe is None or (index + 1) % moe["every"]:
         return None
     return {key: value for key, value in moe.items() if key != "every"}
+
+
+def _batch_sum():
+    """A sum over the devices that split the batch's rows (and tokens) in the region being
+    traced — kdist's per-device loss (``gradient_reduction``), where each device holds its
+    own rows — or None where arrays are the batch's (XLA's partitioner) or a DiLoCo
+    group's (each group routes its own rows; groups exchange nothing per step)."""
+    here = region.current()
+    axes = tuple(a for a in here.batch_axes if a != "replica") + (
+        ("seq",) if here.tokens_split else ())
+
+    def total(x):  # over the axes x differs along (a size-1 manual axis: none)
+        over = tuple(a for a in axes if a in region.varying_axes(x))
+        return jax.lax.psum(x, over) if over else x
+    return total if axes else None
 
 
 def swiglu_grouped(x, group_sizes, gate, up, down):
@@ -342,13 +358,19 @@ class MoEFeedForward(layers.Layer):
         if self.shared is not None:  # (..., D) -> (..., S) -> (..., D), every token
             gate, up, down = (ops.cast(w, x.dtype) for w in self.shared)
             y = y + self._matmul(ops.silu(self._matmul(x, gate)) * self._matmul(x, up), down)
+        # In kdist's per-device loss (gradient_reduction) this device holds its rows only:
+        # the batch's counts and sums, so that losses, load and bias are the batch's.
+        sums = _batch_sum()  # None where the arrays here are the batch's
+        batch = sums or (lambda v: v)
+        counts = batch(counts)  # (E,)
+        assignments = jnp.sum(counts)  # A = N k
         # The bias's direction from integer counts (mean count = A / E, compared as
         # A vs E x count): exact, so every device and every run moves it alike.
         balance = None if bias is None else jnp.sign(
-            experts.size - self.num_experts * counts).astype("float32")  # (E,)
-        stats = MoEStats(load_balance_loss(probs, counts), z_loss(logits),
-                         counts.astype("float32") / experts.size, dropped.astype("float32"),
-                         balance)
+            assignments - self.num_experts * counts).astype("float32")  # (E,)
+        stats = MoEStats(load_balance_loss(probs, counts, sums), z_loss(logits, sums),
+                         counts.astype("float32") / assignments.astype("float32"),
+                         batch(dropped).astype("float32"), balance)
         return y, stats
 
     def _region_weights(self, kernels):

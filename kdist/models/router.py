@@ -67,12 +67,14 @@ def route(logits, k: int, kind: str = "softmax", bias=None, renormalize: bool = 
     return weights, experts.astype(jnp.int32), probs
 
 
-def load_balance_loss(probs, counts):
+def load_balance_loss(probs, counts, batch=None):
     """The auxiliary load-balancing loss of Switch / Mixtral: ``E * sum_e f_e * P_e`` with
     ``f_e`` the share of tokens routed to expert ``e`` (count / N; over k choices it sums to
     k) and ``P_e`` the mean router probability of ``e``. Uniform routing gives ``k``; the
     gradient flows through ``P`` only (the counts are discrete). This is Hugging Face
-    Mixtral's ``load_balancing_loss_func`` without padding masks.
+    Mixtral's ``load_balancing_loss_func`` without padding masks. ``batch``: a sum over the
+    devices whose tokens make up the batch (``probs`` is then this device's, ``counts`` the
+    batch's); None: ``probs`` is the whole batch's.
 
     Example:
         >>> import numpy as np
@@ -81,11 +83,15 @@ def load_balance_loss(probs, counts):
         1.0
     """
     num_tokens, num_experts = probs.shape
+    if batch is not None:  # probs of this device's tokens, counts the batch's: sums first
+        total = batch(jnp.sum(jnp.ones_like(probs[:, 0])))  # (typed as the tokens vary)
+        mean = batch(jnp.sum(probs, axis=0)) / total  # (E,)
+        return num_experts * jnp.sum(counts.astype(jnp.float32) / total * mean)
     share = counts.astype(jnp.float32) / num_tokens  # (E,)
     return num_experts * jnp.sum(share * jnp.mean(probs, axis=0))
 
 
-def z_loss(logits):
+def z_loss(logits, batch=None):
     """The router z-loss (ST-MoE, Zoph et al. 2022): ``mean(logsumexp(logits)^2)``, which
     keeps the router's logits small (float32 round-off in the softmax grows with them).
 
@@ -94,4 +100,7 @@ def z_loss(logits):
         >>> round(float(z_loss(np.zeros((3, 4), "float32"))), 5)  # log(4)^2
         1.92181
     """
-    return jnp.mean(jnp.square(jax.nn.logsumexp(jnp.asarray(logits, jnp.float32), axis=-1)))
+    squares = jnp.square(jax.nn.logsumexp(jnp.asarray(logits, jnp.float32), axis=-1))
+    if batch is not None:  # this device's tokens: the batch's mean from sums (as above)
+        return batch(jnp.sum(squares)) / batch(jnp.sum(jnp.ones_like(squares)))
+    return jnp.mean(squares)

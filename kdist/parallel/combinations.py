@@ -100,12 +100,14 @@ RULES: tuple[Rule, ...] = (
             "needs a scanned layer stack, which cannot hold MoE blocks yet (their losses "
             "would be the scan's tracers). Use 'expert' with 'data' or 'fsdp'."),
     refused("expert", "reduction",
-            "with {b} is not built yet: kdist's reduction computes the loss per device, so "
-            "the load-balance loss would be each device's, not the batch's. Leave "
-            "gradient_reduction unset (XLA reduces the gradients)."),
+            "with {b} is not built yet: kdist's reduction hands Keras every weight whole on "
+            "each device, and an expert weight is split over 'expert' (each device its own "
+            "experts). Leave gradient_reduction unset (XLA reduces the gradients), or use "
+            "it without 'expert' (a MoE model trains so)."),
     refused("expert", "8-bit",
-            "with {b} is not built yet: the 8-bit exchange computes the loss per device, so "
-            "the load-balance loss would be each device's. Leave gradient_reduction unset."),
+            "with {b} is not built yet: the exchange hands Keras every weight whole on each "
+            "device, and an expert weight is split over 'expert'. Leave gradient_reduction "
+            "unset, or use it without 'expert' (a MoE model trains so)."),
     refused("expert", "schedule",
             "needs a scanned layer stack, which cannot hold MoE blocks yet. Use 'expert' "
             "with 'data' or 'fsdp', without pipeline_schedule."),

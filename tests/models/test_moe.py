@@ -293,17 +293,6 @@ def test_an_int8_moe_model_trains_like_bf16_within_quantization():
     assert not np.array_equal(int8, bf16) and int8[-1] < int8[0] - 0.05
 
 
-def test_kdists_gradient_reduction_is_refused_with_experts():
-    # Its loss runs per device: the balance loss and load would be each device's tokens',
-    # and the step did not compile (the load statistics leave its shard_map replicated).
-    keras.distribution.set_distribution(kdist.distribution("data=8", gradient_reduction="float32"))
-    lm = GPTCausalLM(GPTBackbone(**TINY_GPT, moe={"num_experts": 4}))
-    assert "gradient_reduction" in GPTCausalLM.step_features  # the dense model keeps it
-    with pytest.raises(ValueError, match="does not declare the 'gradient_reduction' step "
-                                         "feature.*gradient_reduction=None"):
-        lm.compile(optimizer="adam")
-
-
 def test_a_rematerialised_moe_block_trains_like_one_that_keeps_everything():
     x = np.random.default_rng(0).integers(0, 256, (4, 17)).astype("int32")
     losses = []

@@ -311,6 +311,10 @@ TABLE: list[Row] = [
            like={"diloco": {"groups": 2, "sync_every": 2}}),
     refused("expert=2,data=4", "expert x reduction", "Leave gradient_reduction unset",
             gradient_reduction="float32"),
+    # kdist's per-device loss without 'expert': each MoE layer sums its counts and its
+    # losses' sums over the devices, so losses, load and bias are the batch's
+    trains("data=8", "gpt", config="moe-bias", gradient_reduction="float32"),
+    trains("data=2,fsdp=4", "llama", config="moe", gradient_reduction="int8", tolerance="8bit"),
     refused("expert=2,data=4", "expert x 8-bit", "Leave gradient_reduction unset",
             gradient_reduction="int8"),
     # --- a variant's own rule: zero-bubble's mixed ticks x ring attention's permutes ----
