@@ -180,8 +180,8 @@ def swiglu_blocked(x, group_sizes, gate, up, down, block: int = 128,
     over every expert with a mask (E x the FLOPs): measured 6.7x faster there, forward and
     backward, at gpt-nano-moe's shape (A 8192, D 256, F 336, E 8). Under an 8-bit
     ``precision`` each block's three products are quantized
-    (:func:`kdist.parallel.experts.batched_matmul`): its
-    weight gradient scaled over the block's rows."""
+    (:func:`kdist.parallel.experts.batched_matmul`): its weight gradient scaled over the
+    block's rows."""
     a, d = x.shape
     e = group_sizes.size
     block = max(1, min(block, a // e))
@@ -424,9 +424,9 @@ class MoEFeedForward(layers.Layer):
 def statistics(model) -> list[tuple[str, int, object, object, int | None]]:
     """Where each MoE layer of ``model`` keeps its last batch's load: ``(path, experts,
     load variable, dropped variable, index)`` — an unstacked layer's own variables
-    (``index`` None), or, for each layer of a scanned stack (:class:`~kdist.models.scan.
-    LayerStack`), the stack's ``(L, ...)`` variables and the layer's row in them (its path
-    as the unstacked layer's, ``block_3/moe``).
+    (``index`` None), or, for each layer of a scanned stack
+    (:class:`~kdist.models.scan.LayerStack`), the stack's ``(L, ...)`` variables and the
+    layer's row in them (its path as the unstacked layer's, ``block_3/moe``).
 
     Example:
         >>> layer = MoEFeedForward(num_experts=2, experts_per_token=1, expert_dim=4)

@@ -69,12 +69,9 @@ def batched_matmul(x, w, precision: str = "bf16"):
     """
     if precision == "bf16":
         return jnp.einsum("ncd,ndf->ncf", x, w)
-    # In the experts' shard_map the rows vary over the batch's axes, the weights over
-    # 'expert' only: both typed alike first, so that the quantized matmul's custom VJP
-    # returns each cotangent with its operand's type (the cast's transpose sums the
-    # weights' gradient over the batch's axes, as autodiff's einsum would).
-    x = region.to_varying(x, region.varying_axes(w))
-    w = region.to_varying(w, region.varying_axes(x))
+    # (In a shard_map both operands must vary over the same axes: the quantized matmul's
+    # custom VJP returns each cotangent with its operand's type. The experts' region
+    # types its weights so.)
     return jax.vmap(lambda a, b: quantized.matmul(a, b, 1, precision))(x, w)
 
 
@@ -157,7 +154,9 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
 
     def local(tokens, experts, gate, up, down):  # (b[, t], D), (b[, t], k): this device's
         # Typed as varying with the rows before the cast: the gradient is summed over the
-        # batch's axes as the weights came in (float32 on a CPU: kdist.models.moe).
+        # batch's axes (the cast's transpose) in the dtype the weights came in (float32
+        # on a CPU: kdist.models.moe), and a quantized matmul's custom VJP gets operands
+        # of one type.
         gate, up, down = (region.to_varying(w, region.varying_axes(tokens)).astype(tokens.dtype)
                           for w in (gate, up, down))
         leading = tokens.shape[:-1]
