@@ -39,18 +39,12 @@ from keras import layers, ops
 
 from kdist import _keras_compat
 from kdist.models import stacking
+from kdist.models.expert_compute import capacity_limited, dropless
 from kdist.models.router import ROUTERS, load_balance_loss, route, z_loss
 from kdist.models.scan import LayerStack, stacking_default
 from kdist.parallel import experts as experts_module
 from kdist.parallel import region
-from kdist.parallel.experts import (
-    capacity,
-    dispatch_slots,
-    expert_counts,
-    from_buffer,
-    swiglu_batched,
-    to_buffer,
-)
+from kdist.parallel.experts import expert_counts
 from kdist.parallel.layout import check_divisible
 from kdist.parallel.rules import add_weight
 from kdist.precision import matmul as quantized
@@ -161,72 +155,6 @@ def _batch_sum():
         over = tuple(a for a in axes if a in region.varying_axes(x))
         return jax.lax.psum(x, over) if over else x
     return total if axes else None
-
-
-def swiglu_grouped(x, group_sizes, gate, up, down):
-    """Each group of rows of ``x (A, D)`` (sorted by expert; ``group_sizes (E,)``) through
-    its expert: ``down_e(silu(x gate_e) * (x up_e))`` -> ``(A, D)``, grouped matmuls."""
-    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes))  # (A, F)
-    h = h * jax.lax.ragged_dot(x, up, group_sizes)
-    return jax.lax.ragged_dot(h, down, group_sizes)  # (A, D)
-
-
-def swiglu_blocked(x, group_sizes, gate, up, down, block: int = 128,
-                   precision: str = "bf16"):
-    """:func:`swiglu_grouped` by blocks of ``block`` rows of one expert each: every group
-    padded with zero rows to a multiple of ``block`` (at most ``E x (block - 1)`` rows in
-    all), each block through its expert's weights gathered for it (batched matmuls). Exact
-    (padding rows are dropped); for XLA:CPU, which runs ``ragged_dot`` as a dense matmul
-    over every expert with a mask (E x the FLOPs): measured 6.7x faster there, forward and
-    backward, at gpt-nano-moe's shape (A 8192, D 256, F 336, E 8). Under an 8-bit
-    ``precision`` each block's three products are quantized
-    (:func:`kdist.parallel.experts.batched_matmul`): its weight gradient scaled over the
-    block's rows."""
-    a, d = x.shape
-    e = group_sizes.size
-    block = max(1, min(block, a // e))
-    padded = (group_sizes + block - 1) // block * block  # (E,)
-    ends = jnp.cumsum(padded)
-    expert = jnp.repeat(jnp.arange(e), group_sizes, total_repeat_length=a)  # (A,) row's
-    start = jnp.cumsum(group_sizes) - group_sizes
-    row = (ends - padded)[expert] + jnp.arange(a) - start[expert]  # (A,) padded position
-    blocks = -(-(a + e * (block - 1)) // block)  # static: enough for any group sizes
-    xb = jnp.zeros((blocks * block, d), x.dtype).at[row].set(x).reshape(blocks, block, d)
-    # (blocks,) expert of each block: how many groups end at or before its first row
-    # (unused blocks: any). A comparison, not jnp.searchsorted, whose shape inference
-    # fails inside a shard_map region (a DiLoCo group's; JAX 0.10).
-    owner = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(blocks) * block)[:, None],
-                                axis=1), e - 1)
-    h = swiglu_batched(xb, gate[owner], up[owner], down[owner], precision)  # (blocks, b, D)
-    return h.reshape(-1, d)[row]  # (A, D)
-
-
-def dropless(tokens, experts, counts, gate, up, down, precision: str = "bf16"):
-    """``tokens (N, D)``, ``experts (N, k)`` -> every assignment's expert output
-    ``(N, k, D)``: assignments sorted by expert, grouped matmuls (``ragged_dot``; blocks on
-    a CPU, :func:`swiglu_blocked`), unsorted."""
-    n, k = experts.shape
-    order = jnp.argsort(experts.reshape(-1), stable=True)  # (A,): grouped by expert
-    # Blocks on a CPU, and for 8-bit matmuls (no quantized ragged_dot); not for Keras'
-    # symbolic shape inference.
-    if isinstance(n, int) and (jax.default_backend() == "cpu" or precision != "bf16"):
-        sorted_out = swiglu_blocked(tokens[order // k], counts, gate, up, down,
-                                    precision=precision)  # (A, D)
-    else:
-        sorted_out = swiglu_grouped(tokens[order // k], counts, gate, up, down)
-    return sorted_out[jnp.argsort(order)].reshape(n, k, -1)  # back to token order
-
-
-def capacity_limited(tokens, experts, counts, gate, up, down, factor: float,
-                     precision: str = "bf16"):
-    """The capacity path: ``(N, k, D)`` expert outputs (zeros where dropped) and the
-    number of dropped assignments."""
-    n, k = experts.shape
-    slots = capacity(n * k, counts.size, factor)
-    slot = dispatch_slots(experts, counts, slots)
-    out = swiglu_batched(to_buffer(tokens, slot, k, counts.size, slots), gate, up, down,
-                         precision)
-    return from_buffer(out, slot, k), jnp.sum(slot == counts.size * slots)
 
 
 @keras.saving.register_keras_serializable(package="kdist")
@@ -429,10 +357,11 @@ def statistics(model) -> list[tuple[str, int, object, object, int | None]]:
     layer's row in them (its path as the unstacked layer's, ``block_3/moe``).
 
     Example:
-        >>> layer = MoEFeedForward(num_experts=2, experts_per_token=1, expert_dim=4)
+        >>> layer = MoEFeedForward(num_experts=2, experts_per_token=1, expert_dim=4,
+        ...                        name="moe")
         >>> _ = layer(keras.ops.ones((1, 4, 8)))
         >>> [(path, e, index) for path, e, _, _, index in statistics(layer)]
-        [('moe_feed_forward', 2, None)]
+        [('moe', 2, None)]
     """
     found = []
     for layer in _keras_compat.all_layers(model):

@@ -8,13 +8,8 @@ import pytest
 
 import kdist
 from kdist.models import GPTBackbone, GPTCausalLM
-from kdist.models.moe import (
-    MoEFeedForward,
-    capacity_limited,
-    check_moe,
-    dropless,
-    expert_load,
-)
+from kdist.models.expert_compute import capacity_limited, dropless
+from kdist.models.moe import MoEFeedForward, check_moe, expert_load
 from kdist.models.router import load_balance_loss, z_loss
 from tests.helpers import TINY_GPT
 
@@ -305,7 +300,7 @@ def test_a_rematerialised_moe_block_trains_like_one_that_keeps_everything():
 
 
 def test_blocked_grouped_matmul_equals_ragged_dot_with_an_empty_expert():
-    from kdist.models.moe import swiglu_blocked, swiglu_grouped
+    from kdist.models.expert_compute import swiglu_blocked, swiglu_grouped
 
     rng = np.random.default_rng(3)
     x = rng.normal(size=(40, D)).astype("float32")

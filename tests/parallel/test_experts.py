@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from kdist.models.moe import capacity_limited, dropless
+from kdist.models.expert_compute import capacity_limited, dropless
 from kdist.models.router import expert_counts
 from kdist.parallel.experts import expert_parallel_outputs
 
