@@ -307,8 +307,6 @@ TABLE: list[Row] = [
            like={"diloco": {"groups": 2, "sync_every": 2}}),
     trains("replica=2,expert=2,data=2", "llama", config="moe-bias", sync_every=2, steps=4,
            like={"diloco": {"groups": 2, "sync_every": 2}}),
-    trains("replica=2,fsdp=4", "gpt", config="moe", sync_every=2, steps=4,  # no expert axis
-           like={"diloco": {"groups": 2, "sync_every": 2}}),
     refused("expert=2,data=4", "expert x reduction", "Leave gradient_reduction unset",
             gradient_reduction="float32"),
     # kdist's per-device loss without 'expert': each MoE layer sums its counts and its
