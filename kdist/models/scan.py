@@ -227,9 +227,10 @@ class LayerStack(layers.Layer):
         """Layer ``index`` (a traced int) with its weight slices: ``(B, T, D) -> (B, T, D)``;
         with its ``state`` slices (see :meth:`_scan_with_state`), also the state after it
         and the sum of the losses it added."""
-        key = None if seed is None else jax.random.fold_in(seed, index)  # each layer its own
-        values = [state[i] if kind == "state" else  # each dropout its own mask
-                  (jax.random.fold_in(key, i) if key is not None else jnp.zeros((2,), "uint32"))
+        # A block with dropout has a seed (the stack's generator): each layer and each of
+        # its dropouts its own mask.
+        key = None if seed is None else jax.random.fold_in(seed, index)
+        values = [state[i] if kind == "state" else jax.random.fold_in(key, i)
                   for kind, i in self._parts.order]
         y, values, losses = self.block.stateless_call(
             list(weights), values, x, training=training, return_losses=True, **kwargs)
