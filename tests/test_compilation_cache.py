@@ -11,15 +11,19 @@ import numpy as np
 
 
 def _entries() -> set[str]:
-    """The cache's entries of programs named after a lambda (as ``_program``'s are)."""
+    """The cache's entries of ``_program``'s programs. Named after its own function, not a
+    lambda: the other xdist worker writes lambdas' programs into the same directory at any
+    moment (a cold run once counted one here)."""
     return {p.name for p in Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).iterdir()
-            if p.name.startswith("jit__lambda")}
+            if p.name.startswith("jit_compilation_cache_probe")}
 
 
 def _program(scale: float, marker: float):
     # A new function object each call: JAX's in-memory caches cannot serve it, only the
     # persistent one (keyed by the program, not by the Python function).
-    return jax.jit(lambda x: x * scale + marker)
+    def compilation_cache_probe(x):
+        return x * scale + marker
+    return jax.jit(compilation_cache_probe)
 
 
 def test_only_the_identical_program_is_loaded_from_the_cache():
