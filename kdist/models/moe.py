@@ -41,11 +41,12 @@ from kdist import _keras_compat
 from kdist.models import stacking
 from kdist.models.expert_compute import capacity_limited, dropless
 from kdist.models.router import ROUTERS, load_balance_loss, route, z_loss
-from kdist.models.scan import LayerStack, stacking_default
+from kdist.models.scan import LayerStack, in_microbatches, stacking_default
 from kdist.parallel import experts as experts_module
 from kdist.parallel import region
 from kdist.parallel.experts import expert_counts
 from kdist.parallel.layout import check_divisible
+from kdist.parallel.mesh import batch_axes
 from kdist.parallel.rules import add_weight
 from kdist.precision import matmul as quantized
 from kdist.precision.policy import check as check_precision
@@ -59,14 +60,16 @@ MOE_DEFAULTS = dict(num_experts=None, experts_per_token=2, expert_dim=None, ever
 
 class MoEStats(NamedTuple):
     """One MoE call's statistics: the two losses (unweighted), each expert's share of the
-    assignments ``(E,)``, how many assignments the capacity dropped, and (with a balance
-    bias) ``sign(mean count - count_e)`` ``(E,)``, the bias's step direction."""
+    assignments ``(E,)``, how many assignments the capacity dropped, (with a balance
+    bias) ``sign(mean count - count_e)`` ``(E,)``, the bias's step direction, and the
+    assignments per expert ``(E,)``."""
 
     aux_loss: jax.Array
     z_loss: jax.Array
     load: jax.Array
     dropped: jax.Array
     balance: jax.Array | None = None
+    counts: jax.Array | None = None  # (E,) float32 assignments per expert
 
 
 def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
@@ -84,11 +87,6 @@ def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
     if not isinstance(moe, dict):
         raise TypeError(f"moe must be a dict such as {{'num_experts': 8}} or None; got "
                         f"{type(moe).__name__}.")
-    if stacking_default():  # a pipeline: its schedules carry no block's losses yet
-        raise ValueError("MoE blocks (moe=...) are not supported in a pipeline yet (a 'stage' "
-                         "mesh axis): the schedules carry activations between stages, not "
-                         "the load-balance losses the blocks add. Use a mesh without "
-                         "'stage' (e.g. expert=2,data=4).")
     unknown = set(moe) - set(MOE_DEFAULTS)
     if unknown:
         raise ValueError(f"moe has unknown keys {sorted(unknown)}; known: "
@@ -113,6 +111,8 @@ def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
     if not isinstance(moe["every"], int) or not 1 <= moe["every"] <= num_layers:
         raise ValueError(f"moe['every']={moe['every']!r} must be an int in [1, num_layers="
                          f"{num_layers}] (1: every block; 2: every second block...).")
+    if scan_layers is None:  # the backbone's default: stacked under a pipeline
+        scan_layers = stacking_default()
     if scan_layers and moe["every"] != 1:  # one block stacked L times: all alike
         raise ValueError(f"moe['every']={moe['every']} mixes dense and MoE blocks, which a "
                          f"scanned stack (scan_layers=True) cannot hold: it stacks one block "
@@ -144,11 +144,12 @@ def block_moe(moe: dict | None, index: int) -> dict | None:
 
 def _batch_sum():
     """A sum over the devices that split the batch's rows (and tokens) in the region being
-    traced — kdist's per-device loss (``gradient_reduction``), where each device holds its
-    own rows — or None where arrays are the batch's (XLA's partitioner) or a DiLoCo
-    group's (each group routes its own rows; groups exchange nothing per step)."""
+    traced — kdist's per-device loss (``gradient_reduction``) and a pipeline's stages, where
+    each device holds its own rows (of the batch, of a microbatch) — or None where arrays
+    are the batch's (XLA's partitioner) or a DiLoCo group's (each group routes its own
+    rows; groups exchange nothing per step)."""
     here = region.current()
-    axes = tuple(a for a in here.batch_axes if a != "replica") + (
+    axes = tuple(a for a in batch_axes(None, among=here.manual) if a != "replica") + (
         ("seq",) if here.tokens_split else ())
 
     def total(x):  # over the axes x differs along (a size-1 manual axis: none)
@@ -298,7 +299,7 @@ class MoEFeedForward(layers.Layer):
             assignments - self.num_experts * counts).astype("float32")  # (E,)
         stats = MoEStats(load_balance_loss(probs, counts, sums), z_loss(logits, sums),
                          counts.astype("float32") / assignments.astype("float32"),
-                         batch(dropped).astype("float32"), balance)
+                         batch(dropped).astype("float32"), balance, counts.astype("float32"))
         return y, stats
 
     def _region_weights(self, kernels):
@@ -327,10 +328,42 @@ class MoEFeedForward(layers.Layer):
             self.add_loss(self.aux_loss_weight * stats.aux_loss)
         if self.z_loss_weight:
             self.add_loss(self.z_loss_weight * stats.z_loss)
+        if in_microbatches():  # sums the step adds up (combine_microbatches); bias kept
+            self.load.assign(stats.counts)
+            self.dropped.assign(stats.dropped)
+            return
         self.load.assign(stats.load)
         self.dropped.assign(stats.dropped)
         if self.balance_bias is not None:  # overloaded experts down, underloaded up
             self.balance_bias.assign(self.balance_bias + self.balance_bias_rate * stats.balance)
+
+    def combine_microbatches(self, old: dict, summed: dict) -> dict:
+        """The state after a step whose microbatches each ran :meth:`record` under
+        :func:`kdist.models.scan.in_microbatches` (a pipeline's): ``old`` and ``summed`` map
+        the names of this layer's non-trainable variables to their values before the step
+        and to the sum of the microbatches' (``(L, ...)`` in a stack: a leading layer
+        axis). The load is the batch's assignments per expert over their total, the
+        dropped count the sum, and the bias moves once, by the batch's counts — what one
+        call on the whole batch records (the same integer counts, the same float32
+        operations).
+
+        Example:
+            >>> layer = MoEFeedForward(num_experts=2, experts_per_token=1, expert_dim=4,
+            ...                        balance_bias_rate=0.5)
+            >>> layer.build((1, 4, 8))
+            >>> new = layer.combine_microbatches(
+            ...     {"balance_bias": jnp.zeros(2)},
+            ...     {"expert_load": jnp.array([3.0, 1.0]), "dropped_tokens": jnp.array(0.0)})
+            >>> new["expert_load"].tolist(), new["balance_bias"].tolist()
+            ([0.75, 0.25], [-0.5, 0.5])
+        """
+        counts = summed["expert_load"]  # (..., E) assignments, integers in float32
+        assignments = jnp.sum(counts, axis=-1, keepdims=True)
+        new = {"expert_load": counts / assignments, "dropped_tokens": summed["dropped_tokens"]}
+        if self.balance_bias is not None:
+            new["balance_bias"] = old["balance_bias"] + self.balance_bias_rate * jnp.sign(
+                assignments - self.num_experts * counts)
+        return new
 
     def call(self, x, training=None):
         y, stats = self.forward(x)

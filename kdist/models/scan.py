@@ -16,12 +16,20 @@ program holds one copy of the block's computation instead of L: XLA compiles it 
 The block's own options work inside the scan body: remat policies wrap its forward pass,
 and dropout draws a fresh mask per layer and step (each layer's seed is the stack's seed
 generator folded with the layer index).
+
+A block's non-trainable state (a MoE layer's load statistics and balance bias) is stacked
+too; each layer reads and updates its row. In a pipeline each microbatch's layers run
+under :func:`in_microbatches`: they record what adds up over microbatches (a MoE layer's
+counts), the stack sums it, and each stateful layer of the block turns the sums into its
+state once per step (``combine_microbatches``), as one call on the whole batch would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +109,30 @@ class StackedWeights(layers.Layer):
                 raise ValueError(f"'{variable.path}' has shape {tuple(variable.shape)}; the file "
                                  f"holds {tuple(value.shape)}.")
             variable.assign(value)
+
+
+_microbatches = threading.local()
+
+
+def in_microbatches() -> bool:
+    """Whether the layers being traced run one microbatch of a pipeline's step: a layer with
+    state then records sums over the step's microbatches (see the module docstring).
+
+    Example:
+        >>> in_microbatches()
+        False
+    """
+    return getattr(_microbatches, "on", False)
+
+
+@contextlib.contextmanager
+def _microbatched():
+    before = in_microbatches()
+    _microbatches.on = True
+    try:
+        yield
+    finally:
+        _microbatches.on = before
 
 
 @dataclasses.dataclass
@@ -273,10 +305,14 @@ class LayerStack(layers.Layer):
                                     ("positions", positions),
                                     ("segment_ids", segment_ids)) if v is not None}
 
-        def layer(w, h, kw, index, seed, state=()):
-            return self._layer(w, h, kw, index, seed, training, state)
-
         schedule = pipeline.schedule_for(x.shape[0], self.num_layers, training=training)
+
+        def layer(w, h, kw, index, seed, state=()):
+            if schedule is None or not self._parts.state:
+                return self._layer(w, h, kw, index, seed, training, state)
+            with _microbatched():  # one microbatch: its sums (module docstring)
+                return self._layer(w, h, kw, index, seed, training, state)
+
         if schedule is not None and len(self.lead) != (1 if schedule.repeats == 1 else 2):
             raise ValueError(
                 f"{self.name} was built with its layers stacked as {self.lead}, for another "
@@ -295,15 +331,27 @@ class LayerStack(layers.Layer):
         weights, seed, kwargs, layer, schedule = self._prepare(
             x, attention_mask, positions, segment_ids, True)
         layouts = [pipeline.layout_axes(v) for v in self._parts.stacked]
-        return pipeline.scheduled(layer, weights, x, kwargs, seed, schedule, loss_fn,
-                                  loss_weights, targets, layouts)
+        if not self._parts.state:
+            return pipeline.scheduled(layer, weights, x, kwargs, seed, schedule, loss_fn,
+                                      loss_weights, targets, layouts)
+        loss, sums = pipeline.scheduled(layer, weights, x, kwargs, seed, schedule, loss_fn,
+                                        loss_weights, targets, layouts, self._flat_state())
+        self._combine_microbatches(sums)  # (the layers' losses are in `loss`)
+        return loss
 
     def call(self, x, attention_mask=None, positions=None, segment_ids=None, training=None):
         weights, seed, kwargs, layer, schedule = self._prepare(
             x, attention_mask, positions, segment_ids, training)
         if schedule is not None:
             layouts = [pipeline.layout_axes(v) for v in self._parts.stacked]
-            x = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule, layouts)
+            if self._parts.state:
+                x, loss, sums = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule,
+                                                   layouts, self._flat_state())
+                if training:
+                    self.add_loss(loss)
+                    self._combine_microbatches(sums)
+            else:
+                x = pipeline.pipelined(layer, weights, x, kwargs, seed, schedule, layouts)
         else:  # a scan keeps what its blocks' policy says, never every intermediate
             with remat.stacked():  # (kdist.models.remat.in_scan; a pipeline's own stays)
                 if self._parts.state:
@@ -321,6 +369,38 @@ class LayerStack(layers.Layer):
         stack cast before the loop is a second copy of the weights."""
         with _keras_compat.no_autocast():
             return [ops.convert_to_tensor(v) for v in self._parts.stacked]
+
+    def _flat_state(self):
+        """The stacked state as ``(L, ...)`` arrays, whatever the stack's lead."""
+        return self._flat([ops.convert_to_tensor(v) for v in self._parts.state])
+
+    def _combine_microbatches(self, sums):
+        """The state after a pipeline's step from its microbatches' sums ``(L, ...)``: each
+        stateful layer of the block combines its own (``combine_microbatches``), every
+        layer of the stack at once."""
+        block, old = self.block, self._flat_state()
+        position = {id(v): i for i, v in enumerate(self._parts.state)}
+        index = {id(v): position[id(stacked)] for v in block.non_trainable_variables
+                 if id(stacked := self._parts.state_of.get(id(v))) in position}
+        combined = set()
+        for inner in _keras_compat.all_layers(block):
+            own = [v for v in inner.non_trainable_variables if id(v) in index]
+            if not own or not hasattr(inner, "combine_microbatches"):
+                continue
+            by_name = {v.name: v for v in own}
+            new = inner.combine_microbatches({v.name: old[index[id(v)]] for v in own},
+                                             {v.name: sums[index[id(v)]] for v in own})
+            for name, value in new.items():
+                stacked = self._parts.state_of[id(by_name[name])]
+                stacked.assign(ops.reshape(value, stacked.shape))
+            combined |= {id(v) for v in own}
+        alone = [v.path for v in block.non_trainable_variables
+                 if id(v) in index and id(v) not in combined]
+        if alone:
+            raise ValueError(
+                f"{self.name}'s block has state {alone} that no layer of it combines over a "
+                f"pipeline's microbatches (combine_microbatches()), so its value after a "
+                f"step is unknown. Train it without a 'stage' axis.")
 
     def _flat(self, weights):
         lead = len(self.lead)

@@ -96,21 +96,10 @@ RULES: tuple[Rule, ...] = (
     _built("expert", "model"),
     _built("expert", "seq", "tokens enter the experts' region as their sequences lie"),
     _built("expert", "replica", "the experts' region nested in each group's"),
-    refused("expert", "stage",
-            "needs a scanned layer stack, which cannot hold MoE blocks yet (their losses "
-            "would be the scan's tracers). Use 'expert' with 'data' or 'fsdp'."),
-    refused("expert", "reduction",
-            "with {b} is not built yet: kdist's reduction hands Keras every weight whole on "
-            "each device, and an expert weight is split over 'expert' (each device its own "
-            "experts). Leave gradient_reduction unset (XLA reduces the gradients), or use "
-            "it without 'expert' (a MoE model trains so)."),
-    refused("expert", "8-bit",
-            "with {b} is not built yet: the exchange hands Keras every weight whole on each "
-            "device, and an expert weight is split over 'expert'. Leave gradient_reduction "
-            "unset, or use it without 'expert' (a MoE model trains so)."),
-    refused("expert", "schedule",
-            "needs a scanned layer stack, which cannot hold MoE blocks yet. Use 'expert' "
-            "with 'data' or 'fsdp', without pipeline_schedule."),
+    _built("expert", "stage", "each microbatch routes its own tokens"),
+    _built("expert", "reduction", "expert weights whole in the per-device loss"),
+    _built("expert", "8-bit", "expert weights whole in the per-device loss"),
+    _built("expert", "schedule", "each microbatch routes its own tokens"),
     refused("zero_bubble", "ring",
             "runs ticks that mix forwards, input gradients and weight gradients, so its "
             "stages cannot all run the exchanges of {b} between 'seq' neighbours in every "

@@ -16,7 +16,10 @@ routes every token first (XLA's partitioner: the router, its losses and the load
 whole batch, as on one device), then :func:`dispatch` runs only the experts' compute here,
 in a ``shard_map`` manual over the batch's axes (``expert`` among them) and ``seq``, so the
 activations enter as they lie (``model`` is left to XLA); nested in a DiLoCo group's
-region, over those still automatic there (the group's rows). A dropless
+region, over those still automatic there (the group's rows). In a region manual over
+``expert`` already (a pipeline's stage, kdist's per-device loss) the expert weights arrive
+whole and each device takes its own experts (their gradient, zeros elsewhere, is summed
+over ``expert`` by that region's reduction). A dropless
 layer gets ``slots = n x k`` (nothing can overflow: exact, at E x the buffer memory of a
 tuned capacity); a ``capacity_factor`` gets ``ceil(factor x n x k / E)`` per source device.
 :data:`TRANSFORM` is the axis's entry in the step: it refuses a model without experts.
@@ -143,6 +146,8 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
     gathers them for a matmul, and its gradient summed over them on the way out
     (``shard_map``'s transpose)."""
     devices, num_experts = mesh.shape[axis], gate.shape[0]
+    # every expert here: in a pipeline's stage or kdist's per-device loss
+    whole = axis in region.current().manual
     if num_experts % devices:
         raise ValueError(f"{num_experts} experts cannot be split over the '{axis}' mesh axis "
                          f"of size {devices}: use a number of experts divisible by it, or a "
@@ -157,6 +162,11 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
         # batch's axes (the cast's transpose) in the dtype the weights came in (float32
         # on a CPU: kdist.models.moe), and a quantized matmul's custom VJP gets operands
         # of one type.
+        if whole:  # this device's experts (their gradient: zeros elsewhere, summed over
+            # the axis by the region's gradient reduction)
+            start = jax.lax.axis_index(axis) * (num_experts // devices)
+            gate, up, down = (jax.lax.dynamic_slice_in_dim(w, start, num_experts // devices)
+                              for w in (gate, up, down))
         gate, up, down = (region.to_varying(w, region.varying_axes(tokens)).astype(tokens.dtype)
                           for w in (gate, up, down))
         leading = tokens.shape[:-1]
@@ -168,7 +178,7 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
                                (*token_axes, *split_tokens))
         return from_buffer(outputs, slot, k).reshape(*leading, k, -1), dropped
 
-    rows, split = P(token_axes, *split_tokens), P(axis)
+    rows, split = P(token_axes, *split_tokens), P(None if whole else axis)
     return region.shard_map(local, mesh=mesh, axes={*token_axes, *split_tokens},
                             in_specs=(rows, rows, split, split, split),
                             out_specs=(rows, P()), batch_axes=token_axes)(

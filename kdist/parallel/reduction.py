@@ -215,7 +215,11 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
     # A split sequence (kdist.parallel.context): each device holds its own tokens, so the
     # loss and every gradient are partial over `seq` too, and summed over it like a replica.
     summed = axes + context_step.summed_axes()
-    layouts = [dist.get_variable_layout(v).axes for v in model.trainable_variables]
+    # An expert weight enters whole over `expert` (Keras checks that a variable's value has
+    # its shape; the MoE layer's dispatch takes this device's experts), and its gradient,
+    # zeros but for those experts on each device, is summed over `expert` like any other.
+    layouts = [tuple(None if a == "expert" else a for a in dist.get_variable_layout(v).axes)
+               for v in model.trainable_variables]
     specs = [P(*(a if a in axes else None for a in layout)) for layout in layouts]
     # Manual: the batch axes, and axes of size 1 (nothing to partition; leaving them to
     # XLA made XLA:CPU's bfloat16 all-reduce promotion crash, jaxlib 0.10.2); those an

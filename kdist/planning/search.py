@@ -183,8 +183,8 @@ def pipeline_meshes(num_devices: int, model: Any, global_batch_size: int,
         for mesh in candidate_meshes(num_devices // stages, model, global_batch_size,
                                      grad_accum, sequence_length):
             if mesh["expert"] > 1 or (global_batch_size // grad_accum) % (
-                    mesh["data"] * mesh["fsdp"] * micro):  # (expert x stage: refused)
-                continue
+                    mesh["data"] * mesh["fsdp"] * micro):  # (expert x stage: built, but
+                continue  # the stages' estimate does not model experts yet: not proposed)
             out.append(full_mesh({**mesh, "stage": stages}))
     return out
 
@@ -379,9 +379,14 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
                 "fits": memory <= budget, "bubble": bubble, "_mesh": mesh,
                 **({"schedule": config.schedule} if stages > 1 else {})}
 
+    # 'expert' with kdist's gradient reduction is built, but the estimate does not model
+    # its expert weights whole in the per-device loss: not proposed (docs/moe.md).
+    whole_experts = bool(settings.get("gradient_reduction"))
+
     def searched(meshes_of):  # a candidate the distribution refuses is never a row
         configs = (checked(config_of(full_mesh({**m, "replica": r}))) for r in groups
-                   for m in meshes_of(num_devices // r, global_batch_size // r))
+                   for m in meshes_of(num_devices // r, global_batch_size // r)
+                   if not (whole_experts and m["expert"] > 1))
         return [row(config) for config in configs if config is not None]
 
     rows = searched(lambda n, batch: candidate_meshes(n, dims_source, batch, grad_accum,

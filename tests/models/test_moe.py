@@ -11,6 +11,7 @@ from kdist.models import GPTBackbone, GPTCausalLM
 from kdist.models.expert_compute import capacity_limited, dropless
 from kdist.models.moe import MoEFeedForward, check_moe, expert_load
 from kdist.models.router import load_balance_loss, z_loss
+from kdist.models.scan import LayerStack
 from tests.helpers import TINY_GPT
 
 D, E, F = 16, 4, 8
@@ -224,12 +225,14 @@ def test_a_scanned_moe_stack_trains_like_unstacked_blocks():
                                   unstacked.generate(prompt, 10, sampler="greedy"))
 
 
-def test_scanned_stacks_refuse_mixed_blocks_and_pipelines_refuse_moe():
+def test_scanned_stacks_refuse_mixed_blocks_also_where_a_pipeline_stacks_them():
     with pytest.raises(ValueError, match="every'\\]=2 mixes dense and MoE blocks"):
         GPTBackbone(**TINY_GPT, scan_layers=True, moe={"num_experts": 4, "every": 2})
     keras.distribution.set_distribution(kdist.distribution("stage=2,data=4"))
-    with pytest.raises(ValueError, match="not supported in a pipeline yet.*without 'stage'"):
-        GPTBackbone(**TINY_GPT, moe={"num_experts": 4})
+    with pytest.raises(ValueError, match="every'\\]=2 mixes dense and MoE blocks"):
+        GPTBackbone(**TINY_GPT, moe={"num_experts": 4, "every": 2})  # stacked by default
+    backbone = GPTBackbone(**TINY_GPT, moe={"num_experts": 4})  # MoE in every block: stacked
+    assert isinstance(backbone.blocks, LayerStack)
 
 
 def test_int8_experts_are_quantized_like_projections_each_expert_its_own():

@@ -77,6 +77,13 @@ CONFIGS = {
     # ... in a scanned stack: each layer's statistics and bias a row of the stack's.
     "moe-scanned": {"scan_layers": True, "moe": {"num_experts": 8, "experts_per_token": 2,
                                                  "expert_dim": 32, "balance_bias_rate": 0.01}},
+    # ... in a pipeline (4 layers: 2 per stage), where each microbatch's load-balance loss is
+    # its own (Megatron-LM's rule; tests/parallel/test_moe_pipeline.py shows it): the loss
+    # off here, so that one device's batch is the reference (the z-loss, a mean over tokens,
+    # and the bias, moved by the batch's counts, are the batch's under any microbatching).
+    "moe-pipeline": {**TINY_GPT, "num_layers": 4, "scan_layers": True,
+                     "moe": {"num_experts": 8, "experts_per_token": 2, "expert_dim": 32,
+                             "balance_bias_rate": 0.01, "aux_loss_weight": 0.0}},
 }
 # DiLoCo's exact special case: inner SGD, every step synchronised, outer lr 1 and no
 # momentum is synchronous data-parallel SGD, i.e. one device's SGD.
@@ -298,7 +305,11 @@ TABLE: list[Row] = [
     trains("expert=2,fsdp=4", "llama", config="moe", tolerance="bfloat16"),  # mixed precision
     trains("expert=2,data=4", "gpt", config={**CONFIGS["moe"], "matmul_precision": "int8"},
            tolerance="int8_experts"),
-    refused("expert=2,stage=2,data=2", "expert x stage", "needs a scanned layer stack"),
+    # a pipeline's stages: every expert weight whole in the stage, each device its experts
+    trains("expert=2,stage=2,data=2", "gpt", config="moe-pipeline", rows=16,
+           pipeline_schedule="1f1b"),
+    trains("expert=2,stage=2,data=2", "llama", config="moe-pipeline", rows=16,
+           pipeline_schedule="zero_bubble"),  # (GPipe: tests/parallel/test_moe_pipeline.py)
     trains("expert=2,seq=2,data=2", "gpt", config="moe", context_parallel="ring"),
     trains("expert=2,seq=2,data=2", "llama", config="moe", context_parallel="all_gather"),
     # Each DiLoCo group routes its own rows (its load-balance loss is the group's), as
@@ -307,14 +318,13 @@ TABLE: list[Row] = [
            like={"diloco": {"groups": 2, "sync_every": 2}}),
     trains("replica=2,expert=2,data=2", "llama", config="moe-bias", sync_every=2, steps=4,
            like={"diloco": {"groups": 2, "sync_every": 2}}),
-    refused("expert=2,data=4", "expert x reduction", "Leave gradient_reduction unset",
-            gradient_reduction="float32"),
-    # kdist's per-device loss without 'expert': each MoE layer sums its counts and its
-    # losses' sums over the devices, so losses, load and bias are the batch's
+    # kdist's per-device loss: each MoE layer sums its counts and its losses' sums over the
+    # devices, so losses, load and bias are the batch's; with 'expert', the expert weights
+    # enter whole and each device computes its own experts' tokens
     trains("data=8", "gpt", config="moe-bias", gradient_reduction="float32"),
-    trains("data=2,fsdp=4", "llama", config="moe", gradient_reduction="int8", tolerance="8bit"),
-    refused("expert=2,data=4", "expert x 8-bit", "Leave gradient_reduction unset",
-            gradient_reduction="int8"),
+    trains("expert=2,data=4", "gpt", config="moe-bias", gradient_reduction="float32"),
+    trains("expert=2,fsdp=4", "llama", config="moe", gradient_reduction="int8",
+           tolerance="8bit"),
     # --- a variant's own rule: zero-bubble's mixed ticks x ring attention's permutes ----
     refused("stage=2,seq=2,data=2", "zero_bubble x ring",
             "pipeline_schedule='zero_bubble' runs ticks that mix .* Use "

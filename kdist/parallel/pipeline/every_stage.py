@@ -50,15 +50,17 @@ def forward_ticks(program) -> np.ndarray:
     return forward
 
 
-def run_task(is_forward, action, w, x, g, layers, loss, loss_weights, vary):
+def run_task(is_forward, action, w, x, g, layers, loss, loss_weights, vary, one, no_stats):
     """One device's task of a tick every stage runs alike.
 
     ``is_forward``: the tick's kind (the same on every device); ``action``: this stage's
     action code (idle, forward, backward, last backward); ``layers(w, x)`` the stage's
-    layers on a microbatch; ``loss(loss_weights, y)`` its share of the loss from the last
-    virtual stage's output; ``vary`` types a pytree varying over the region's manual axes.
-    Returns ``(y, dx, dw, d_loss_weights, loss_value)`` as the interpreter's branches do:
-    zeros for an idle stage.
+    layers on a microbatch, ``(y, their loss, their statistics)``
+    (:func:`kdist.parallel.pipeline.interpreter.interpret`); ``loss(loss_weights, y)`` its
+    share of the loss from the last virtual stage's output; ``vary`` types a pytree varying
+    over the region's manual axes; ``one`` the layers' loss's cotangent; ``no_stats``
+    zeros shaped like the statistics. Returns ``(y, dx, dw, d_loss_weights, loss_value,
+    statistics)`` as the interpreter's branches do: zeros for an idle stage.
     """
     active = action != 0
     last = action == LAST_BACKWARD
@@ -69,9 +71,9 @@ def run_task(is_forward, action, w, x, g, layers, loss, loss_weights, vary):
         return vary(jax.tree.map(jnp.zeros_like, tree))
 
     def forward(w, x, g):
-        y = layers(w, x)
+        y = layers(w, x)[0]
         return vary((jnp.where(active, y, jnp.zeros_like(y)), jnp.zeros_like(x), zero(w),
-                     zero(loss_weights), jnp.zeros((), jnp.float32)))
+                     zero(loss_weights), jnp.zeros((), jnp.float32), no_stats))
 
     def head(y):  # the last virtual stage: the loss and its gradient at the stack's output
         def value(lw, y):
@@ -84,9 +86,16 @@ def run_task(is_forward, action, w, x, g, layers, loss, loss_weights, vary):
         return vary((jnp.zeros((), jnp.float32), zero(loss_weights), jnp.zeros_like(y)))
 
     def backward(w, x, g):
-        y, vjp = jax.vjp(layers, w, x)
+        def stage(w, x):  # ((y, the layers' loss), statistics): vjp's has_aux form
+            y, extra, stats = layers(w, x)
+            return (y, extra), stats
+
+        (y, extra), vjp, stats = jax.vjp(stage, w, x, has_aux=True)
         value, d_lw, dy = jax.lax.cond(last, head, no_head, y)
-        dw, dx = vjp(jnp.where(last, dy, g).astype(y.dtype))
-        return vary((jnp.zeros_like(x), dx, dw, d_lw, value))
+        # an idle stage's layers ran on zeros: their loss and statistics are not counted
+        dw, dx = vjp((jnp.where(last, dy, g).astype(y.dtype), jnp.where(active, one, 0.0)))
+        stats = jax.tree.map(lambda a: jnp.where(active, a, jnp.zeros_like(a)), stats)
+        return vary((jnp.zeros_like(x), dx, dw, d_lw, value + jnp.where(active, extra, 0.0),
+                     stats))
 
     return jax.lax.cond(is_forward, forward, backward, vary(w), vary(x), vary(g))

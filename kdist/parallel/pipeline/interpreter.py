@@ -54,6 +54,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -61,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdist.parallel.pipeline import every_stage as alike
-from kdist.parallel.region import to_varying
+from kdist.parallel.region import to_varying, varying_axes
 
 AXIS = "stage"
 (IDLE, FORWARD, BACKWARD, LAST_BACKWARD, INPUT_GRAD, LAST_INPUT_GRAD, WEIGHT_GRAD,
@@ -197,7 +198,8 @@ class Task(NamedTuple):
     d_input: Any  # B's or I's input cotangent, sent to the previous stage
     d_weights: list  # this chunk's weight gradient (B, W)
     d_loss_weights: Any  # the loss head's gradient (the last virtual stage)
-    loss: Any  # this microbatch's loss (the last virtual stage's B or I)
+    loss: Any  # this microbatch's loss (the last virtual stage's B or I; layers' at B, I)
+    statistics: Any = ()  # the layers' statistics of this microbatch (B, I; see interpret)
 
 
 class Carry(NamedTuple):
@@ -209,10 +211,11 @@ class Carry(NamedTuple):
     d_loss_weights: Any
     d_xm: Any  # (M, b, ...): the inputs' cotangents (stage 0)
     loss: Any
+    statistics: Any = ()  # summed over microbatches
 
 
 def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
-              shared=None, every_stage=False):
+              shared=None, every_stage=False, statistics=None):
     """One device's part of ``program`` (inside a ``shard_map`` with ``stage`` manual).
 
     ``stage_fn(chunk_weights, x, data_m, chunk)`` applies this device's layers of model
@@ -228,6 +231,13 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
     zeros elsewhere. ``every_stage``: every stage runs each tick's kind of task, idle ones
     on zeros (:mod:`kdist.parallel.pipeline.every_stage`: collectives among all devices inside the
     layers, as ring attention's).
+
+    ``statistics``: None, or a pytree of shapes (``jax.ShapeDtypeStruct``): then
+    ``stage_fn`` returns ``(y, (loss, stats))`` — the losses its layers add (a MoE layer's
+    load balance: part of the step's loss, differentiated with it; the same on every
+    device that splits the rows, so counted once) and statistics of those shapes (not
+    differentiated), both counted once per microbatch (at its ``B``, or ``I``) — and the
+    result gains the statistics' sum over microbatches as a fifth element, this device's.
     """
     table = program.table
     S, v = table.stages, table.chunks
@@ -248,6 +258,17 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
     def zero(tree):
         return vary(jax.tree.map(jnp.zeros_like, tree))
 
+    def layers(w, x, data_m, c):  # the stage's layers: (y, their loss, their statistics)
+        if statistics is None:
+            return stage_fn(w, x, data_m, c), vary(jnp.zeros((), jnp.float32)), ()
+        y, (loss, stats) = stage_fn(w, x, data_m, c)
+        # The same on every device splitting the rows (and tokens): the step's loss sums
+        # over them (schedule_region), so each holds its share; the cotangent 1 each gets
+        # is summed back (the typing's transpose) to 1 for the one value.
+        copies = math.prod(jax.lax.axis_size(a) for a in varying - {AXIS}
+                           - set(varying_axes(loss)))
+        return y, to_varying(loss.astype(jnp.float32), varying) / copies, stats
+
     def tick(carry: Carry, t):
         at = {name: col[t, s] for name, col in columns.items()}
         m, c = at["microbatch"], at["chunk"]
@@ -262,46 +283,54 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
         g = jax.lax.dynamic_index_in_dim(carry.cotangents, at["cotangent"], keepdims=False)
 
         def task(output=zeros_x, d_input=zeros_x, d_weights=None, d_loss_weights=None,
-                 loss=None):
+                 loss=None, stats=None):
             return vary(Task(output, d_input, zero(w) if d_weights is None else d_weights,
                              zero(loss_weights) if d_loss_weights is None else d_loss_weights,
-                             jnp.zeros(()) if loss is None else loss))
+                             jnp.zeros(()) if loss is None else loss,
+                             vary(_zeros(statistics)) if stats is None else stats))
+
+        def stage(w, x):  # ((y, the layers' loss), statistics): vjp's has_aux form
+            y, loss, stats = layers(w, x, data_m, c)
+            return (y, loss), stats
+
+        one = vary(jnp.ones((), jnp.float32))
+
+        def full(w, lw, x):  # the last virtual stage: its layers and the loss
+            (y, loss), stats = stage(w, x)
+            return loss_fn(lw, y, data_m).astype(jnp.float32) + loss, stats
 
         def idle(w, x, g):
             return task()
 
         def forward(w, x, g):
-            return task(output=stage_fn(w, x, data_m, c))
+            return task(output=stage(w, x)[0][0])
 
         def backward(w, x, g):
-            _, vjp = jax.vjp(lambda w, x: stage_fn(w, x, data_m, c), w, x)
-            dw, dx = vjp(g)
-            return task(d_input=dx, d_weights=dw)
-
-        def full(w, lw, x):  # the last virtual stage: its layers and the loss
-            return loss_fn(lw, stage_fn(w, x, data_m, c), data_m).astype(jnp.float32)
-
-        one = vary(jnp.ones((), jnp.float32))
+            (_, loss), vjp, stats = jax.vjp(stage, w, x, has_aux=True)
+            dw, dx = vjp((g, one))
+            return task(d_input=dx, d_weights=dw, loss=loss, stats=stats)
 
         def last_backward(w, x, g):
-            value, vjp = jax.vjp(full, w, vary(loss_weights), x)
+            value, vjp, stats = jax.vjp(full, w, vary(loss_weights), x, has_aux=True)
             dw, dlw, dx = vjp(one)
-            return task(d_input=dx, d_weights=dw, d_loss_weights=dlw, loss=value)
+            return task(d_input=dx, d_weights=dw, d_loss_weights=dlw, loss=value, stats=stats)
 
-        def input_grad(w, x, g):
-            _, vjp = jax.vjp(lambda x: stage_fn(w, x, data_m, c), x)
-            return task(d_input=vjp(g)[0])
+        def input_grad(w, x, g):  # the layers' loss and statistics are counted here
+            (_, loss), vjp, stats = jax.vjp(lambda x: stage(w, x), x, has_aux=True)
+            return task(d_input=vjp((g, one))[0], loss=loss, stats=stats)
 
         def last_input_grad(w, x, g):  # the loss is counted here, not again at W
-            value, vjp = jax.vjp(lambda x: full(w, vary(loss_weights), x), x)
-            return task(d_input=vjp(one)[0], loss=value)
+            value, vjp, stats = jax.vjp(lambda x: full(w, vary(loss_weights), x), x,
+                                        has_aux=True)
+            return task(d_input=vjp(one)[0], loss=value, stats=stats)
 
         def weight_grad(w, x, g):
-            _, vjp = jax.vjp(lambda w: stage_fn(w, x, data_m, c), w)
-            return task(d_weights=vjp(g)[0])
+            _, vjp, _ = jax.vjp(lambda w: stage(w, x), w, has_aux=True)
+            return task(d_weights=vjp((g, one))[0])
 
         def last_weight_grad(w, x, g):
-            _, vjp = jax.vjp(lambda w, lw: full(w, lw, x), w, vary(loss_weights))
+            _, vjp, _ = jax.vjp(lambda w, lw: full(w, lw, x), w, vary(loss_weights),
+                                has_aux=True)
             dw, dlw = vjp(one)
             return task(d_weights=dw, d_loss_weights=dlw)
 
@@ -311,8 +340,9 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
         # The sums run once, after the schedule.
         if every_stage:
             done = Task(*alike.run_task(
-                kinds[t], at["action"], w, x, g, lambda w, x: stage_fn(w, x, data_m, c),
-                lambda lw, y: loss_fn(lw, y, data_m), loss_weights, vary))
+                kinds[t], at["action"], w, x, g, lambda w, x: layers(w, x, data_m, c),
+                lambda lw, y: loss_fn(lw, y, data_m), loss_weights, vary, one,
+                vary(_zeros(statistics))))
         else:
             done = jax.lax.switch(
                 at["action"], (idle, forward, backward, last_backward, input_grad,
@@ -332,16 +362,24 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
                      d_weights=d_w,
                      d_loss_weights=jax.tree.map(jnp.add, carry.d_loss_weights,
                                                  done.d_loss_weights),
-                     d_xm=d_xm, loss=carry.loss + done.loss), None
+                     d_xm=d_xm, loss=carry.loss + done.loss,
+                     statistics=jax.tree.map(jnp.add, carry.statistics, done.statistics)), None
 
     init = vary(Carry(
         inputs=jnp.zeros((program.input_slots,) + xm.shape[1:], xm.dtype),
         cotangents=jnp.zeros((program.cotangent_slots,) + xm.shape[1:], xm.dtype),
         d_weights=[jnp.zeros_like(w) for w in weights],
         d_loss_weights=jax.tree.map(jnp.zeros_like, loss_weights),
-        d_xm=jnp.zeros_like(xm), loss=jnp.zeros((), jnp.float32)))
+        d_xm=jnp.zeros_like(xm), loss=jnp.zeros((), jnp.float32),
+        statistics=_zeros(statistics)))
     final, _ = jax.lax.scan(tick, init, jnp.arange(table.ticks))
-    return final.loss, final.d_weights, final.d_loss_weights, final.d_xm
+    result = (final.loss, final.d_weights, final.d_loss_weights, final.d_xm)
+    return result if statistics is None else (*result, final.statistics)
+
+
+def _zeros(template):
+    """Zeros shaped like ``template``'s leaves (arrays or ``jax.ShapeDtypeStruct``)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), template or ())
 
 
 def _store(buffer, value, slot):
@@ -353,8 +391,6 @@ def _store(buffer, value, slot):
 
 
 def _varying_axes(*trees) -> set:
-    from kdist.parallel.region import varying_axes
-
     axes = set()
     for leaf in jax.tree.leaves(trees):
         axes |= set(varying_axes(leaf))

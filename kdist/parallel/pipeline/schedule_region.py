@@ -23,7 +23,7 @@ from kdist.parallel.region import to_varying
 
 def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
                    shared=None, *, mesh, batch_axes=(), weight_axes=None, token_axes=(),
-                   specs=None, every_stage=False):
+                   specs=None, every_stage=False, statistics=None):
     """The loss of ``table``'s schedule and its gradients, over ``mesh``.
 
     ``weights``: stacked arrays ``(v, L / v, ...)`` whose second dimension is split over
@@ -40,7 +40,11 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     gradient are partial over them too, and summed over them like over the batch axes.
     ``specs``: ``(xm_spec, data_specs)`` where arrays are split over more than their rows
     (tokens over ``seq``); default: rows over ``batch_axes``. ``every_stage``: as in
-    :func:`interpret`. Returns ``(loss, (d_weights, d_loss_weights, d_xm))``.
+    :func:`interpret`. ``statistics``: as in :func:`interpret` (the shapes of the layers'
+    statistics, ``(L, ...)`` arrays of which each stage fills its layers'
+    rows): then the loss holds the layers' losses, and the result gains the statistics
+    summed over microbatches, whole, as a third element. Returns ``(loss, (d_weights,
+    d_loss_weights, d_xm))``.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -74,42 +78,56 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
 
     def device(weights, loss_weights, xm, data, shared):
         weights = [reduction.gather(w, plan) for w, plan in zip(weights, plans)]
-        loss, d_w, d_lw, d_xm = interpret(program, stage_fn, loss_fn, weights,
-                                          loss_weights, xm, data, shared, every_stage)
+        loss, d_w, d_lw, d_xm, *stats = interpret(
+            program, stage_fn, loss_fn, weights, loss_weights, xm, data, shared, every_stage,
+            statistics)
         loss = jax.lax.psum(loss, everything)
         d_w = [reduction.reduce(g, plan) for g, plan in zip(d_w, plans)]
         d_lw = jax.tree.map(lambda g: jax.lax.psum(g, everything), d_lw)
-        return loss, d_w, d_lw, sum_over_stage(d_xm)
+        # Each stage its layers' rows; the same on every device of a stage (the layers sum
+        # their statistics over the rows' devices), hence the max over those: exact.
+        stats = jax.tree.map(lambda a: _same_over(jax.lax.psum(a, AXIS), partial), stats)
+        return loss, d_w, d_lw, sum_over_stage(d_xm), *stats
 
     lw_specs = jax.tree.map(lambda _: P(), loss_weights)
     # In a kdist region, so that the layers inside know their arrays are blocks.
-    loss, d_w, d_lw, d_xm = region.shard_map(
+    loss, d_w, d_lw, d_xm, *stats = region.shard_map(
         device, mesh=mesh, axes=set(mesh.axis_names) - auto,
         in_specs=(w_specs, lw_specs, x_spec, data_specs,
                   jax.tree.map(lambda _: P(), shared)),
-        out_specs=(P(), w_specs, lw_specs, x_spec))(list(weights), loss_weights, xm, data,
-                                                     shared)
-    return loss, (d_w, d_lw, d_xm)
+        out_specs=(P(), w_specs, lw_specs, x_spec,
+                   *((jax.tree.map(lambda _: P(), statistics),) if statistics is not None
+                     else ())))(list(weights), loss_weights, xm, data, shared)
+    return (loss, (d_w, d_lw, d_xm), *stats)
+
+
+def _same_over(a, axes):
+    """``a``, equal on every device of ``axes`` but typed as varying over some of them, as
+    typed invariant (their max: exact)."""
+    over = tuple(x for x in axes if x in region.varying_axes(a))
+    return jax.lax.pmax(a, over) if over else a
 
 
 def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
                    shared=None, *, mesh, batch_axes=(), weight_axes=None, token_axes=(),
-                   specs=None, every_stage=False):
+                   specs=None, every_stage=False, statistics=None):
     """:func:`value_and_grad`'s loss as a function JAX differentiates like any other: its
     forward pass runs the whole schedule (forwards and backwards) and keeps the gradients,
     its backward pass scales them by the loss's cotangent — so what computes ``xm`` (an
     embedding) and what uses the weights elsewhere (a tied head) get their gradients from
-    the enclosing ``jax.grad``. ``data`` gets none (masks, targets, indices).
+    the enclosing ``jax.grad``. ``data`` gets none (masks, targets, indices). With
+    ``statistics`` the result is ``(loss, statistics)``, the second not differentiated.
 
     Example:
         >>> grads = jax.grad(lambda w: scheduled_loss(table, f, loss, w, lw, xm,  # doctest: +SKIP
         ...                                           mesh=mesh))(weights)
     """
     def run(weights, loss_weights, xm, data, shared):
-        return value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data,
-                              shared, mesh=mesh, batch_axes=batch_axes,
-                              weight_axes=weight_axes, token_axes=token_axes, specs=specs,
-                              every_stage=every_stage)
+        loss, grads, *stats = value_and_grad(
+            table, stage_fn, loss_fn, weights, loss_weights, xm, data, shared, mesh=mesh,
+            batch_axes=batch_axes, weight_axes=weight_axes, token_axes=token_axes,
+            specs=specs, every_stage=every_stage, statistics=statistics)
+        return (loss, *stats), grads
 
     inputs = {}  # the types of data and shared (static), for their zero cotangents
 
@@ -122,13 +140,15 @@ def scheduled_loss(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
         inputs["types"] = [(a.shape, a.dtype, region.varying_axes(a)) for a in leaves]
         return run(weights, loss_weights, xm, data, shared)
 
-    def backward(grads, cotangent):
+    def backward(grads, cotangents):
+        cotangent = cotangents[0]  # the statistics' is not used: not differentiated
         scaled = jax.tree.map(lambda g: (g * cotangent).astype(g.dtype), grads)
         return scaled + jax.tree.unflatten(inputs["tree"],
                                            [_no_cotangent(*t) for t in inputs["types"]])
 
     loss.defvjp(forward, backward)
-    return loss(list(weights), loss_weights, xm, data, shared)
+    out = loss(list(weights), loss_weights, xm, data, shared)
+    return out[0] if statistics is None else out
 
 
 def _no_cotangent(shape, dtype, varying):

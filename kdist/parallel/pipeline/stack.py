@@ -158,7 +158,7 @@ INPUT_AXES = {
 }
 
 
-def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None):
+def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None, state=None):
     """``x`` ``(B, T, D)`` through the stacked layers with the pipeline ``schedule``.
 
     ``layer(w, h, kwargs, index, seed)`` applies the layer of global index ``index`` with
@@ -169,6 +169,12 @@ def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None)
     with each device's batch shard; ``layouts``: each weight's mesh axes per dimension (its
     variable's layout; default: only the layer dimension over ``stage``). Returns
     ``(B, T, D)`` on every stage.
+
+    ``state``: None, or the layers' non-trainable state as ``(L, ...)`` arrays (small,
+    whole on every device): then ``layer(w, h, kwargs, index, seed, rows)`` gets layer
+    ``index``'s rows and returns ``(h, new rows, the losses it added)``, and the result is
+    ``(y, loss, sums)``: the layers' losses, each microbatch's weighted ``1 / M``, and the
+    new rows summed over microbatches ``(L, ...)`` (:class:`kdist.models.scan.LayerStack`).
 
     Every axis but ``model`` is manual in the stages (:mod:`kdist.parallel.region`): each
     device works on its own rows (the batch axes) and, under a ``seq`` axis, its own tokens
@@ -198,6 +204,10 @@ def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None)
     new = region.current().automatic(wanted)
     if layouts is None:
         layouts = [(None,) * (lead - 1) + (AXIS,) for _ in weights]
+    # An expert weight enters whole over `expert`, gathered once per step as fsdp's are
+    # (Keras checks that a variable's value has its shape; the dispatch takes this
+    # device's experts: docs/moe.md, "In a pipeline").
+    layouts = [tuple(None if a == "expert" else a for a in axes) for axes in layouts]
     w_specs = [P(*(a if a in new else None for a in axes)) for axes in layouts]
     summed = summed_axes(sizes, among=new)
     inside = tuple(sorted(region.current().automatic(sizes) - new))  # model
@@ -211,16 +221,19 @@ def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None)
                                 plans)
     # The rows here are microbatch slices, not blocks of the global batch: no batch axes
     # for dropout's global row offsets (each device folds its own seed instead, below).
+    stated = state is not None
     out = region.shard_map(
         program, mesh=schedule.mesh, axes=wanted,
         in_specs=(w_specs, spec("x"), {k: spec(k) if k in per_row else P() for k in kwm},
-                  None if seed is None else P()),
-        out_specs=spec("x"))(list(weights), xm, kwm, seed)
-    return _from_microbatches(out, schedule)
+                  None if seed is None else P(), P() if stated else None),
+        out_specs=(spec("x"), P(), P()) if stated else spec("x"))(
+            list(weights), xm, kwm, seed, list(state) if stated else None)
+    return (_from_microbatches(out[0], schedule), *out[1:]) if stated else \
+        _from_microbatches(out, schedule)
 
 
 def _stage_program(layer, schedule: Schedule, lead, per_row, plans, weights, xm, kwargs,
-                   seed):
+                   seed, state):
     """One device's program (inside ``shard_map``): its stage's part of the schedule, on its
     rows."""
     from kdist.parallel import reduction
@@ -231,10 +244,34 @@ def _stage_program(layer, schedule: Schedule, lead, per_row, plans, weights, xm,
         split = batch_axes({a: jax.lax.axis_size(a) for a in REPLICA_AXES})
         seed = jax.random.fold_in(seed, jax.lax.axis_index(split) if split else 0)
     weights = [reduction.use(w, None, plan) for w, plan in zip(weights, plans)]
-    return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed)
+    return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed, state)
 
 
-def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
+def _stage_layers(layer, weights, h, kw, first, seed, state, count):
+    """``h`` through this stage's ``count`` layers from global index ``first`` (weights
+    ``(count, ...)``): ``h``, or with ``state`` (``(L, ...)`` arrays, whole) ``(h, (loss,
+    sums))``: the losses the layers added and their new state rows placed at their rows of
+    ``(L, ...)`` zeros."""
+    if state is None:
+        def body(h, xs):
+            w, k = xs
+            return layer(w, h, kw, first + k, seed), None
+
+        return jax.lax.scan(body, h, (weights, jnp.arange(count)))[0]
+
+    def stated(h, xs):
+        w, k = xs
+        rows = [jax.lax.dynamic_index_in_dim(a, first + k, keepdims=False) for a in state]
+        h, rows, loss = layer(w, h, kw, first + k, seed, rows)
+        return h, (rows, loss)
+
+    h, (rows, losses) = jax.lax.scan(stated, h, (weights, jnp.arange(count)))
+    sums = [jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(a), r.astype(a.dtype), first, 0)
+            for a, r in zip(state, rows)]
+    return h, (jnp.sum(losses), sums)
+
+
+def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed, state=None):
     stages, repeats, micro = schedule.stages, schedule.repeats, schedule.microbatches
     per_stage = schedule.layers_per_stage
     s = jax.lax.axis_index(AXIS)
@@ -249,20 +286,14 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
 
     def apply_layers(r, h, kw):
         ws = [jax.lax.dynamic_index_in_dim(w, r, keepdims=False) for w in weights]
-        first = (r * stages + s) * per_stage
-
-        def body(h, xs):
-            w, k = xs
-            return layer(w, h, kw, first + k, seed), None
-
-        h, _ = jax.lax.scan(body, h, (ws, jnp.arange(per_stage)))
-        return h
+        return _stage_layers(layer, ws, h, kw, (r * stages + s) * per_stage, seed, state,
+                             per_stage)
 
     # Send to the next stage; round the ring only when a microbatch goes round again.
     perm = [(i, (i + 1) % stages) for i in range(stages if repeats > 1 else stages - 1)]
 
     def step(carry, t):
-        shift, circ, out = carry
+        shift, circ, out, extra = carry
         v = t - s  # this stage's virtual microbatch
         valid = (v >= 0) & (v < repeats * micro)
         v = jnp.clip(v, 0, repeats * micro - 1)
@@ -284,21 +315,31 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed):
         kw = {k: jax.lax.dynamic_index_in_dim(a, m, keepdims=False) if k in per_row else a
               for k, a in kwargs.items()}
         y = apply_layers(r, h, kw)
+        if state is not None:  # a bubble's layers (on zeros) count nothing
+            y, (loss, sums) = y
+            extra = jax.tree.map(lambda a, b: a + jnp.where(valid, b, jnp.zeros_like(b)),
+                                 extra, (loss / micro, sums))
         done = (s == stages - 1) & valid & (r == repeats - 1)
         written = jax.lax.dynamic_index_in_dim(out, m, keepdims=False)
         out = jax.lax.dynamic_update_index_in_dim(
             out, jnp.where(done, y.astype(wire), written), m, 0)
         shift = jax.lax.ppermute(y, AXIS, perm)
-        return (shift, circ, out), None
+        return (shift, circ, out, extra), None
 
     init = (zeros, jnp.zeros_like(xm) if repeats > 1 else jnp.zeros((), xm.dtype),
             jnp.zeros(xm.shape, wire))
     sizes = schedule.mesh.shape
     init = tuple(to_varying(c, {a for a in region.current().manual if sizes[a] > 1})
                  for c in init)
-    (_, _, out), _ = jax.lax.scan(step, init, jnp.arange(schedule.iterations))
+    # The layers' losses and state sums are the same on every device of a stage (the
+    # layers sum their statistics over the rows' devices): typed as varying over stages.
+    extra = () if state is None else jax.tree.map(
+        lambda a: to_varying(jnp.zeros_like(a), {AXIS}), (jnp.zeros(()), state))
+    (_, _, out, extra), _ = jax.lax.scan(step, (*init, extra),
+                                         jnp.arange(schedule.iterations))
     # Only the last stage wrote: the sum over stages is its outputs, now on every stage.
-    return jax.lax.psum(out, AXIS).astype(xm.dtype)
+    out = jax.lax.psum(out, AXIS).astype(xm.dtype)
+    return out if state is None else (out, *jax.lax.psum(extra, AXIS))
 
 
 def _wire_dtype(dtype, mesh):
@@ -316,7 +357,7 @@ def scheduled_name() -> str:
 
 
 def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss_weights,
-              targets, layouts=None):
+              targets, layouts=None, state=None):
     """The loss of ``x`` ``(B, T, D)`` through the stacked layers and ``loss_fn``, with the
     distribution's ``pipeline_schedule`` run by :mod:`kdist.parallel.pipeline.interpreter` (the loss
     joins the schedule, so a microbatch's backward starts as soon as its forward is done).
@@ -328,7 +369,9 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     weight's mesh axes per dimension, as in :func:`pipelined` (a dimension over ``fsdp`` is
     gathered once per step, its gradient reduce-scattered once). Differentiable in
     ``weights``, ``loss_weights`` and ``x``. Each device folds the dropout seed with its
-    row shard, as :func:`pipelined` does.
+    row shard, as :func:`pipelined` does. ``state``: as in :func:`pipelined`; then the
+    result is ``(loss, sums)``, the layers' losses (each microbatch's weighted ``1 / M``)
+    included in the loss.
     """
     from kdist.parallel.pipeline import schedule_region, schedules
 
@@ -343,6 +386,8 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     shared = {"kwargs": {k: v for k, v in kwargs.items() if k not in per_row}}
     if seed is not None:
         shared["seed"] = seed
+    if state is not None:  # whole on every device (small): each stage reads its rows
+        shared["state"] = list(state)
     data = {"per_row": per_row,
             "targets": jax.tree.map(lambda a: _to_microbatches(a, schedule), targets)}
     chunks = [w[None] for w in weights] if repeats == 1 else list(weights)  # (v, L / v, ...)
@@ -353,7 +398,7 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     # dimension over several axes, enters whole: correct, if gathered by XLA) — where they
     # are still automatic: inside kdist's gradient reduction the weights arrive gathered
     # over fsdp, and their gradients leave unreduced, for the reduction's own collective.
-    split = region.current().automatic((AXIS, "fsdp"))
+    split = region.current().automatic((AXIS, "fsdp"))  # (not expert: see pipelined)
     axes = [(None,) * (2 - lead) + tuple(a if a in split else None for a in layout)
             for layout in layouts]
     per_stage = schedule.layers_per_stage
@@ -391,11 +436,11 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
         if key is not None:
             key = jax.random.fold_in(key, jax.lax.axis_index(rows) if rows else 0)
 
-        def body(h, xs):
-            w_k, k = xs
-            return layer(w_k, h, kw, first + k, key), None
-
-        return jax.lax.scan(body, h, (w, jnp.arange(per_stage)))[0]
+        out = _stage_layers(layer, w, h, kw, first, key, d.get("state"), per_stage)
+        if state is None:
+            return out
+        h, (loss, sums) = out
+        return h, (loss / schedule.microbatches, sums)
 
     def microbatch_loss(lw, y, d):
         return loss_fn(lw, y, d["targets"])
@@ -406,5 +451,7 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
         weight_axes=axes, token_axes=tokens, specs=specs,
         # ring attention's permutes over seq (manual here or in an enclosing region, as
         # kdist's gradient reduction's): every stage runs every tick's kind of task
-        every_stage=sizes.get("seq", 1) > 1 and dist.config.context.variant == "ring")
+        every_stage=sizes.get("seq", 1) > 1 and dist.config.context.variant == "ring",
+        statistics=None if state is None else [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                               for a in state])
 
