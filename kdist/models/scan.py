@@ -39,7 +39,7 @@ from keras import layers, ops
 
 from kdist import _keras_compat
 from kdist.models import remat, stacking
-from kdist.parallel import pipeline, rules
+from kdist.parallel import experts, pipeline, rules
 from kdist.parallel.constraints import shard_batch
 
 # Initializers that draw every element independently of the shape: one call with the
@@ -127,8 +127,7 @@ def in_microbatches() -> bool:
 
 @contextlib.contextmanager
 def _microbatched():
-    before = in_microbatches()
-    _microbatches.on = True
+    before, _microbatches.on = in_microbatches(), True
     try:
         yield
     finally:
@@ -264,8 +263,10 @@ class LayerStack(layers.Layer):
         key = None if seed is None else jax.random.fold_in(seed, index)
         values = [state[i] if kind == "state" else jax.random.fold_in(key, i)
                   for kind, i in self._parts.order]
+        weights = [experts.as_whole(w, v.shape)  # (a pipeline stage's experts: padded)
+                   for w, v in zip(weights, self.block.trainable_variables)]
         y, values, losses = self.block.stateless_call(
-            list(weights), values, x, training=training, return_losses=True, **kwargs)
+            weights, values, x, training=training, return_losses=True, **kwargs)
         if not self._parts.state:
             return y
         state = [v for (kind, _), v in zip(self._parts.order, values) if kind == "state"]
@@ -397,10 +398,9 @@ class LayerStack(layers.Layer):
         alone = [v.path for v in block.non_trainable_variables
                  if id(v) in index and id(v) not in combined]
         if alone:
-            raise ValueError(
-                f"{self.name}'s block has state {alone} that no layer of it combines over a "
-                f"pipeline's microbatches (combine_microbatches()), so its value after a "
-                f"step is unknown. Train it without a 'stage' axis.")
+            raise ValueError(f"{self.name}'s block has state {alone} that no layer of it "
+                             f"combines over a pipeline's microbatches (combine_microbatches"
+                             f"()). Train it without a 'stage' axis.")
 
     def _flat(self, weights):
         lead = len(self.lead)

@@ -17,9 +17,9 @@ whole batch, as on one device), then :func:`dispatch` runs only the experts' com
 in a ``shard_map`` manual over the batch's axes (``expert`` among them) and ``seq``, so the
 activations enter as they lie (``model`` is left to XLA); nested in a DiLoCo group's
 region, over those still automatic there (the group's rows). In a region manual over
-``expert`` already (a pipeline's stage, kdist's per-device loss) the expert weights arrive
-whole and each device takes its own experts (their gradient, zeros elsewhere, is summed
-over ``expert`` by that region's reduction). A dropless
+``expert`` already (a pipeline's stage, kdist's per-device loss) each device's experts
+arrive placed in zeros of the whole weight's shape (:func:`as_whole`, for Keras) and the
+dispatch takes them back out. A dropless
 layer gets ``slots = n x k`` (nothing can overflow: exact, at E x the buffer memory of a
 tuned capacity); a ``capacity_factor`` gets ``ceil(factor x n x k / E)`` per source device.
 :data:`TRANSFORM` is the axis's entry in the step: it refuses a model without experts.
@@ -146,7 +146,7 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
     gathers them for a matmul, and its gradient summed over them on the way out
     (``shard_map``'s transpose)."""
     devices, num_experts = mesh.shape[axis], gate.shape[0]
-    # every expert here: in a pipeline's stage or kdist's per-device loss
+    # in a pipeline's stage or kdist's per-device loss: this device's experts, in zeros
     whole = axis in region.current().manual
     if num_experts % devices:
         raise ValueError(f"{num_experts} experts cannot be split over the '{axis}' mesh axis "
@@ -162,8 +162,7 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
         # batch's axes (the cast's transpose) in the dtype the weights came in (float32
         # on a CPU: kdist.models.moe), and a quantized matmul's custom VJP gets operands
         # of one type.
-        if whole:  # this device's experts (their gradient: zeros elsewhere, summed over
-            # the axis by the region's gradient reduction)
+        if whole:  # this device's experts, where as_whole put them
             start = jax.lax.axis_index(axis) * (num_experts // devices)
             gate, up, down = (jax.lax.dynamic_slice_in_dim(w, start, num_experts // devices)
                               for w in (gate, up, down))
@@ -183,6 +182,31 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
                             in_specs=(rows, rows, split, split, split),
                             out_specs=(rows, P()), batch_axes=token_axes)(
         tokens, experts, gate, up, down)
+
+
+def as_whole(value, shape):
+    """A weight ``value`` holding this device's experts (its ``expert`` dimension split
+    over the ``expert`` mesh axis, manual here) placed in zeros of the weight's ``shape``;
+    ``value`` itself where the shapes agree. Keras checks that a variable's value has its
+    shape; the dispatch reads back the same experts (:func:`expert_parallel_outputs`), so
+    nothing moves between devices, and the gradient of the padding is the device's own
+    experts'. Used inside a pipeline's stage and kdist's per-device loss.
+
+    Example:
+        >>> as_whole(jnp.ones((2, 3)), (2, 3)).shape  # whole already
+        (2, 3)
+    """
+    if tuple(value.shape) == tuple(shape):
+        return value
+    differ = [d for d, (a, b) in enumerate(zip(value.shape, shape)) if a != b]
+    if (len(differ) != 1 or "expert" not in region.current().manual
+            or shape[differ[0]] != value.shape[differ[0]] * jax.lax.axis_size("expert")):
+        raise ValueError(f"A weight of shape {tuple(value.shape)} cannot stand for one of "
+                         f"shape {tuple(shape)}: only an expert dimension split over a "
+                         f"manual 'expert' axis is padded back.")
+    d = differ[0]
+    start = jax.lax.axis_index("expert") * value.shape[d]
+    return jax.lax.dynamic_update_slice_in_dim(jnp.zeros(shape, value.dtype), value, start, d)
 
 
 def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None,

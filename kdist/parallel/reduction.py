@@ -45,7 +45,7 @@ import keras
 from jax.sharding import PartitionSpec as P
 
 from kdist import _keras_compat
-from kdist.parallel import compression, region
+from kdist.parallel import compression, experts, region
 from kdist.parallel.context import transform as context_step
 from kdist.parallel.dropout import Dropout
 from kdist.parallel.layout import BatchLayout, active
@@ -72,8 +72,12 @@ def gradient_plan(layout_axes, manual, summed, sizes, reduction: str = "float32"
     ``manual`` (gathered over ``fsdp`` there if it is among them) and how its gradient
     leaves it: summed over ``summed`` in ``reduction``'s type (or 8-bit codes).
     ``automatic``: the axes still left to XLA's partitioner inside the region; the
-    reduction runs per device of those too (see :func:`_reduce`)."""
+    reduction runs per device of those too (see :func:`_reduce`). A weight split over a
+    summed axis other than ``fsdp`` (an expert weight over ``expert``: each device its own
+    experts, their gradient whole from the tokens the dispatch brought) is not summed
+    over it."""
     spec = [a if a in manual else None for a in layout_axes]
+    summed = [a for a in summed if a == "fsdp" or a not in spec]
     auto = tuple(a for a in automatic if sizes.get(a, 1) > 1 and a not in manual)
     auto_spec = P(*(a if a in auto else None for a in layout_axes)) if auto else None
     return _Plan(tuple(summed), tuple(sorted(sizes.items())),
@@ -215,12 +219,9 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
     # A split sequence (kdist.parallel.context): each device holds its own tokens, so the
     # loss and every gradient are partial over `seq` too, and summed over it like a replica.
     summed = axes + context_step.summed_axes()
-    # An expert weight enters whole over `expert` (Keras checks that a variable's value has
-    # its shape; the MoE layer's dispatch takes this device's experts), and its gradient,
-    # zeros but for those experts on each device, is summed over `expert` like any other.
-    layouts = [tuple(None if a == "expert" else a for a in dist.get_variable_layout(v).axes)
-               for v in model.trainable_variables]
+    layouts = [dist.get_variable_layout(v).axes for v in model.trainable_variables]
     specs = [P(*(a if a in axes else None for a in layout)) for layout in layouts]
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
     # Manual: the batch axes, and axes of size 1 (nothing to partition; leaving them to
     # XLA made XLA:CPU's bfloat16 all-reduce promotion crash, jaxlib 0.10.2); those an
     # enclosing region made manual already stay so (region.shard_map).
@@ -236,7 +237,9 @@ def loss_and_updates(model, compute, trainable, non_trainable, metrics, x, y, sa
         def device_loss(trainable, residuals):
             residuals = [None] * len(trainable) if residuals is None else [
                 r[0] for r in residuals]
-            full = [use(w, r, plan) for w, r, plan in zip(trainable, residuals, plans)]
+            # (an expert weight: this device's experts, in zeros of its shape, for Keras)
+            full = [experts.as_whole(use(w, r, plan), shape)
+                    for w, r, plan, shape in zip(trainable, residuals, plans, shapes)]
             loss, (unscaled, y_pred, new_non_trainable, new_metrics) = compute(
                 full, non_trainable, metrics, x, y, sample_weight, optimizer_variables)
             if summed:  # this device's loss on its rows (and tokens) -> on all of them

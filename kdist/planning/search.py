@@ -380,13 +380,13 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
                 **({"schedule": config.schedule} if stages > 1 else {})}
 
     # 'expert' with kdist's gradient reduction is built, but the estimate does not model
-    # its expert weights whole in the per-device loss: not proposed (docs/moe.md).
-    whole_experts = bool(settings.get("gradient_reduction"))
+    # its experts padded to whole weights in the per-device loss: not proposed (moe.md).
+    padded_experts = bool(settings.get("gradient_reduction"))
 
     def searched(meshes_of):  # a candidate the distribution refuses is never a row
         configs = (checked(config_of(full_mesh({**m, "replica": r}))) for r in groups
                    for m in meshes_of(num_devices // r, global_batch_size // r)
-                   if not (whole_experts and m["expert"] > 1))
+                   if not (padded_experts and m["expert"] > 1))
         return [row(config) for config in configs if config is not None]
 
     rows = searched(lambda n, batch: candidate_meshes(n, dims_source, batch, grad_accum,

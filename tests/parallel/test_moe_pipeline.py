@@ -21,7 +21,7 @@ from tests.parallel import harness
 
 MESH, MICROBATCHES, ROWS = "expert=2,stage=2,data=2", 2, 16
 CONFIG = {**TINY_GPT, "num_layers": 4, "scan_layers": True,
-          "moe": {"num_experts": 8, "experts_per_token": 2, "expert_dim": 32,
+          "moe": {"num_experts": 8, "experts_per_token": 2, "expert_dim": 24,
                   "balance_bias_rate": 0.01, "aux_loss_weight": 0.1}}
 
 
@@ -78,3 +78,35 @@ def test_a_pipeline_step_averages_its_microbatches_losses(schedule):
     for path, value in expected.items():
         np.testing.assert_allclose(harness._same_shape(run.final[path], value, path), value,
                                    rtol=0, atol=2e-6, err_msg=path)
+
+
+@pytest.mark.parametrize("mesh, options", [
+    ("expert=2,stage=2,data=2", {"pipeline_schedule": "1f1b"}),
+    ("expert=2,data=4", {"gradient_reduction": "float32"}),
+])
+def test_expert_weights_stay_split_in_stages_and_the_per_device_loss(mesh, options):
+    """Where every batch axis is manual (a pipeline's stage, kdist's per-device loss), each
+    device's experts enter padded into zeros of the weight's shape (Keras checks shapes)
+    and come back out in the dispatch: no expert weight is gathered over 'expert', the
+    tokens move by all-to-all."""
+    import kdist
+    from kdist import hlo
+    from kdist.models import GPTBackbone, GPTCausalLM
+    from kdist.planning.compile import compile_train_step
+
+    dist = kdist.distribution(mesh, **options)
+    keras.distribution.set_distribution(dist)
+    lm = GPTCausalLM(GPTBackbone(**CONFIG))
+    lm.compile(optimizer="adamw")
+    x = np.zeros((ROWS, 16), "int32")
+    compiled, _ = compile_train_step(lm, x, x, dist)
+    over = [(c.kind, c.axes(dist.mesh_shape), c.bytes) for c in
+            hlo.parse_collectives(compiled.as_text(), 8)]
+    assert ("all-to-all", frozenset({"expert"})) in {(k, a) for k, a, _ in over}, over
+    # an expert weight's bytes, of one layer or the stack, whole or a device's half (the
+    # other all-gathers: the embedding table, 64 KiB, and the stack's state)
+    moe = CONFIG["moe"]
+    layer = moe["num_experts"] * CONFIG["hidden_dim"] * moe["expert_dim"] * 4
+    sizes = {layer * f for f in (0.5, 1, CONFIG["num_layers"] / 2, CONFIG["num_layers"])}
+    assert not [(kind, b) for kind, axes, b in over
+                if kind == "all-gather" and "expert" in axes and b in sizes], over

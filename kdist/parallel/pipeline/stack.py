@@ -204,10 +204,6 @@ def pipelined(layer, weights, x, kwargs, seed, schedule: Schedule, layouts=None,
     new = region.current().automatic(wanted)
     if layouts is None:
         layouts = [(None,) * (lead - 1) + (AXIS,) for _ in weights]
-    # An expert weight enters whole over `expert`, gathered once per step as fsdp's are
-    # (Keras checks that a variable's value has its shape; the dispatch takes this
-    # device's experts: docs/moe.md, "In a pipeline").
-    layouts = [tuple(None if a == "expert" else a for a in axes) for axes in layouts]
     w_specs = [P(*(a if a in new else None for a in axes)) for axes in layouts]
     summed = summed_axes(sizes, among=new)
     inside = tuple(sorted(region.current().automatic(sizes) - new))  # model
@@ -394,11 +390,12 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
     lead = 1 if repeats == 1 else 2
     if layouts is None:
         layouts = [(None,) * (lead - 1) + (AXIS,) for _ in weights]
-    # Only stage and fsdp split a weight in the schedule's region (anything else, e.g. a
-    # dimension over several axes, enters whole: correct, if gathered by XLA) — where they
+    # Only stage, fsdp and expert split a weight in the schedule's region (anything else,
+    # e.g. a dimension over several axes, enters whole: correct, if gathered by XLA; each
+    # device's experts: kdist.parallel.experts.as_whole) — where they
     # are still automatic: inside kdist's gradient reduction the weights arrive gathered
     # over fsdp, and their gradients leave unreduced, for the reduction's own collective.
-    split = region.current().automatic((AXIS, "fsdp"))  # (not expert: see pipelined)
+    split = region.current().automatic((AXIS, "fsdp", "expert"))
     axes = [(None,) * (2 - lead) + tuple(a if a in split else None for a in layout)
             for layout in layouts]
     per_stage = schedule.layers_per_stage
