@@ -49,14 +49,24 @@ def setup(mesh: str, sync_every: int | None = None) -> kdist.multihost.ProcessIn
     return info
 
 
-def tiny_data(corpus_dir: Path, cache_dir: Path, prefetch: int = 2) -> kdist.data.LMData:
+def tiny_data(corpus_dir: Path | None = None, cache_dir: Path | None = None,
+              prefetch: int = 2) -> kdist.data.LMData:
     """A small local corpus through the full data path (tokenizer, token store, shares).
 
-    Every rank builds it concurrently into the same cache: the token store is written once.
+    By default corpus and cache are one folder shared by every run and test
+    (``$KDIST_CACHE/multihost-script``): the first process trains the vocabulary and writes
+    the token stores, every later one (a rank, a group, a relaunch, the next test) finds
+    them cached and never imports keras-hub (~1 CPU-s a process here, where TensorFlow is
+    blocked: see the end of this file; ~3 with it). Every rank builds it concurrently into
+    the same cache: the token store is written once.
     The corpus files are written only when absent or different, and atomically: rewriting
     them in place let a rank read a half-written file (another vocabulary: a crash in the
     first collective) and changed their mtimes, which key the token store.
     """
+    from kdist.data.tokenizer import cache_root
+
+    shared = cache_root() / "multihost-script"
+    corpus_dir, cache_dir = corpus_dir or shared / "corpus", cache_dir or shared / "cache"
     corpus_dir.mkdir(parents=True, exist_ok=True)
     for k in range(4):
         path, text = corpus_dir / f"doc{k}.py", TEXT[k::4] if k else TEXT
@@ -80,7 +90,7 @@ def tiny_model(vocabulary_size: int, seed: int = 0) -> kdist.models.GPTCausalLM:
 def train(args) -> dict:
     """``fit`` for ``--steps`` one-step epochs; per-step losses and the rows each step used."""
     info = setup(args.mesh, getattr(args, "sync_every", None))
-    data = tiny_data(Path(args.out) / "corpus", Path(args.out) / "cache")
+    data = tiny_data()
     served: dict[int, list] = {}
 
     class Recording(type(data.train)):  # notes the rows this process actually served
@@ -166,7 +176,7 @@ def ckpt(args) -> dict:
     keras.utils.clear_session()  # variable paths (checkpoint keys) depend on build order
     info = setup(args.mesh)
     out = Path(args.out)
-    data = tiny_data(out / "corpus", out / "cache")
+    data = tiny_data()
     model = tiny_model(data.vocabulary_size)
     model.compile(optimizer=kdist.optim.adamw(1e-2, warmup_steps=1, decay_steps=10,
                                               epsilon=1e-3))
@@ -222,7 +232,7 @@ def stragglers(args) -> dict:
 
     info = setup(args.mesh)
     # Batches prepared in line (no prefetch threads): the slow loader's time is the wait.
-    data = tiny_data(Path(args.out) / "corpus", Path(args.out) / "cache", prefetch=1)
+    data = tiny_data(prefetch=1)
 
     class Slow(type(data.train)):
         def __getitem__(self, index):
@@ -307,7 +317,7 @@ def groups(args) -> dict:
     if group == args.late_group:  # a group that starts late (a slow machine, a queue)
         time.sleep(args.late_seconds)
     out = Path(args.out)
-    data = tiny_data(out / "corpus", out / "cache")
+    data = tiny_data()
     model = tiny_model(data.vocabulary_size)
     model.compile(optimizer=kdist.optim.adamw(args.learning_rate, warmup_steps=1,
                                               decay_steps=10, epsilon=1e-3))

@@ -121,9 +121,10 @@ def test_the_readme_runs_as_written(workdir):
     env.pop("MAKEFLAGS", None)
     text = README.read_text()
     (workdir / "script.py").write_text(blocks(text, "python")[0])
-    # The script's time is running code (its validation: 16 batches of 32 x 256 tokens
-    # through gpt-nano), so XLA optimises it for run time: 72 CPU-s against 105 (measured).
-    # The other commands compile more than they run.
+    # The script's time is running code (its validation: 4 batches of 32 x 256 tokens
+    # through gpt-nano, 1.7 CPU-s each), so XLA optimises it for run time: 51 CPU-s against
+    # 63 (measured cold; with 16 batches, 71 against 105). The other commands compile more
+    # than they run.
     script_env = {**env, "XLA_FLAGS": for_run_time(env.get("XLA_FLAGS", ""))}
     ran = []
     for command in [f"{sys.executable} script.py"] + [

@@ -29,7 +29,12 @@ from kdist.data.checks import check_token_ids
 from kdist.data.corpus import STDLIB
 from kdist.data.sources import text_source
 from kdist.data.token_store import exclusive, token_store
-from kdist.data.tokenizer import END_OF_TEXT, byte_pair_tokenizer, cache_root
+from kdist.data.tokenizer import (
+    END_OF_TEXT,
+    BytePairVocabulary,
+    byte_pair_vocabulary,
+    cache_root,
+)
 from kdist.parallel.layout import process_batch_share, replica_count
 
 # Text used to train a byte-pair vocabulary when none is cached (the start of the training
@@ -159,15 +164,28 @@ class LMBatches(keras.utils.PyDataset):
 
 @dataclasses.dataclass
 class LMData:
-    """What :func:`lm_dataset` returns: datasets plus what a script needs to know."""
+    """What :func:`lm_dataset` returns: datasets plus what a script needs to know.
+
+    ``tokenizer`` is keras-hub's; the one :func:`lm_dataset` trained (or found cached) is
+    built when first read, so a run on cached token stores that never reads it never
+    imports keras-hub and TensorFlow (:class:`kdist.data.tokenizer.BytePairVocabulary`)."""
 
     train: LMBatches
     validation: LMBatches
-    tokenizer: object
+    tokenizer: object = dataclasses.field(repr=False)
     vocabulary_size: int
     train_tokens: int
     validation_tokens: int
     validation_coverage: str = ""  # what the validation batches cover, for a log line
+
+
+def _tokenizer(data: LMData):
+    value = data.__dict__["tokenizer"]
+    return value.load() if isinstance(value, BytePairVocabulary) else value
+
+
+# The field read through a property (the dataclass's __init__ assigns through it too).
+LMData.tokenizer = property(_tokenizer, lambda data, value: data.__dict__.update(tokenizer=value))
 
 
 def lm_dataset(
@@ -244,13 +262,13 @@ def lm_dataset(
     cache = Path(cache_dir) if cache_dir is not None else cache_root()
     text = text_source(source, tfds_data_dir, tfds_manual_dir, tfds_download,
                        encoding=encoding)
-    sample = types.SimpleNamespace(  # what byte_pair_tokenizer reads, streamed
+    sample = types.SimpleNamespace(  # what byte_pair_vocabulary reads, streamed
         fingerprint=text.fingerprint, train=text.sample(TOKENIZER_TRAINING_CHARACTERS)
     )
     pipeline = ""  # a given tokenizer: its whole encoding pipeline keys its token stores
     if tokenizer is None:
         with exclusive(cache / f"bpe-{text.fingerprint}-{vocabulary_size}.lock"):
-            tokenizer = byte_pair_tokenizer(sample, vocabulary_size, cache)
+            tokenizer = byte_pair_vocabulary(sample, vocabulary_size, cache)  # loads lazily
     else:
         try:
             tokenizer.token_to_id(end_of_text)

@@ -85,6 +85,67 @@ def load_byte_pair(directory: Path) -> keras_hub.tokenizers.BytePairTokenizer:
     )
 
 
+class BytePairVocabulary:
+    """A byte-pair vocabulary on disk (``vocabulary.json`` and ``merges.txt``, as
+    :func:`train_byte_pair` writes them), and keras-hub's tokenizer of it, built on first use.
+
+    What needs only the vocabulary (its size, a token's id, the list of tokens) reads the
+    JSON file; anything else (``tokenize``, ``detokenize``, ``save_assets``...) is the
+    tokenizer's, which :meth:`load` builds once. So a process whose token stores are cached
+    never imports keras-hub, nor the TensorFlow it brings (~3 CPU-s at every start-up: each
+    rank of a job, each replica group).
+
+    Example:
+        >>> from kdist.data.corpus import load_corpus
+        >>> vocab = byte_pair_vocabulary(load_corpus(), vocabulary_size=8192)
+        >>> vocab.vocabulary_size(), vocab.token_to_id(END_OF_TEXT)  # no keras-hub yet
+        (8192, 0)
+        >>> vocab.detokenize(vocab.tokenize("def f(x):")) == "def f(x):"  # now loaded
+        True
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._vocabulary = json.loads(
+            (self.directory / "vocabulary.json").read_text(encoding="utf-8"))
+        self._tokenizer = None
+
+    def vocabulary_size(self) -> int:
+        return len(self._vocabulary)
+
+    def get_vocabulary(self) -> list[str]:
+        """The tokens in id order: keras-hub's ``get_vocabulary()`` (the JSON's order)."""
+        return list(self._vocabulary)
+
+    def token_to_id(self, token: str) -> int:
+        return self._vocabulary[token]
+
+    def load(self) -> keras_hub.tokenizers.BytePairTokenizer:
+        """keras-hub's tokenizer of this vocabulary (built once)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_byte_pair(self.directory)
+        return self._tokenizer
+
+    def __getattr__(self, name: str):  # only for what the class does not define
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.load(), name)
+
+
+def byte_pair_vocabulary(corpus, vocabulary_size: int,
+                         cache_dir: Path | None = None) -> BytePairVocabulary:
+    """:func:`byte_pair_tokenizer`'s vocabulary, trained once and then cached, with keras-hub's
+    tokenizer built only when first used (:class:`BytePairVocabulary`). keras-hub is
+    required (and imported) before training, as a vocabulary is of no use without it."""
+    directory = (cache_dir or cache_root()) / f"bpe-{corpus.fingerprint}-{vocabulary_size}"
+    if not (directory / "merges.txt").exists():
+        optional_import("keras_hub", "A byte-pair tokenizer")  # missing: say so before training
+        print(f"Training a {vocabulary_size:,}-entry byte-pair vocabulary on the corpus (once; "
+              f"cached in {directory})", flush=True)
+        train_byte_pair(corpus.train, vocabulary_size, directory)
+    return BytePairVocabulary(directory)
+
+
 def byte_pair_tokenizer(corpus, vocabulary_size: int, cache_dir: Path | None = None):
     """A keras-hub ``BytePairTokenizer`` for a corpus, trained once and then cached.
 
@@ -95,9 +156,4 @@ def byte_pair_tokenizer(corpus, vocabulary_size: int, cache_dir: Path | None = N
         True
     """
     optional_import("keras_hub", "A byte-pair tokenizer")  # missing: say so before training
-    directory = (cache_dir or cache_root()) / f"bpe-{corpus.fingerprint}-{vocabulary_size}"
-    if not (directory / "merges.txt").exists():
-        print(f"Training a {vocabulary_size:,}-entry byte-pair vocabulary on the corpus (once; "
-              f"cached in {directory})", flush=True)
-        train_byte_pair(corpus.train, vocabulary_size, directory)
-    return load_byte_pair(directory)
+    return byte_pair_vocabulary(corpus, vocabulary_size, cache_dir).load()

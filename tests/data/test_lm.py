@@ -26,6 +26,23 @@ def test_tokenizer_round_trips_and_is_cached(data, monkeypatch):
     assert again.get_vocabulary() == tok.get_vocabulary()
 
 
+def test_a_cached_vocabulary_builds_no_tokenizer_until_one_is_read(data, monkeypatch):
+    """Each rank or replica group on cached token stores reads only the vocabulary: keras-hub's
+    tokenizer (and TensorFlow, which it imports: ~3 CPU-s a process) waits until it is read."""
+    load, built = tokenizer_module.load_byte_pair, []
+    monkeypatch.setattr(tokenizer_module, "load_byte_pair", lambda d: built.append(d) or load(d))
+    again = lm_dataset(sequence_length=64, global_batch_size=8, vocabulary_size=1024)
+    assert built == [] and again.vocabulary_size == 1024 == data.vocabulary_size
+    np.testing.assert_array_equal(again.train[5][0], data.train[5][0])  # the same token store
+    assert "tokenizer" not in repr(again)  # a repr builds nothing either
+    assert built == []
+    tok = again.tokenizer
+    assert len(built) == 1 and type(tok) is type(data.tokenizer)
+    assert list(tok.get_vocabulary()) == list(data.tokenizer.get_vocabulary())
+    assert tok.token_to_id(END_OF_TEXT) == data.train.tokens[-1]
+    assert again.tokenizer is tok and len(built) == 1  # built once
+
+
 def test_documents_are_separated_by_end_of_text(data):
     eot = data.tokenizer.token_to_id(END_OF_TEXT)
     stream = data.train.tokens
