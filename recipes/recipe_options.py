@@ -187,8 +187,9 @@ def add_run_flags(p: argparse.ArgumentParser, output_dir: str, log_every: int,
         "--head-matmul-precision": "the vocabulary head's matmul (logits = hidden x "
                                    "table^T, and both backward matmuls), quantized as "
                                    "--matmul-precision's; off (bf16) by default: the logits "
-                                   "are the most precision-sensitive matmul "
-                                   "(docs/precision.md)"}
+                                   "are the most precision-sensitive matmul. int8 rounds "
+                                   "the gradient's small probabilities to zero and trains "
+                                   "worse; int8-sr keeps them (docs/precision.md)"}
     for flag in list(precisions)[:1 + causal_lm]:  # the head: a causal LM's only
         # kdist.precision.PRECISIONS, literal: no kdist import at parse time
         g.add_argument(flag, default="bf16", choices=("bf16", "int8", "int8-sr", "fp8"),
