@@ -97,10 +97,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     wanted = args.devices or mesh_devices(args.mesh, 8)
     if args.device is not None:
         device = accelerator(args.device)  # an unknown name is refused before anything starts
-        if args.matmul_precision != "bf16":  # and a precision it has no peak for
-            from kdist.precision.peak import fast_peak
+        from kdist.precision.peak import fast_peak
 
-            fast_peak(device, args.matmul_precision)
+        for name, flag in ((args.matmul_precision, "--matmul-precision"),
+                           (args.head_matmul_precision, "--head-matmul-precision")):
+            if name != "bf16":  # and a precision it has no peak for
+                fast_peak(device, name, flag)
     # This machine's devices are compiled on: for a plan of them, or standing in for a
     # named accelerator's (--compile host). A named TPU is compiled for by the TPU compiler
     # (no devices here: kdist.planning.target), else estimated.
@@ -116,6 +118,9 @@ def _run_plan(args: argparse.Namespace) -> int:
                  if args.max_sequence_length else {})
     if args.matmul_precision != "bf16":  # the quantized projections are compiled too
         overrides["matmul_precision"] = args.matmul_precision
+    if args.head_matmul_precision != "bf16":  # and the quantized head (a task argument)
+        _check_head_flag(args.preset)
+        overrides["head_matmul_precision"] = args.head_matmul_precision
     overrides = overrides or None
     result = plan(args.preset, mesh=args.mesh, global_batch_size=args.global_batch_size,
                   sequence_length=args.sequence_length, precision=args.precision,
@@ -131,12 +136,24 @@ def _run_plan(args: argparse.Namespace) -> int:
                   pipeline_schedule=args.pipeline_schedule, sync_every=args.sync_every,
                   devices_per_host=args.devices_per_host)
     print(result.report())
-    if args.matmul_precision != "bf16":
+    if args.matmul_precision != "bf16" or args.head_matmul_precision != "bf16":
         print(_precision_line(args, result, overrides))
     if args.json:
         Path(args.json).write_text(json.dumps(result.as_dict(), indent=2, default=str))
         print(f"plan written to {args.json}")
     return 0 if result.fits else 1
+
+
+def _check_head_flag(preset: str) -> None:
+    """``--head-matmul-precision`` is a causal LM task's (``GPTCausalLM``) argument."""
+    from kdist.models import task_for_preset
+    from kdist.models.base import constructor_arguments
+
+    task = task_for_preset(preset)
+    if "head_matmul_precision" not in constructor_arguments(task):
+        raise ValueError(f"--head-matmul-precision quantizes a causal LM's vocabulary head "
+                         f"(GPTCausalLM); {preset}'s task {task.__name__} has none. Leave "
+                         f"it at bf16 for this preset.")
 
 
 def _precision_line(args, result, overrides) -> str:
@@ -148,12 +165,15 @@ def _precision_line(args, result, overrides) -> str:
     device = (accelerator(args.device) if args.device is not None
               else for_device_kind(target().device_kind))
     if device is None:
-        return (f"matmul precision {args.matmul_precision}: no int8 peak for "
+        return (f"matmul precision {args.matmul_precision} (head "
+                f"{args.head_matmul_precision}): no int8 peak for "
                 f"{target().device_kind} (kdist's table holds TPUs and GPUs); pass --device "
                 f"(e.g. tpu-v5e) for the peak MFU divides by")
-    cost = cost_model_of(args.preset, **(overrides or {}))
+    backbone = {k: v for k, v in (overrides or {}).items() if k != "head_matmul_precision"}
+    cost = cost_model_of(args.preset, **backbone)
     return peak_line(device, args.matmul_precision,
-                     cost.flops_per_token(result.config["sequence_length"]))
+                     cost.flops_per_token(result.config["sequence_length"]),
+                     args.head_matmul_precision)
 
 
 def add_plan_parser(subparsers) -> None:
@@ -171,6 +191,11 @@ def add_plan_parser(subparsers) -> None:
                    choices=["bf16", "int8", "int8-sr", "fp8"],
                    help="the blocks' projections quantized (kdist.precision); int8 and "
                         "int8-sr: MFU's peak blends the device's int8 and bf16 peaks")
+    p.add_argument("--head-matmul-precision", default="bf16",
+                   choices=["bf16", "int8", "int8-sr", "fp8"],
+                   help="a causal LM's vocabulary head quantized too (GPTCausalLM's "
+                        "head_matmul_precision, the recipes' flag): its FLOPs then count at "
+                        "the int8 peak as well; bf16 (default): at the bf16 peak")
     p.add_argument("--global-batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--sequence-length", type=int, default=None,
                    help="tokens per sequence (default: the preset's context)")

@@ -58,6 +58,7 @@ def build_parser():
     g.add_argument("--export-dir", default=None,
                    help="where the fine-tuned Hugging Face checkpoint goes (None: OUTPUT_DIR/hf)")
     options.add_shared_flags(p, output_dir="runs/gpt_finetune", log_every=10, steps=100,
+                             causal_lm=True,
                              learning_rate=1e-4, warmup_steps=10, eval_every=50,
                              weight_decay=0.01, global_batch_size=16)
     return p
@@ -126,7 +127,8 @@ def main(argv=None):
     start = time.time()
     overrides = dict(remat=run.remat(args), attention_chunk_size=args.attention_chunk_size,
                      attention_implementation=args.attention_implementation,
-                     matmul_precision=args.matmul_precision)
+                     matmul_precision=args.matmul_precision,
+                     head_matmul_precision=args.head_matmul_precision)
     if args.dropout is not None:
         overrides["dropout"] = args.dropout
     model = kdist.models.GPTCausalLM.from_pretrained(args.init_from, **overrides)

@@ -21,6 +21,7 @@ With --grad-accum N, each step is N micro-batches of 16 / N sequences: same toke
         --sequence-length 16384 --max-sequence-length 16384      # context parallelism
     python recipes/gpt_pretrain.py --steps 50 --profile-steps 20:22; kdist report runs/gpt_pretrain
     python recipes/gpt_pretrain.py --matmul-precision int8    # int8 matmul training
+    python recipes/gpt_pretrain.py --matmul-precision int8 --head-matmul-precision int8
     python recipes/gpt_pretrain.py --data tfds:tiny_shakespeare --tfds-manual-dir ~/downloads
     python -m kdist.launch --processes 2 --devices-per-process 4 recipes/gpt_pretrain.py --steps 50
 Checkpoints go to OUTPUT_DIR/checkpoints; running the same command again resumes exactly, and
@@ -81,6 +82,7 @@ def build_parser():
                    type=existing_path("--init-from", "checkpoint dir or .keras file"),
                    help="initial weights only: a checkpoint dir or .keras file; ignored on resume")
     options.add_shared_flags(p, output_dir="runs/gpt_pretrain", log_every=10, steps=200,
+                             causal_lm=True,
                              learning_rate=2e-3, warmup_steps=30, eval_every=50,
                              weight_decay=0.1, global_batch_size=16)
     return p
@@ -157,6 +159,7 @@ def main(argv=None):
         attention_chunk_size=args.attention_chunk_size,
         attention_implementation=args.attention_implementation,
         matmul_precision=args.matmul_precision,
+        head_matmul_precision=args.head_matmul_precision,
         max_sequence_length=config["max_sequence_length"],
     )
     model.compile(

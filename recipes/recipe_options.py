@@ -63,12 +63,13 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def add_shared_flags(p: argparse.ArgumentParser, *, output_dir: str, log_every: int,
-                     **schedule) -> None:
+                     causal_lm: bool = False, **schedule) -> None:
     """The four groups every recipe has, in the same order: mesh, schedule (``schedule``:
-    this recipe's defaults, see :func:`add_schedule_flags`), run, checkpoints."""
+    this recipe's defaults, see :func:`add_schedule_flags`), run, checkpoints.
+    ``causal_lm``: the run group also takes ``--head-matmul-precision`` (GPTCausalLM's)."""
     add_mesh_flags(p)
     add_schedule_flags(p, **schedule)
-    add_run_flags(p, output_dir=output_dir, log_every=log_every)
+    add_run_flags(p, output_dir=output_dir, log_every=log_every, causal_lm=causal_lm)
     add_checkpoint_flags(p)
 
 
@@ -163,8 +164,10 @@ def add_schedule_flags(p: argparse.ArgumentParser, *, steps: int, learning_rate:
                               "global_batch_size": global_batch_size})
 
 
-def add_run_flags(p: argparse.ArgumentParser, output_dir: str, log_every: int) -> None:
-    """Precision, remat, seed, logs and the output directory."""
+def add_run_flags(p: argparse.ArgumentParser, output_dir: str, log_every: int,
+                  causal_lm: bool = False) -> None:
+    """Precision, remat, seed, logs and the output directory (``causal_lm``: and the
+    vocabulary head's matmul precision)."""
     g = p.add_argument_group("run")
     g.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="bfloat16 = Keras mixed_bfloat16; auto = float32 on CPU only")
@@ -176,12 +179,21 @@ def add_run_flags(p: argparse.ArgumentParser, output_dir: str, log_every: int) -
                    choices=("auto", "xla", "chunked", "splash", "flash"),
                    help="auto = the fastest measured for the device (kdist's Pallas flash "
                         "kernels on a TPU, XLA's elsewhere; kdist.accelerators)")
-    g.add_argument("--matmul-precision", default="bf16",
-                   choices=("bf16", "int8", "int8-sr", "fp8"),
-                   help="the Transformer blocks' projections (kdist.precision): bf16 = as "
-                        "--precision computes; int8 / fp8 = quantized forward and backward "
-                        "matmuls, float32 weights; int8-sr = int8 with stochastically "
-                        "rounded gradients (docs/precision.md)")
+    precisions = {
+        "--matmul-precision": "the Transformer blocks' projections (kdist.precision): bf16 = "
+                              "as --precision computes; int8 / fp8 = quantized forward and "
+                              "backward matmuls, float32 weights; int8-sr = int8 with "
+                              "stochastically rounded gradients (docs/precision.md)",
+        "--head-matmul-precision": "the vocabulary head's matmul (logits = hidden x "
+                                   "table^T, and both backward matmuls), quantized as "
+                                   "--matmul-precision's; off (bf16) by default: the logits "
+                                   "are the most precision-sensitive matmul. int8 rounds "
+                                   "the gradient's small probabilities to zero and trains "
+                                   "worse; int8-sr keeps them (docs/precision.md)"}
+    for flag in list(precisions)[:1 + causal_lm]:  # the head: a causal LM's only
+        # kdist.precision.PRECISIONS, literal: no kdist import at parse time
+        g.add_argument(flag, default="bf16", choices=("bf16", "int8", "int8-sr", "fp8"),
+                       help=precisions[flag])
     g.add_argument("--seed", type=nonnegative_int("--seed", 0), default=0,
                    help="random seed of the weights, data order, dropout, masking and sampling")
     g.add_argument("--output-dir", default=output_dir,

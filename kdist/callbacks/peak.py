@@ -70,10 +70,12 @@ class Peak:
         return f"{self.tflops:.4g} TFLOP/s {self.dtype} per device ({source}: {self.device_kind})"
 
 
-def matmul_peak(peak: Peak, flops, model=None, matmul_precision: str | None = None) -> Peak:
+def matmul_peak(peak: Peak, flops, model=None, matmul_precision: str | None = None,
+                head_matmul_precision: str | None = None) -> Peak:
     """``peak`` for a step of ``flops`` training FLOPs per token (a
     ``kdist.flops.FlopsPerToken``) under ``matmul_precision`` (default: ``model``'s
-    backbone's, ``"bf16"`` for a model without one). ``"bf16"``:
+    backbone's, ``"bf16"`` for a model without one) and ``head_matmul_precision`` (default:
+    ``model``'s, e.g. ``GPTCausalLM``'s; ``"bf16"`` without one). Both ``"bf16"``:
     ``peak`` itself. Quantized, with a table peak: the blend of the chip's int8 and
     ``peak.dtype`` rates by the quantized share of the FLOPs
     (:func:`kdist.precision.peak.peak_tflops`, what ``kdist plan`` divides by). A
@@ -92,20 +94,25 @@ def matmul_peak(peak: Peak, flops, model=None, matmul_precision: str | None = No
     if matmul_precision is None:
         backbone = getattr(model, "backbone", model)
         matmul_precision = getattr(backbone, "matmul_precision", None) or "bf16"
-    if matmul_precision == "bf16" or flops is None:
+    if head_matmul_precision is None:
+        head_matmul_precision = getattr(model, "head_matmul_precision", None) or "bf16"
+    if (matmul_precision == "bf16" and head_matmul_precision == "bf16") or flops is None:
         return peak
+    named = matmul_precision + (f" (head {head_matmul_precision})"
+                                if head_matmul_precision != "bf16" else "")
     entry = accelerators.for_device_kind(peak.device_kind) if peak.source == "table" else None
     try:
         if entry is None:
             raise ValueError(f"a {peak.source} peak")
-        tflops = blended.peak_tflops(entry, matmul_precision, flops, peak.dtype)
+        tflops = blended.peak_tflops(entry, matmul_precision, flops, peak.dtype,
+                                     head_matmul_precision)
     except ValueError as e:
         why = str(e).split(" (")[0] if entry is not None else f"a {peak.source} peak"
         note = (f"{peak.note}; " if peak.note else "") + (
-            f"{matmul_precision} matmuls counted at this {peak.dtype} peak ({why})")
+            f"{named} matmuls counted at this {peak.dtype} peak ({why})")
         return dataclasses.replace(peak, note=note)
     return dataclasses.replace(peak, tflops=tflops, note=blended.peak_line(
-        entry, matmul_precision, flops))
+        entry, matmul_precision, flops, head_matmul_precision))
 
 
 def table_peak_tflops(device_kind: str, dtype: str = "bfloat16") -> float | None:

@@ -15,6 +15,8 @@ from keras import layers, ops
 from kdist.parallel import context, rules
 from kdist.parallel.constraints import gathered
 from kdist.parallel.layout import current_mesh_shape
+from kdist.precision import matmul as quantized
+from kdist.precision.policy import check
 
 TOKEN_AXES = ("vocab", "embed")
 POSITION_AXES = ("position", "embed")
@@ -44,7 +46,9 @@ class TokenEmbedding(keras.layers.ReversibleEmbedding):
     ``call(ids)`` embeds ``(B, T)`` ids to ``(B, T, D)``; ``call(x, reverse=True)`` gives
     logits ``(B, T, V)`` (tied: against the same table; else ``reverse_embeddings``).
     ``vocabulary_size``: the ids in use when the table has padding rows beyond them (cut
-    from the logits).
+    from the logits). ``call(x, reverse=True, matmul_precision="int8")`` quantizes that
+    head matmul (:func:`kdist.precision.matmul.matmul`: ``x`` per token, the table per
+    vocabulary row; forward and both backward products); ``"bf16"`` (default) is Keras'.
 
     Example:
         >>> TokenEmbedding(100, 8, max_sequence_length=4)(np.zeros((2, 3), "int32")).shape
@@ -63,9 +67,10 @@ class TokenEmbedding(keras.layers.ReversibleEmbedding):
                               input_shape, embeddings=TOKEN_AXES,
                               reverse_embeddings=TOKEN_AXES[::-1])
 
-    def call(self, inputs, reverse=False):
+    def call(self, inputs, reverse=False, matmul_precision="bf16"):
         if reverse:
-            logits = super().call(inputs, reverse=True)  # (B, T, rows)
+            logits = (super().call(inputs, reverse=True) if check(matmul_precision) == "bf16"
+                      else self._quantized_logits(inputs, matmul_precision))  # (B, T, rows)
             if self.vocabulary_size == self.input_dim:
                 return logits
             return logits[..., : self.vocabulary_size]  # (B, T, V): padding rows cut
@@ -80,13 +85,22 @@ class TokenEmbedding(keras.layers.ReversibleEmbedding):
         table = gathered(ops.convert_to_tensor(self.embeddings), TOKEN_AXES)
         return ops.cast(ops.take(table, ops.cast(inputs, "int32"), axis=0), self.compute_dtype)
 
+    def _quantized_logits(self, inputs, matmul_precision):
+        if self.reverse_dtype is not None or self.logit_soft_cap is not None:
+            raise ValueError("A quantized head (matmul_precision="
+                             f"{matmul_precision!r}) takes neither reverse_dtype nor "
+                             "logit_soft_cap; leave them None or use 'bf16'.")
+        kernel = (ops.transpose(ops.convert_to_tensor(self.embeddings)) if self.tie_weights
+                  else ops.convert_to_tensor(self.reverse_embeddings))  # (D, rows), as Keras'
+        return quantized.matmul(inputs, kernel, 1, matmul_precision)
+
     def output_table(self):
         """The output projection as ``(rows, D)``: the table, or the untied one transposed."""
         if self.tie_weights:
             return ops.convert_to_tensor(self.embeddings)
         return ops.transpose(ops.convert_to_tensor(self.reverse_embeddings))
 
-    def compute_output_spec(self, inputs, reverse=False):
+    def compute_output_spec(self, inputs, reverse=False, matmul_precision="bf16"):
         spec = super().compute_output_spec(inputs, reverse=reverse)
         if not reverse:
             return spec

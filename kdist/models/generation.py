@@ -2,7 +2,9 @@
 
 :class:`CachedGeneration` is a mixin for a task whose backbone has ``embed``, ``blocks``
 (each taking ``cache``/``cache_index``), ``final_norm`` and a reversible
-``token_embedding``; the decode loop is one compiled ``while_loop`` per sampler and shape.
+``token_embedding`` (the task's ``head_matmul_precision``, where it has one, quantizes
+the logits as in training); the decode loop is one compiled ``while_loop`` per sampler
+and shape.
 The samplers are keras-hub's (the ``text`` extra, imported when ``generate`` is called).
 """
 
@@ -38,14 +40,18 @@ class CachedGeneration:
         x = b.embed(token_ids, start_index=cache_index)
         if getattr(b, "scan_layers", False):  # one scan over the stacked blocks
             x, cache = b.blocks.call_with_cache(x, cache, cache_index)
-            logits = b.token_embedding(b.final_norm(x), reverse=True)
-            return ops.cast(logits, "float32"), cache
+            return ops.cast(self._head(b.final_norm(x)), "float32"), cache
         caches = []
         for i, block in enumerate(b.blocks):
             x, layer_cache = block(x, cache=cache[:, i], cache_index=cache_index)
             caches.append(layer_cache)
-        logits = b.token_embedding(b.final_norm(x), reverse=True)
-        return ops.cast(logits, "float32"), ops.stack(caches, axis=1)
+        return ops.cast(self._head(b.final_norm(x)), "float32"), ops.stack(caches, axis=1)
+
+    def _head(self, hidden):
+        """The logits, at the task's ``head_matmul_precision`` (``"bf16"`` without one)."""
+        return self.backbone.token_embedding(
+            hidden, reverse=True,
+            matmul_precision=getattr(self, "head_matmul_precision", "bf16"))
 
     def _generate_step(self, prompt, prompt_length, sampler):
         b = self.backbone

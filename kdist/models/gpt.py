@@ -103,7 +103,8 @@ class GPTBackbone(Backbone, keras.Model):
             ``"int8-sr"`` (int8, gradients stochastically rounded) or ``"fp8"``: every
             block's attention and MLP projections (or MoE experts) quantized forward and
             backward (:mod:`kdist.precision`); embeddings, head, norms, softmax, the MoE
-            router and the loss unchanged.
+            router and the loss unchanged (the head: ``GPTCausalLM``'s
+            ``head_matmul_precision``).
         head_dim: each attention head's width H (Qwen3: 128 at D=2048 with 32 heads); None
             (default): ``hidden_dim // num_heads``. Queries are ``N x H`` wide, which need
             not equal D: the output projection maps ``(N, H)`` back to D.

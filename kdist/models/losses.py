@@ -20,6 +20,10 @@ are split over ``model`` (Megatron's vocab-parallel cross-entropy: the max and t
 the softmax and the target logit are reduced over ``model``, ``B x Tc`` numbers per
 chunk); the table's ``fsdp`` sharding is gathered on entry like any FSDP weight, and its
 gradient is reduce-scattered back over ``fsdp`` and summed over ``data``.
+
+``matmul_precision`` quantizes the head's three matmuls (``GPTCausalLM``'s
+``head_matmul_precision``) chunk by chunk inside the same VJP, so memory stays chunked;
+which axes each product's scales reduce over is :func:`_head_products`'.
 """
 
 from __future__ import annotations
@@ -33,18 +37,57 @@ import keras
 from jax.sharding import PartitionSpec as P
 
 from kdist.parallel.region import to_varying, varying_axes
+from kdist.precision import matmul as quantized
+from kdist.precision.policy import check as check_precision
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
+def _head_products(precision: str, model_axis, token_axes):
+    """The head's three matmuls of one chunk, each accumulated and returned in float32:
+    ``logits(h (b, Tc, D), table (v, D)) -> (b, Tc, v)``, ``grad_h(g (b, Tc, v), table) ->
+    (b, Tc, D)`` and ``grad_table(g, h) -> (v, D)``. ``"bf16"``: plain einsums in the
+    compute dtype. Quantized: :func:`kdist.precision.matmul.product` with the precision's
+    quantizers and its matmul's scaling rules (per token / per output channel, each scale a
+    maximum over the contracted axis), so ``"int8"`` computes what ``int8_matmul`` of
+    ``hidden @ table.T`` and its backward would on the chunk. Each device quantizes its own
+    shard's products; where the contracted axis is split across devices, the scales'
+    maxima are reduced over those mesh axes as well (``pmax``), so they are one device's:
+    the logits contract D, whole on every device (no reduction); ``grad_h`` contracts the
+    vocabulary, split over ``model_axis`` (``g``'s per-token and the table's per-channel
+    maxima ``pmax``-ed over it: ``b x Tc + D`` numbers a chunk); ``grad_table`` contracts
+    the chunk's tokens, split over ``token_axes`` (the batch's axes and ``seq``: ``v + D``
+    numbers). Its scales are a chunk's tokens', not the batch's: the chunk size changes
+    the table's gradient by int8 rounding (as microbatches do), never the forward."""
+    f32 = jnp.float32
+    if precision == "bf16":
+        return (lambda h, t: jnp.einsum("btd,vd->btv", h, t, preferred_element_type=f32),
+                lambda g, t: jnp.einsum("btv,vd->btd", g, t, preferred_element_type=f32),
+                lambda g, h: jnp.einsum("btv,btd->vd", g, h, preferred_element_type=f32))
+    q = quantized.quantizers(precision)
+
+    def over(quantizer, axes):
+        return functools.partial(quantizer, axis_names=axes) if axes else quantizer
+
+    vocab = (model_axis,) if model_axis else ()
+    return (lambda h, t: quantized.product(h, t, (2,), (1,), q.x, q.w, q.accumulate),
+            lambda g, t: quantized.product(g, t, (2,), (0,), over(q.dy, vocab),
+                                           over(q.w, vocab), q.accumulate),
+            # (D, v) then transposed: int8_matmul's dw = x^T . dy, its rescale's order.
+            lambda g, h: quantized.product(h, g, (0, 1), (0, 1), over(q.x, token_axes),
+                                           over(q.dy, token_axes), q.accumulate).T)
+
+
 def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model_axis,
-                          replica_axes, fsdp_axis, with_grads, vocabulary_size, seq_axes=()):
+                          replica_axes, fsdp_axis, with_grads, vocabulary_size, seq_axes=(),
+                          matmul_precision="bf16"):
     """One device's part: ``hidden (b, T, D)``, ``table (v, D)`` (v = its vocabulary rows),
     ``labels (b, T)`` (T: its tokens, when ``seq_axes`` split the sequence). Returns the
     global mean loss and, if asked, the gradients. Table rows from ``vocabulary_size`` on
-    are padding: their logits are left out of the softmax."""
+    are padding: their logits are left out of the softmax. ``matmul_precision``: the head's
+    matmuls (:func:`_head_products`); the softmax and the loss stay float32."""
     b, t, d = hidden.shape
     v = table.shape[0]
     tc = t // num_chunks
@@ -58,11 +101,13 @@ def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model
     def reduce_model(x, op):
         return op(x, model_axis) if model_axis else x
 
+    head_logits, head_grad_h, head_grad_table = _head_products(
+        matmul_precision, model_axis, replica_axes + seq_axes)
+
     def body(carry, chunk):
         loss_sum, grad_table = carry
         h, y = chunk  # (b, Tc, D), (b, Tc) local vocabulary ids (out of range: other shard)
-        logits = jnp.einsum("btd,vd->btv", h, table,
-                            preferred_element_type=jnp.float32)  # (b, Tc, v) float32
+        logits = head_logits(h, table)  # (b, Tc, v) float32
         # A finite floor, not -inf: exp() gives 0 and 0 x floor stays 0 in the target sum.
         logits = jnp.where(padding, jnp.finfo(jnp.float32).min, logits)
         row_max = reduce_model(jax.lax.stop_gradient(logits.max(-1)), jax.lax.pmax)  # (b, Tc)
@@ -76,9 +121,8 @@ def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model
         # d(mean loss)/d(logits) = (softmax - onehot) / tokens, in the compute dtype.
         g = ((exp / jnp.exp(lse - row_max)[..., None] - onehot) / total_tokens)
         g = g.astype(hidden.dtype)  # (b, Tc, v)
-        grad_h = jnp.einsum("btv,vd->btd", g, table, preferred_element_type=jnp.float32)
-        grad_table = grad_table + jnp.einsum("btv,btd->vd", g, h,
-                                             preferred_element_type=jnp.float32)
+        grad_h = head_grad_h(g, table)
+        grad_table = grad_table + head_grad_table(g, h)
         return (loss_sum, grad_table), grad_h
 
     init = (jnp.zeros((), jnp.float32),
@@ -105,18 +149,21 @@ def _local_loss_and_grads(hidden, table, labels, num_chunks, total_tokens, model
     return loss, grad_h.astype(hidden.dtype), grad_table
 
 
-def _run(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size, with_grads):
+def _run(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size, with_grads,
+         matmul_precision):
     """Runs the local computation, in ``shard_map`` when ``mesh_axes`` is given."""
     total = hidden.shape[0] * hidden.shape[1]
     if mesh_axes is None:
         return _local_loss_and_grads(hidden, table, labels, num_chunks, total, None, (), None,
-                                     with_grads, vocabulary_size)
+                                     with_grads, vocabulary_size,
+                                     matmul_precision=matmul_precision)
     mesh, replica_axes, model_axis, fsdp_axis, seq_axis = mesh_axes
     seq_axes = (seq_axis,) if seq_axis else ()
     fn = functools.partial(_local_loss_and_grads, num_chunks=num_chunks, total_tokens=total,
                            model_axis=model_axis, replica_axes=replica_axes,
                            fsdp_axis=fsdp_axis, with_grads=with_grads,
-                           vocabulary_size=vocabulary_size, seq_axes=seq_axes)
+                           vocabulary_size=vocabulary_size, seq_axes=seq_axes,
+                           matmul_precision=matmul_precision)
     batch = P(replica_axes or None, seq_axis, None)  # a split sequence: tokens over seq
     in_specs = (batch, P(model_axis, None), P(replica_axes or None, seq_axis))
     out_specs = (P(), batch, P(model_axis, fsdp_axis)) if with_grads else P()
@@ -126,19 +173,21 @@ def _run(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size, with_gra
                             out_specs=out_specs)(hidden, table, labels)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused_cross_entropy(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused_cross_entropy(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size,
+                         matmul_precision):
     return _run(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size,
-                with_grads=False)
+                with_grads=False, matmul_precision=matmul_precision)
 
 
-def _fwd(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size):
+def _fwd(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size, matmul_precision):
     loss, grad_h, grad_table = _run(hidden, table, labels, num_chunks, mesh_axes,
-                                    vocabulary_size, with_grads=True)
+                                    vocabulary_size, with_grads=True,
+                                    matmul_precision=matmul_precision)
     return loss, (grad_h, grad_table)
 
 
-def _bwd(num_chunks, mesh_axes, vocabulary_size, residuals, g):
+def _bwd(num_chunks, mesh_axes, vocabulary_size, matmul_precision, residuals, g):
     grad_h, grad_table = residuals
     return (grad_h * g.astype(grad_h.dtype), (grad_table * g).astype(grad_table.dtype), None)
 
@@ -248,7 +297,7 @@ def auto_chunk_size(batch, length, vocabulary_size: int, table_rows: int | None 
 
 
 def chunked_cross_entropy(hidden, table, labels, chunk_size: int = 128,
-                          vocabulary_size: int | None = None):
+                          vocabulary_size: int | None = None, matmul_precision: str = "bf16"):
     """Mean next-token cross-entropy of ``hidden @ table.T`` without materialising the logits.
 
     Args:
@@ -263,6 +312,10 @@ def chunked_cross_entropy(hidden, table, labels, chunk_size: int = 128,
         vocabulary_size: the ids in use when the table has padding rows beyond them
             (``GPTBackbone(vocabulary_divisible_by=...)``); those rows take no part in the
             softmax and get zero gradient. None: every row is a token.
+        matmul_precision: the head's matmuls (``hidden @ table.T`` and both backward
+            products): ``"bf16"`` (default: in the compute dtype) or a quantized
+            precision of :mod:`kdist.precision` (``"int8"``, ``"int8-sr"``, ``"fp8"``),
+            chunk by chunk inside the custom VJP; the softmax and the loss stay float32.
 
     Returns the float32 scalar ``mean(logsumexp(logits) - logits[label])``, equal to Keras'
     ``SparseCategoricalCrossentropy(from_logits=True)`` on the full logits; differentiable
@@ -291,10 +344,12 @@ def chunked_cross_entropy(hidden, table, labels, chunk_size: int = 128,
     if not isinstance(vocabulary_size, int) or not 0 < vocabulary_size <= rows:
         raise ValueError(f"vocabulary_size must be an int in [1, {rows}] (the table's rows); "
                          f"got {vocabulary_size!r}.")
+    check_precision(matmul_precision)
     mesh_axes = _mesh_axes(batch, rows, dim, length)
     local = length // _seq_size() if mesh_axes and mesh_axes[4] else length  # per device
     num_chunks = local // _largest_divisor_at_most(local, chunk_size)
-    return _fused_cross_entropy(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size)
+    return _fused_cross_entropy(hidden, table, labels, num_chunks, mesh_axes, vocabulary_size,
+                                matmul_precision)
 
 
 def is_default_loss(loss) -> bool:

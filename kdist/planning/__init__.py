@@ -162,7 +162,8 @@ def plan(
             (:func:`~kdist.planning.compile.abstract_batch`).
         suggest, verify: if it does not fit, look for the smallest change that does, and
             compile that change to confirm it.
-        model_overrides: config fields replacing the preset's (e.g. ``num_layers``).
+        model_overrides: config fields replacing the preset's (e.g. ``num_layers``); its
+            task's own arguments (``head_matmul_precision``) go to the task.
         auto_shard: shard weights no kdist table names by structure and shape
             (:mod:`kdist.parallel.auto`): for keras-hub or your own models.
         gradient_reduction: the distribution's (``kdist.distribution``): None, ``"float32"``,

@@ -23,9 +23,14 @@ def resolve_model(model, overrides, batch, sequence_length):
     takes ``remat`` and returns the builder."""
     if isinstance(model, str):
         from kdist.models import task_for_preset
+        from kdist.models.base import constructor_arguments
 
         task = task_for_preset(model)
-        config = preset_backbone_config(model, **(overrides or {}))
+        # The task's own arguments (e.g. head_matmul_precision) go to it in from_preset;
+        # the others override the backbone's preset fields.
+        config = preset_backbone_config(model, **{
+            k: v for k, v in (overrides or {}).items()
+            if k not in constructor_arguments(task)})
         sequence_length = sequence_length or config["max_sequence_length"]
         if sequence_length > config["max_sequence_length"]:
             raise ValueError(f"sequence_length={sequence_length} exceeds {model}'s "

@@ -52,6 +52,8 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -114,18 +116,46 @@ def _quantized(quantize_x, quantize_w, quantize_dy, accumulate):
     return matmul
 
 
-int8_matmul = _quantized(quantize.int8, quantize.int8, quantize.int8, jnp.int32)
-int8_sr_matmul = _quantized(quantize.int8, quantize.int8, quantize.int8_stochastic, jnp.int32)
-
-
 def _fp8(dtype):
-    return lambda x, axis: quantize.fp8(x, axis, dtype)
+    return lambda x, axis, axis_names=(): quantize.fp8(x, axis, dtype, axis_names)
 
 
-fp8_matmul = _quantized(_fp8(quantize.FP8_FORWARD), _fp8(quantize.FP8_FORWARD),
-                        _fp8(quantize.FP8_GRADIENT), jnp.float32)
+class Quantizers(NamedTuple):
+    """A precision's quantizers of a matmul's inputs ``x``, weights ``w`` and output
+    gradient ``dy`` (each ``(array, axis, axis_names=()) -> (codes, scales)``), and the
+    dtype its code products accumulate in: what :func:`product` takes, for a caller that
+    runs a layer's three products itself (the fused loss's head, inside its own VJP)."""
+
+    x: Callable
+    w: Callable
+    dy: Callable
+    accumulate: Any
+
+
+QUANTIZERS = {
+    "int8": Quantizers(quantize.int8, quantize.int8, quantize.int8, jnp.int32),
+    "int8-sr": Quantizers(quantize.int8, quantize.int8, quantize.int8_stochastic, jnp.int32),
+    "fp8": Quantizers(_fp8(quantize.FP8_FORWARD), _fp8(quantize.FP8_FORWARD),
+                      _fp8(quantize.FP8_GRADIENT), jnp.float32),
+}
+int8_matmul = _quantized(*QUANTIZERS["int8"])
+int8_sr_matmul = _quantized(*QUANTIZERS["int8-sr"])
+fp8_matmul = _quantized(*QUANTIZERS["fp8"])
 
 MATMULS = {"int8": int8_matmul, "int8-sr": int8_sr_matmul, "fp8": fp8_matmul}
+
+
+def quantizers(precision: str) -> Quantizers:
+    """``precision``'s :class:`Quantizers` (``"int8"``, ``"int8-sr"`` or ``"fp8"``).
+
+    Example:
+        >>> quantizers("int8").accumulate.__name__
+        'int32'
+    """
+    if precision not in QUANTIZERS:
+        raise ValueError(f"matmul precision {precision!r} has no quantized matmul; use one "
+                         f"of {sorted(QUANTIZERS)} (or plain matmuls for 'bf16').")
+    return QUANTIZERS[precision]
 
 
 def matmul(x, w, contracted: int, precision: str):
@@ -138,7 +168,5 @@ def matmul(x, w, contracted: int, precision: str):
         >>> matmul(jnp.ones((2, 3, 4, 2)), jnp.ones((4, 2, 5)), 2, "int8").shape
         (2, 3, 5)
     """
-    if precision not in MATMULS:
-        raise ValueError(f"matmul precision {precision!r} has no quantized matmul; use one "
-                         f"of {sorted(MATMULS)} (or plain matmuls for 'bf16').")
+    quantizers(precision)  # a clear error for a precision with no quantized matmul
     return MATMULS[precision](x, w, contracted)

@@ -11,6 +11,9 @@ rescale their integer or float8 products by the outer product of two such scales
 :func:`int8` rounds to nearest; :func:`int8_stochastic` rounds each value down or up with
 the probabilities that make its code's expectation the value itself (the gradients of
 ``matmul_precision="int8-sr"``), its randomness drawn from a key it derives from ``x``.
+Every quantizer takes ``axis_names``: mesh axes its maximum is also reduced over, for a
+caller inside ``shard_map`` whose reduced axis is split across devices (the fused loss's
+quantized head, :mod:`kdist.models.losses`).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ FP8_FORWARD = jnp.float8_e4m3fn  # more mantissa: weights and activations
 FP8_GRADIENT = jnp.float8_e5m2  # more range: gradients
 
 
-def scale(x, axis, largest: float):
+def scale(x, axis, largest: float, axis_names=()):
     """``max |x|`` over ``axis`` (an int or a tuple; kept, size 1) times
-    ``float32(1 / largest)``, in float32; 1 where the maximum is 0.
+    ``float32(1 / largest)``, in float32; 1 where the maximum is 0. ``axis_names``: mesh
+    axes (inside ``shard_map``) over which ``x``'s reduced axes are split: the maximum is
+    taken over every device's part too (``pmax``), as one device's over the whole axis.
 
     Example:
         >>> scale(jnp.array([[1.0, -254.0], [0.0, 0.0]]), axis=1, largest=127).tolist()
@@ -35,6 +40,8 @@ def scale(x, axis, largest: float):
     # The maximum in x's own dtype, then float32: exact either way (abs and max do not
     # round), and no float32 copy of x is made for it beside the codes' pass.
     peak = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(jnp.float32)
+    if axis_names:
+        peak = lax.pmax(peak, axis_names)
     # Times the float32 reciprocal, not divided: XLA rewrites a division by a constant into
     # that product anyway, and writing it makes the scale's rounding part of the definition.
     return jnp.where(peak > 0, peak * jnp.float32(1 / largest), jnp.float32(1))
@@ -47,7 +54,7 @@ def _reciprocal(s):
     return jnp.float32(1) / s
 
 
-def int8(x, axis):
+def int8(x, axis, axis_names=()):
     """Int8 codes of ``x`` and their float32 scales over ``axis``: ``round(x * (1 /
     scale))``, rounding half to even, clipped to ±127.
 
@@ -56,7 +63,7 @@ def int8(x, axis):
         >>> codes.tolist(), s.tolist()
         ([[64, -127, 32]], [[0.007874015718698502]])
     """
-    s = scale(x, axis, INT8_MAX)
+    s = scale(x, axis, INT8_MAX, axis_names)
     codes = jnp.clip(jnp.round(x.astype(jnp.float32) * _reciprocal(s)), -INT8_MAX, INT8_MAX)
     return codes.astype(jnp.int8), s
 
@@ -90,7 +97,7 @@ def data_key(x, axis):
     return key
 
 
-def int8_stochastic(x, axis, key=None):
+def int8_stochastic(x, axis, key=None, axis_names=()):
     """Int8 codes of ``x`` and their float32 scales over ``axis`` (the scales of
     :func:`int8`), each code stochastically rounded: ``floor(v)`` plus one with
     probability ``v - floor(v)`` (``v = x * (1 / scale)``; the same law as
@@ -105,7 +112,7 @@ def int8_stochastic(x, axis, key=None):
         (-127, True, [[0.007874015718698502]])
     """
     key = data_key(x, axis) if key is None else key
-    s = scale(x, axis, INT8_MAX)
+    s = scale(x, axis, INT8_MAX, axis_names)
     v = x.astype(jnp.float32) * _reciprocal(s)
     down = jnp.floor(v)
     # Down plus a Bernoulli(fraction), not floor(v + u) (the same law): v - floor(v) is
@@ -116,7 +123,7 @@ def int8_stochastic(x, axis, key=None):
     return codes.astype(jnp.int8), s
 
 
-def fp8(x, axis, dtype=FP8_FORWARD):
+def fp8(x, axis, dtype=FP8_FORWARD, axis_names=()):
     """Float8 codes of ``x`` (``dtype``: e4m3 or e5m2) and their float32 scales over
     ``axis``: ``x * (1 / scale)`` rounded to the nearest float8, the maximum at the format's
     largest finite value.
@@ -127,7 +134,7 @@ def fp8(x, axis, dtype=FP8_FORWARD):
         ([[224.0, -448.0]], [[0.0022321429569274187]])
     """
     largest = float(jnp.finfo(dtype).max)
-    s = scale(x, axis, largest)
+    s = scale(x, axis, largest, axis_names)
     # Clipped first: float8 e4m3fn has no infinity, so an overflow would become NaN.
     codes = jnp.clip(x.astype(jnp.float32) * _reciprocal(s), -largest, largest)
     return codes.astype(dtype), s

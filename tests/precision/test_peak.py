@@ -37,3 +37,45 @@ def test_int8_sr_is_counted_at_the_int8_peak():
     sr = matmul_peak(peak, GPT2_SMALL, matmul_precision="int8-sr")
     assert sr.tflops == matmul_peak(peak, GPT2_SMALL, matmul_precision="int8").tflops
     assert sr.note.startswith("matmul precision int8-sr:")
+
+
+def test_the_head_counts_at_the_int8_peak_only_when_quantized():
+    """``head_matmul_precision`` (``kdist plan --head-matmul-precision``): the vocabulary
+    head's FLOPs (``unembedding``) join the int8 share; left at bf16 the blend is the
+    blocks' alone, as before the option."""
+    from types import SimpleNamespace
+
+    from kdist.callbacks.peak import Peak, matmul_peak
+
+    v5e, f = accelerator("tpu-v5e"), GPT2_SMALL
+    blocks = (f.qkv + f.output_projection + f.mlp) / f.forward
+    head = f.unembedding / f.forward
+    assert peak_tflops(v5e, "int8", f, head_matmul_precision="bf16") == peak_tflops(
+        v5e, "int8", f) == pytest.approx(1 / (blocks / 393 + (1 - blocks) / 197))
+    both = 1 / ((blocks + head) / 393 + (1 - blocks - head) / 197)
+    assert peak_tflops(v5e, "int8", f, head_matmul_precision="int8") == pytest.approx(both)
+    assert peak_tflops(v5e, "bf16", f, head_matmul_precision="int8") == pytest.approx(
+        1 / (head / 393 + (1 - head) / 197))
+    assert quantized_share(f, head=True) == pytest.approx(blocks + head)
+    with pytest.raises(ValueError, match="--head-matmul-precision bf16"):
+        peak_tflops(v5e, "int8", f, head_matmul_precision="fp8")
+    # the Throughput callback reads both from the model
+    lm = SimpleNamespace(backbone=SimpleNamespace(matmul_precision="int8"),
+                         head_matmul_precision="int8")
+    peak = matmul_peak(Peak(197.0, "table", "TPU v5 lite", "bfloat16"), f, lm)
+    assert peak.tflops == pytest.approx(both)
+    assert "QKV, attention output, MLP, vocabulary head" in peak.note
+
+
+def test_kdist_plan_takes_the_head_flag(capsys):
+    from kdist import cli
+
+    argv = ["plan", "--preset", "gpt-nano", "--mesh", "fsdp=8", "--device", "tpu-v5e",
+            "--compile", "none"]
+    assert cli.main([*argv, "--matmul-precision", "int8", "--head-matmul-precision",
+                     "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul precision int8, head int8: " in out
+    assert "of the FLOPs (QKV, attention output, MLP, vocabulary head)" in out
+    assert cli.main([*argv, "--preset", "bert-tiny", "--head-matmul-precision", "int8"]) != 0
+    assert "--head-matmul-precision quantizes a causal LM's" in capsys.readouterr().err

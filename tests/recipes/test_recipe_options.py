@@ -228,3 +228,20 @@ def test_matmul_precision_takes_every_policy_in_the_recipes_and_kdist_plan():
             if "--matmul-precision" in flags(recipe):
                 assert parse(recipe, ["--matmul-precision", name]).matmul_precision == name
     assert "--matmul-precision" in flags("gpt_pretrain")
+
+
+def test_the_head_precision_flag_is_the_causal_lm_recipes_and_kdist_plans():
+    """``--head-matmul-precision``: GPTCausalLM's ``head_matmul_precision``, bf16 (off) by
+    default, in the GPT recipes and ``kdist plan``; the BERT recipes have no causal head."""
+    plan = cli.build_parser()
+    assert plan.parse_args(["plan"]).head_matmul_precision == "bf16"
+    for name in kdist.precision.PRECISIONS:
+        assert plan.parse_args(["plan", "--head-matmul-precision", name]) \
+            .head_matmul_precision == name
+        for recipe in ("gpt_pretrain", "gpt_finetune"):
+            assert parse(recipe, []).head_matmul_precision == "bf16"
+            assert parse(recipe, ["--head-matmul-precision", name]) \
+                .head_matmul_precision == name
+    assert not {"--head-matmul-precision"} & (flags("bert_pretrain") | flags("bert_finetune"))
+    with pytest.raises(SystemExit):
+        parse("gpt_pretrain", ["--head-matmul-precision", "int4"])
