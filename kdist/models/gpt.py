@@ -114,7 +114,8 @@ class GPTBackbone(Backbone, keras.Model):
         moe: routed experts in place of the MLP (:mod:`kdist.models.moe`): a dict with
             ``num_experts`` and optionally ``experts_per_token``, ``expert_dim``, ``every``,
             ``router``, ``shared_experts``, ``capacity_factor``, ``aux_loss_weight``,
-            ``z_loss_weight``, ``balance_bias_rate``, ``renormalize`` (``MOE_DEFAULTS``).
+            ``z_loss_weight``, ``balance_bias_rate``, ``renormalize``, ``routed_scale``
+            (``MOE_DEFAULTS``).
             None (default): dense MLPs.
 
     Build it after setting the distribution: the constructor checks the shape against the

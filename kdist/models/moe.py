@@ -55,7 +55,7 @@ from kdist.precision.policy import check as check_precision
 MOE_DEFAULTS = dict(num_experts=None, experts_per_token=2, expert_dim=None, every=1,
                     router="softmax", shared_experts=0, capacity_factor=None,
                     aux_loss_weight=0.01, z_loss_weight=0.001, balance_bias_rate=0.0,
-                    renormalize=True)
+                    renormalize=True, routed_scale=1.0)
 
 
 class MoEStats(NamedTuple):
@@ -121,6 +121,10 @@ def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
     if factor is not None and not factor > 0:
         raise ValueError(f"moe['capacity_factor'] must be None (dropless) or > 0; got "
                          f"{factor!r}.")
+    scale = moe["routed_scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"moe['routed_scale'] must be a number > 0 (1: the routed experts' "
+                         f"output as weighted; DeepSeek-V3 used 2.5); got {scale!r}.")
     rate = moe["balance_bias_rate"]
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
         raise ValueError(f"moe['balance_bias_rate'] must be a number >= 0 (0: off; DeepSeek-V3 "
@@ -180,6 +184,10 @@ class MoEFeedForward(layers.Layer):
         renormalize: the k chosen experts' weights divided by their sum (default, Mixtral),
             or (False) the router's probabilities as they are (Qwen3-MoE's
             ``norm_topk_prob: false``).
+        routed_scale: the routed experts' weighted sum multiplied by this (DeepSeek-V2/V3's
+            ``routed_scaling_factor``; shared experts are not scaled). Renormalised top-k
+            weights sum to 1, so the k experts' output is their weighted mean: 1/k of a
+            dense SwiGLU of the same active width at uniform weights. Default 1.
         matmul_precision: ``"bf16"`` (default), ``"int8"`` or ``"fp8"``: the experts' (and
             shared experts') three matmuls quantized forward and backward, each expert
             scaled per token and per output channel (:mod:`kdist.precision`); the router
@@ -203,14 +211,15 @@ class MoEFeedForward(layers.Layer):
                  z_loss_weight: float = 0.001, initializer_range: float = 0.02,
                  output_initializer_range: float | None = None,
                  balance_bias_rate: float = 0.0, renormalize: bool = True,
-                 matmul_precision: str = "bf16", **kwargs):
+                 matmul_precision: str = "bf16", routed_scale: float = 1.0, **kwargs):
         super().__init__(**kwargs)
         self.matmul_precision = check_precision(matmul_precision)
         check_moe(dict(num_experts=num_experts, experts_per_token=experts_per_token,
                        router=router, capacity_factor=capacity_factor,
-                       balance_bias_rate=balance_bias_rate, renormalize=renormalize), 1,
-                  expert_dim)
+                       balance_bias_rate=balance_bias_rate, renormalize=renormalize,
+                       routed_scale=routed_scale), 1, expert_dim)
         self.renormalize = renormalize
+        self.routed_scale = routed_scale
         self.num_experts = num_experts
         self.experts_per_token = experts_per_token
         self.expert_dim = expert_dim
@@ -282,7 +291,7 @@ class MoEFeedForward(layers.Layer):
         else:
             out, dropped = capacity_limited(tokens, experts, counts, *kernels,
                                             self.capacity_factor, self.matmul_precision)
-        y = jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype))  # (N, D)
+        y = jnp.einsum("nkd,nk->nd", out, (weights * self.routed_scale).astype(out.dtype))
         y = ops.reshape(y, shape)
         if self.shared is not None:  # (..., D) -> (..., S) -> (..., D), every token
             gate, up, down = (ops.cast(w, x.dtype) for w in self.shared)
@@ -379,7 +388,7 @@ class MoEFeedForward(layers.Layer):
                 "initializer_range": self.initializer_range,
                 "output_initializer_range": self.output_initializer_range,
                 "balance_bias_rate": self.balance_bias_rate, "renormalize": self.renormalize,
-                "matmul_precision": self.matmul_precision}
+                "matmul_precision": self.matmul_precision, "routed_scale": self.routed_scale}
 
 
 def statistics(model) -> list[tuple[str, int, object, object, int | None]]:

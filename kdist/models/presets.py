@@ -32,9 +32,13 @@ GPT_PRESETS: dict[str, dict] = {
 
 # Mixture of Experts on gpt-nano's width (kdist.models.moe): 8 SwiGLU experts of width 336,
 # each token through 2: 2 x 3 x 256 x 336 = 516,096 active expert weights per block, about
-# gpt-nano's 524,288 (its 1024-wide GELU MLP); 4x the MLP weights in all. Dropless.
+# gpt-nano's 524,288 (its 1024-wide GELU MLP, 2 x 256 x 1024); 4x the MLP weights in all.
+# Dropless. routed_scale=4: the two renormalised weights sum to 1, so unscaled the routed
+# output is the two experts' mean, half a dense SwiGLU of the same active width, and under
+# the dense model's Adam steps it learns half as fast (docs/moe.md, "Preset": measured).
 GPT_PRESETS["gpt-nano-moe"] = dict(
-    GPT_PRESETS["gpt-nano"], moe=dict(num_experts=8, experts_per_token=2, expert_dim=336),
+    GPT_PRESETS["gpt-nano"],
+    moe=dict(num_experts=8, experts_per_token=2, expert_dim=336, routed_scale=4.0),
 )
 
 # Llama-style decoders: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases.

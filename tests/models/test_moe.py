@@ -32,8 +32,9 @@ def _silu(v):
 
 
 def dense_reference(params, x, k, router="softmax", shared=None, kept=None, chosen=None,
-                    renormalize=True):
-    """Every expert on every token, weighted by the router (zero for unchosen experts);
+                    renormalize=True, scale=1.0):
+    """Every expert on every token, weighted by the router (zero for unchosen experts) times
+    ``scale`` (``routed_scale``; the shared experts unscaled);
     ``kept (N, k)``: which assignments the capacity let through; ``chosen (N, k)``: the
     experts (when differentiating: the choice is discrete, found on concrete values)."""
     router_kernel, gate, up, down = params
@@ -49,7 +50,7 @@ def dense_reference(params, x, k, router="softmax", shared=None, kept=None, chos
         np.arange(len(chosen))[:, None], chosen].set(1.0))
     if renormalize:  # (N, E), renormalised over the k
         top = top / top.sum(-1, keepdims=True)
-    weights = top * mask
+    weights = top * mask * scale
     y = 0
     for e in range(gate.shape[0]):
         y = y + weights[:, e:e + 1] * ((_silu(tokens @ gate[e]) * (tokens @ up[e])) @ down[e])
@@ -63,14 +64,17 @@ def _params(layer):
     return [jnp.asarray(w) for w in (layer.router_kernel, layer.gate, layer.up, layer.down)]
 
 
-@pytest.mark.parametrize("router,k,shared", [("softmax", 2, 0), ("sigmoid", 3, 1)])
-def test_dropless_equals_every_expert_weighted_by_the_router(router, k, shared):
-    layer = _layer(experts_per_token=k, router=router, shared_experts=shared)
+@pytest.mark.parametrize("router,k,shared,scale", [("softmax", 2, 0, 1.0),
+                                                   ("sigmoid", 3, 1, 2.5)])
+def test_dropless_equals_every_expert_weighted_by_the_router(router, k, shared, scale):
+    layer = _layer(experts_per_token=k, router=router, shared_experts=shared,
+                   routed_scale=scale)
     x = _x()
     shared_params = None if not shared else [jnp.asarray(w) for w in layer.shared]
-    expected, _ = dense_reference(_params(layer), x, k, router, shared_params)
+    expected, _ = dense_reference(_params(layer), x, k, router, shared_params, scale=scale)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(x)), expected,
                                rtol=1e-5, atol=1e-6)
+    assert MoEFeedForward.from_config(layer.get_config()).routed_scale == scale
 
 
 def test_unrenormalised_weights_are_the_routers_probabilities():
@@ -189,6 +193,8 @@ def test_config_round_trips_and_places_moe_blocks():
     ({"num_experts": 4, "balance_bias_rate": -0.001}, "balance_bias_rate"),
     ({"num_experts": 4, "balance_bias_rate": "0.1"}, "balance_bias_rate"),
     ({"num_experts": 4, "renormalize": 0}, "renormalize"),
+    ({"num_experts": 4, "routed_scale": 0}, "routed_scale"),
+    ({"num_experts": 4, "routed_scale": True}, "routed_scale"),
 ])
 def test_wrong_moe_configs_are_refused(moe, message):
     with pytest.raises(ValueError, match=message):
