@@ -243,11 +243,12 @@ def _stage_program(layer, schedule: Schedule, lead, per_row, plans, weights, xm,
     return _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed, state)
 
 
-def _stage_layers(layer, weights, h, kw, first, seed, state, count):
+def _stage_layers(layer, weights, h, kw, first, seed, state, count, microbatches=1):
     """``h`` through this stage's ``count`` layers from global index ``first`` (weights
     ``(count, ...)``): ``h``, or with ``state`` (``(L, ...)`` arrays, whole) ``(h, (loss,
-    sums))``: the losses the layers added and their new state rows placed at their rows of
-    ``(L, ...)`` zeros."""
+    sums))``: the losses the layers added, weighted ``1 / microbatches`` (the step's loss is
+    the microbatches' mean), and their new state rows placed at their rows of ``(L, ...)``
+    zeros."""
     if state is None:
         def body(h, xs):
             w, k = xs
@@ -264,7 +265,7 @@ def _stage_layers(layer, weights, h, kw, first, seed, state, count):
     h, (rows, losses) = jax.lax.scan(stated, h, (weights, jnp.arange(count)))
     sums = [jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(a), r.astype(a.dtype), first, 0)
             for a, r in zip(state, rows)]
-    return h, (jnp.sum(losses), sums)
+    return h, (jnp.sum(losses) / microbatches, sums)
 
 
 def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed, state=None):
@@ -283,7 +284,7 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed, state=N
     def apply_layers(r, h, kw):
         ws = [jax.lax.dynamic_index_in_dim(w, r, keepdims=False) for w in weights]
         return _stage_layers(layer, ws, h, kw, (r * stages + s) * per_stage, seed, state,
-                             per_stage)
+                             per_stage, micro)
 
     # Send to the next stage; round the ring only when a microbatch goes round again.
     perm = [(i, (i + 1) % stages) for i in range(stages if repeats > 1 else stages - 1)]
@@ -314,7 +315,7 @@ def _schedule(layer, schedule, lead, per_row, weights, xm, kwargs, seed, state=N
         if state is not None:  # a bubble's layers (on zeros) count nothing
             y, (loss, sums) = y
             extra = jax.tree.map(lambda a, b: a + jnp.where(valid, b, jnp.zeros_like(b)),
-                                 extra, (loss / micro, sums))
+                                 extra, (loss, sums))
         done = (s == stages - 1) & valid & (r == repeats - 1)
         written = jax.lax.dynamic_index_in_dim(out, m, keepdims=False)
         out = jax.lax.dynamic_update_index_in_dim(
@@ -433,11 +434,8 @@ def scheduled(layer, weights, x, kwargs, seed, schedule: Schedule, loss_fn, loss
         if key is not None:
             key = jax.random.fold_in(key, jax.lax.axis_index(rows) if rows else 0)
 
-        out = _stage_layers(layer, w, h, kw, first, key, d.get("state"), per_stage)
-        if state is None:
-            return out
-        h, (loss, sums) = out
-        return h, (loss / schedule.microbatches, sums)
+        return _stage_layers(layer, w, h, kw, first, key, d.get("state"), per_stage,
+                             schedule.microbatches)
 
     def microbatch_loss(lw, y, d):
         return loss_fn(lw, y, d["targets"])
