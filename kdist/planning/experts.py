@@ -175,6 +175,17 @@ def model_axis_terms(cost, mesh: Mapping[str, int], tokens: float,
                             * (3 * r - 2 * tokens) * experts.hidden_dim * value_bytes)]
 
 
+def stage_block_values(parts: Mapping[str, float], expert_axis: int) -> float:
+    """The blocks' weights (values) a pipeline stage's device holds before ``stage``,
+    ``fsdp`` and ``model`` split them (``parts``: :func:`kdist.planning.stages.split`):
+    the routed experts' ``1/e`` (each device its own experts; in a stage's layers they
+    are padded to the whole shape one layer at a time,
+    :func:`kdist.parallel.experts.as_whole`, and what lives across the step, the weights,
+    Adam's state and the gradient accumulated over the ticks, is the device's share)."""
+    routed = parts.get("routed_parameters", 0.0)
+    return parts["block_parameters"] - routed + routed / expert_axis
+
+
 def expert_sizes(cost, devices: int) -> list[int]:
     """The ``expert`` axis sizes the search tries over ``devices``: 1, and for a model with
     routed experts each size > 1 dividing both the experts and the devices.

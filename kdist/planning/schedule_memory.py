@@ -67,7 +67,6 @@ def memory(cost: Any, parts: dict[str, float], mesh: dict[str, int], rows: float
     micro-step); ``parts``: the model's parameters and activations split into blocks and
     the rest (:func:`kdist.planning.stages.split`, at the length each device holds); the
     weights, optimizer state and gradients are the caller's."""
-    from kdist.planning.stages import stage_block_values
     from kdist.planning.traffic import gathered_kv_bytes
 
     s, m, seq = mesh.get("stage", 1), mesh.get("model", 1), mesh.get("seq", 1)
@@ -102,7 +101,7 @@ def memory(cost: Any, parts: dict[str, float], mesh: dict[str, int], rows: float
     head_weights = 2 * 4 * (parts["table_parameters"] + parts["other_parameters"]) / m
     # The carry's accumulator of the stage's blocks' gradient (under fsdp, with the
     # weights gathered whole: the caller's ``gathered``).
-    block_gradient = 4 * stage_block_values(parts, e) / (s * m) if mesh.get("fsdp", 1) == 1 \
-        else 0.0
+    block_gradient = (4 * experts.stage_block_values(parts, e) / (s * m)
+                      if mesh.get("fsdp", 1) == 1 else 0.0)
     return {"activations": residuals + head + through,
             "pipeline": head_weights + block_gradient}

@@ -19,10 +19,10 @@ micro-step (``B / g / (d f) x T``) and ``D`` the width:
   (inputs, outputs, circular store) ``~ n D x 4`` each;
 * experts (a MoE model with an ``expert`` axis ``e``, which splits the rows as data
   does): the routed experts' weights, Adam's state and gradient ``/ (S e f m)``
-  (:func:`stage_block_values`); the dispatch and combine all-to-alls of one microbatch's
-  buffer at every pass of a MoE layer; the 1F1B schedules' experts' activations:
-  :mod:`kdist.planning.schedule_memory` (GPipe's are not checked, and ``auto`` does not
-  propose GPipe with ``expert``);
+  (:func:`kdist.planning.experts.stage_block_values`); the dispatch and combine
+  all-to-alls of one microbatch's buffer at every pass of a MoE layer; the 1F1B
+  schedules' experts' activations: :mod:`kdist.planning.schedule_memory` (GPipe's are
+  not checked, and ``auto`` does not propose GPipe with ``expert``);
 * bytes: one microbatch activation ``n / M x D`` per iteration to the next stage, forward
   and backward (``collective-permute``); the outputs' and the inputs' cotangent summed over
   stages once (``all-reduce``); the stage's weights gathered over fsdp once and their
@@ -98,16 +98,6 @@ def split(cost: Any, sequence_length: int, value_bytes: int, remat: bool) -> dic
             "block_activations": total - other, "other_activations": other}
 
 
-def stage_block_values(parts: dict[str, float], expert_axis: int) -> float:
-    """The blocks' weights (values) a stage's device holds before ``stage``, ``fsdp`` and
-    ``model`` split them: the routed experts' ``1/e`` (each device its own experts; in a
-    stage's layers they are padded to the whole shape one layer at a time,
-    :func:`kdist.parallel.experts.as_whole`, and what lives across the step, the weights,
-    Adam's state and the gradient accumulated over the ticks, is the device's share)."""
-    routed = parts.get("routed_parameters", 0.0)
-    return parts["block_parameters"] - routed + routed / expert_axis
-
-
 def _moe_layers(cost: Any) -> int:
     found = getattr(cost, "experts", None)
     return found.layers if found else 0
@@ -129,7 +119,7 @@ def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_len
     micro = microbatches or s
     parts = split(cost, sequence_length if seq == 1 else 1, value_bytes, remat)
     v = vocab_stages(mesh)
-    blocks = stage_block_values(parts, e)  # a stage's, whole over fsdp and model
+    blocks = experts.stage_block_values(parts, e)  # a stage's, whole over fsdp and model
     weights = 4 * (blocks / (s * f * m) + parts["table_parameters"]
                    / (v * f * m) + parts["other_parameters"] / (f * m))
     rows = global_batch_size / grad_accum / (d * f * e)  # expert splits the rows as data
@@ -197,7 +187,7 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
     micro = microbatches or s
     parts = split(cost, sequence_length, value_bytes, False)
     v = vocab_stages(mesh)
-    pb = stage_block_values(parts, e)  # a device's experts: 1/e of the routed ones
+    pb = experts.stage_block_values(parts, e)  # a device's experts: 1/e of the routed ones
     routed = parts["routed_parameters"] / e
     po = parts["other_parameters"] + parts["table_parameters"] / v
     g = gradient_bytes or parameter_bytes
