@@ -317,7 +317,7 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     seq); only if none fits, every pipeline (:func:`pipeline_meshes`: a stage axis with
     data, fsdp, seq and model inside, or expert with data, ``pipeline_microbatches``,
     ``pipeline_repeats`` and ``pipeline_schedule``, which may narrow the meshes a pipeline
-    can have; never GPipe with ``expert``). With
+    can have; never GPipe, or kdist's gradient reduction, with ``expert``). With
     ``sync_every`` (DiLoCo), every mesh has a ``replica`` axis of :func:`replica_counts`
     groups, each group's mesh searched the same way over its devices and batch share.
     A candidate the distribution itself would refuse
@@ -396,12 +396,13 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     def searched(meshes_of):  # a candidate the distribution refuses is never a row
         configs = (checked(config_of(full_mesh({**m, "replica": r}))) for r in groups
                    for m in meshes_of(num_devices // r, global_batch_size // r))
-        # GPipe x expert trains, but its estimate is 0.47 of the compiled peak (the scan
-        # over iterations keeps more of the experts than stages.memory counts): never a
-        # candidate; the 1F1B schedules' is checked (choose_schedule picks them for it).
+        # expert x stage: never GPipe (it trains, but its estimate is 0.47 of the compiled
+        # peak: the scan over iterations keeps more of the experts than stages.memory
+        # counts), nor with kdist's gradient reduction (a MoE model's 1F1B step does not
+        # compile under it: shard_map out_specs); the 1F1B schedules' estimate is checked.
         return [row(config) for config in configs if config is not None
                 and not (config.mesh["expert"] > 1 and config.mesh["stage"] > 1
-                         and config.schedule == "gpipe")]
+                         and (config.schedule == "gpipe" or config.gradients.reduction))]
 
     rows = searched(lambda n, batch: candidate_meshes(n, dims_source, batch, grad_accum,
                                                       sequence_length))
