@@ -83,8 +83,8 @@ def test_auto_pipelines_experts_with_1f1b_where_nothing_else_fits():
     assert mesh_spec(mesh) == "stage=4,expert=2" and "no mesh without a pipeline" in why
     assert next(r for r in rows if r["mesh"] == "stage=4,expert=2")["schedule"] == "1f1b"
     assert not any(r.get("schedule") == "gpipe" and "expert" in r["mesh"] for r in rows)
-    # Nor with kdist's gradient reduction, under which a MoE model's 1F1B step does not
-    # compile (shard_map's out_specs): the pipeline without experts, then.
+    # No stages at all for a MoE model under kdist's gradient reduction: it trains (a
+    # parity row), but the estimate is 0.64-0.78 of the compiled peak (not modelled).
     mesh, rows, _ = choose_mesh(moe, 8, budget, 8, 514, pipeline_schedule="auto",
                                 pipeline_microbatches=4, gradient_reduction="float32")
-    assert not any("expert" in r["mesh"] and "stage" in r["mesh"] for r in rows)
+    assert not any("stage" in r["mesh"] for r in rows)
