@@ -242,7 +242,7 @@ def plan(
                              f"kdist preset, or a model with a cost_model() method).")
 
     # The distribution's settings, once: what the search weighs of them, and the rest.
-    # (gradient_reduction too: auto then leaves out an `expert` axis, search.choose_mesh.)
+    # (gradient_reduction too: the experts' padding in the per-device loss, experts.py.)
     settings = dict(context_parallel=context_parallel,
                     pipeline_microbatches=pipeline_microbatches,
                     pipeline_repeats=pipeline_repeats, sync_every=sync_every,

@@ -203,6 +203,8 @@ def collective_terms(model: Any, mesh: Mapping[str, int] | Parallelism,
       axis four times (dispatch and combine, forward and backward):
       ``4 ring(e) E C D`` value bytes, ``C = n k`` for a dropless layer, ``ceil(c n k /
       E)`` with a capacity factor c (counted with the activations: each layer waits);
+      with a ``model`` axis, the experts' rows ``R = E C`` all-reduced over it in place
+      of the dense MLP's tokens (:func:`kdist.planning.experts.model_axis_terms`);
     * stage (a pipeline of ``pipeline_microbatches`` and ``pipeline_repeats``):
       :func:`kdist.planning.stages.collective_terms` — activations between stages
       (``collective-permute``), each stage's weights gathered once, the seq axis's keys
@@ -277,6 +279,7 @@ def _terms(cost, dims, mesh, batch, length, value_bytes, parameter_bytes, gradie
                                        context_parallel)
     if activations:
         terms += experts.all_to_all_terms(cost, mesh, local_batch * length / s, value_bytes)
+        terms += experts.model_axis_terms(cost, mesh, local_batch * length / s, value_bytes)
     return terms
 
 
@@ -309,7 +312,9 @@ def estimate(model: Any, mesh: Mapping[str, int] | Parallelism, global_batch_siz
     (:func:`kdist.planning.experts.activation_bytes`; the compiled ``expert=2,data=4``
     gpt-nano-moe step of 2 layers, batch 16 x 64: 78.01 MiB estimated, 77.94 MiB
     compiled), and under ``fsdp`` the experts' weights and gradients held whole in their
-    region (:func:`kdist.planning.experts.gathered_bytes`).
+    region (:func:`kdist.planning.experts.gathered_bytes`); with kdist's
+    ``gradient_reduction``, the experts' gradient a second time
+    (:func:`kdist.planning.experts.padded_gradient_bytes`).
 
     Example:
         >>> e = estimate("gpt2-small", {"data": 1, "fsdp": 8, "model": 1}, 64, 1024)
@@ -332,6 +337,9 @@ def estimate(model: Any, mesh: Mapping[str, int] | Parallelism, global_batch_siz
                       remat, grad_accum, config.context_variant)
     if r > 1:
         out["replica_groups"] = 3 * out["parameters"]
+    if mesh["stage"] == 1:  # kdist's per-device loss pads the experts (experts.py)
+        out["activations"] += experts.padded_gradient_bytes(cost, mesh,
+                                                            config.gradients.reduction)
     out["total"] = sum(v for k, v in out.items() if k != "total")
     return out
 
@@ -359,7 +367,7 @@ def _memory(cost, dims, mesh, batch, length, precision, remat, grad_accum,
         activations += traffic.gathered_kv_bytes(dims, micro_batch, length, mesh.get("model", 1),
                                          value_bytes, 1 if remat else dims["num_layers"])
     activations += experts.activation_bytes(cost, micro_batch * length / s, value_bytes,
-                                            remat, mesh.get("expert", 1))
+                                            remat, mesh.get("expert", 1), mesh.get("model", 1))
     activations += experts.gathered_bytes(cost, mesh)  # the experts' region under fsdp
     if extra and value_bytes < 4 and cost.config.get("scan_layers"):
         # A TPU's compiler casts a scanned stack's weights to the compute dtype once, before

@@ -16,7 +16,11 @@ layers of E experts, k per token, width D, expert width F), n the device's token
   layer computes its ``n k`` rows with grouped matmuls (:func:`rows`);
 * traffic: the buffer goes to the experts' devices and the outputs come back (two
   ``all_to_all`` over ``expert`` forward, their transposes backward): ``4 ring(e) E C D``
-  value bytes per layer per step (:func:`all_to_all_terms`).
+  value bytes per layer per step (:func:`all_to_all_terms`); beside a ``model`` axis the
+  experts' rows are all-reduced over it (:func:`model_axis_terms`);
+* kdist's gradient reduction: the experts padded to the whole shape in its per-device
+  loss, and what XLA keeps of them (:func:`padded_gradient_bytes`); a pipeline's stages:
+  :mod:`kdist.planning.stages` and :mod:`kdist.planning.schedule_memory`.
 
 Example:
     >>> from kdist.planning.estimate import cost_model_of
@@ -62,7 +66,8 @@ def rows(experts: Experts, tokens: float, expert_axis: int) -> float:
 
 
 def activation_bytes(cost, tokens: float, value_bytes: int, remat,
-                     expert_axis: int) -> float:
+                     expert_axis: int, model_axis: int = 1,
+                     layers: float | None = None) -> float:
     """What the MoE layers add to the dense cost model's activations on a device of
     ``tokens`` tokens, in bytes. Per MoE layer kept for the backward pass: the rows
     each expert received ``R x D`` (R: :func:`rows`), its gate and up projections and
@@ -73,7 +78,15 @@ def activation_bytes(cost, tokens: float, value_bytes: int, remat,
     ``expert=2,data=4`` gpt-nano-moe step of 2 layers, batch 16 x 64, was 0.90 of its
     peak, with them 1.00). The dense MLP the cost model counted for those layers
     (``F_mlp`` and its activation per token) is taken out. Per-block remat keeps one
-    layer's set; 0 for a dense model."""
+    layer's set; ``layers``: the MoE layers whose set is kept (default: all; a pipeline
+    stage's chunk, :mod:`kdist.planning.stages`); 0 for a dense model.
+
+    Under a ``model`` axis of ``m`` (left to XLA in the experts' region) every ``F``-wide
+    value is split ``m`` ways and the ``R x D`` rows are whole on each device, three of
+    them per layer: the rows received, the down projection's partial sums and their
+    all-reduced sum (``R (3 D + 3 F / m)``). The compiled ``expert=2,model=2,data=2``
+    gpt-nano-moe steps (batch 16 x 64) peak at 76.7 MiB with 2 layers and 142.9 with 4,
+    estimated 81.2 and 144.5 (1.06, 1.01; with the rows kept once, 0.95 and 0.84)."""
     experts = getattr(cost, "experts", None)
     if not experts or not tokens:
         return 0.0
@@ -81,11 +94,13 @@ def activation_bytes(cost, tokens: float, value_bytes: int, remat,
     f_mlp = c.get("intermediate_dim", 0)
     dense_mlp = f_mlp * (2 if c.get("mlp_activation") == "swiglu" else 1)
     dense_mlp += f_mlp if remat in (False, True, "block") else 0  # cost model's `everything`
-    r = rows(experts, tokens, expert_axis)
+    r, m = rows(experts, tokens, expert_axis), model_axis
     d, f = experts.hidden_dim, experts.expert_dim
-    per_layer = r * (d + 3 * f) + tokens * experts.experts_per_token * d - tokens * dense_mlp
-    layers = 1 if remat in (True, "block") else experts.layers
-    return value_bytes * (layers * per_layer + r * (2 * d + 3 * f))
+    per_layer = (r * (d * (1 if m == 1 else 3) + 3 * f / m)
+                 + tokens * experts.experts_per_token * d - tokens * dense_mlp / m)
+    layers = 1 if remat in (True, "block") else experts.layers if layers is None else layers
+    backward = r * (2 * d + 3 * f / m)
+    return value_bytes * (layers * per_layer + backward)
 
 
 def gathered_bytes(cost, mesh: Mapping[str, int]) -> float:
@@ -104,6 +119,28 @@ def gathered_bytes(cost, mesh: Mapping[str, int]) -> float:
     return 2 * 4 * routed_parameters(cost) / (e * mesh.get("model", 1) * layers)
 
 
+def padded_gradient_bytes(cost, mesh: Mapping[str, int], reduction: str | None) -> float:
+    """What kdist's per-device loss (a ``gradient_reduction``) adds under an ``expert``
+    axis: each device's experts enter it padded with zeros to the whole weight's shape
+    (:func:`kdist.parallel.experts.as_whole`, for Keras), and its gradient is taken of the
+    whole shape. XLA does not keep the zeros (measured: no whole-shape buffer of the
+    experts lives at the peak), but holds the device's experts' float32 gradient a
+    second time, ``4 P_e / (e f m)`` bytes: the compiled gpt-nano-moe steps (batch
+    16 x 64) with ``gradient_reduction="float32"`` peak at +7.2 MiB (2 layers) and
+    +15.0 MiB (4 layers) over the same ``expert=2,data=4`` step without it, this term
+    7.9 and 15.8; ``expert=4,data=2`` +2.8 (3.9). An 8-bit ``reduction`` (``"int8"``,
+    ``"float8"``: :mod:`kdist.parallel.compression`) keeps the whole shape's gradient,
+    zeros included, ``4 P_e / m`` more: with ``"int8"`` the same 2-layer steps on
+    ``expert=2,data=4`` and ``expert=2,fsdp=4`` peak 15.75 MiB over ``"float32"``'s,
+    this term's exactly. 0 without an ``expert`` axis or a ``reduction``."""
+    e, m = mesh.get("expert", 1), mesh.get("model", 1)
+    if e == 1 or not reduction:
+        return 0.0
+    routed = routed_parameters(cost)
+    whole = 4 * routed / m if reduction in ("int8", "float8") else 0.0
+    return 4 * routed / (e * mesh.get("fsdp", 1) * m) + whole
+
+
 def all_to_all_terms(cost, mesh: Mapping[str, int], tokens: float,
                      value_bytes: int) -> list[traffic.Traffic]:
     """The all-to-alls over ``expert`` per (micro-)step of a device of ``tokens`` tokens:
@@ -116,6 +153,37 @@ def all_to_all_terms(cost, mesh: Mapping[str, int], tokens: float,
     buffer = rows(experts, tokens, e) * experts.hidden_dim * value_bytes
     return [traffic.Traffic("all-to-all", ("expert",),
                             4 * experts.layers * (e - 1) / e * buffer)]
+
+
+def model_axis_terms(cost, mesh: Mapping[str, int], tokens: float,
+                     value_bytes: int) -> list[traffic.Traffic]:
+    """What a ``model`` axis adds to the tensor-parallel all-reduces of a MoE layer under
+    an ``expert`` axis, per (micro-)step of a device of ``tokens`` tokens: the experts'
+    ``F`` split over ``model``, the down projection's ``R x D`` partial sums are
+    all-reduced forward and the gate's and up projection's input gradients, ``2 R x D``
+    side by side (XLA sums them after), backward — in place of the dense MLP's two of
+    ``n x D`` that :func:`kdist.planning.estimate.collective_terms` counts per layer:
+    ``2 ring(m) (3 R - 2 n) D`` value bytes per MoE layer. The compiled
+    ``expert=2,model=2,data=2`` gpt-nano-moe step (2 layers, batch 16 x 64) moves 27.9 MiB
+    over ``model``, 25.5 MiB estimated (XLA also all-reduces the experts' weight
+    gradients, 3.9 MiB, over it). None without both axes."""
+    experts, e, m = getattr(cost, "experts", None), mesh.get("expert", 1), mesh.get("model", 1)
+    if not experts or e == 1 or m == 1:
+        return []
+    r = rows(experts, tokens, e)
+    return [traffic.Traffic("all-reduce", ("model",), 2 * (m - 1) / m * experts.layers
+                            * (3 * r - 2 * tokens) * experts.hidden_dim * value_bytes)]
+
+
+def stage_block_values(parts: Mapping[str, float], expert_axis: int) -> float:
+    """The blocks' weights (values) a pipeline stage's device holds before ``stage``,
+    ``fsdp`` and ``model`` split them (``parts``: :func:`kdist.planning.stages.split`):
+    the routed experts' ``1/e`` (each device its own experts; in a stage's layers they
+    are padded to the whole shape one layer at a time,
+    :func:`kdist.parallel.experts.as_whole`, and what lives across the step, the weights,
+    Adam's state and the gradient accumulated over the ticks, is the device's share)."""
+    routed = parts.get("routed_parameters", 0.0)
+    return parts["block_parameters"] - routed + routed / expert_axis
 
 
 def expert_sizes(cost, devices: int) -> list[int]:

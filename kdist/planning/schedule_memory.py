@@ -17,6 +17,16 @@ loss, then the vjp of both, for one microbatch:
   with ``remat=False``, what a program without the loop keeps): :data:`SCAN_EXTRA` adds
   the difference per block; with ``seq`` and ``context_parallel="all_gather"``, every
   block's gathered keys and values too;
+* **a MoE model's experts** under an ``expert`` axis: one microbatch's dispatch buffers
+  and expert rows through the chunk's MoE layers
+  (:func:`kdist.planning.experts.activation_bytes`), and per MoE layer of the chunk
+  what the scan's vjp keeps beside them: the layer's expert weights in their **whole
+  shape** — each device's experts padded with zeros (:func:`kdist.parallel.experts.
+  as_whole`, in the scan's body) are a residual of the loop, ``4 P_e / L`` bytes, not the
+  device's ``1/e`` — and one more ``F``-wide value per row (the SwiGLU's sigmoid, as
+  :data:`SCAN_EXTRA` for a dense MLP). Measured on the compiled 1F1B gpt-nano-moe step
+  (``expert=2,stage=2,data=2``, batch 16 x 64): 2, 4 layers per stage and 2 or 4
+  microbatches: 0.955-0.985 of the peak (0.77-0.79 without these two terms);
 * **the head**: the cost model's logits and their gradient, and a third logits-sized
   buffer (the log-softmax, which XLA:CPU keeps beside them: three 1.5 GiB buffers at
   gpt2-small's peak);
@@ -40,6 +50,7 @@ from __future__ import annotations
 from typing import Any
 
 from kdist.parallel.pipeline import interpreter, schedules
+from kdist.planning import experts
 
 # Per block and token, the values a scan's vjp keeps beyond the cost model's ``False``
 # set (see the module docstring): 2 more of width D, 4 more of the MLP's width.
@@ -68,6 +79,17 @@ def memory(cost: Any, parts: dict[str, float], mesh: dict[str, int], rows: float
     extra = 0.0 if remat else value_bytes * layers * sum(
         n * (config.get(k) or 0) for k, n in SCAN_EXTRA.items())
     residuals = (parts["block_activations"] / (s * repeats) + extra) * per_micro / m
+    # A MoE model's: one microbatch's dispatch buffers and expert rows through the chunk's
+    # MoE layers (kdist.planning.experts; its experts whole in shape one layer at a time).
+    found = getattr(cost, "experts", None)
+    e = mesh.get("expert", 1)
+    if found:
+        chunk = found.layers / (s * repeats)
+        residuals += experts.activation_bytes(cost, per_micro, value_bytes, remat, e, m,
+                                              layers=chunk)
+        if e > 1:  # what the scan's vjp keeps beside them: see the module docstring
+            residuals += chunk * (4 * found.parameters / found.layers + value_bytes * experts.rows(
+                found, per_micro, e) * found.expert_dim / m)
     if seq > 1 and context_parallel == "all_gather":
         residuals += gathered_kv_bytes(dims, rows / microbatches, sequence_length, m,
                                        value_bytes, 1 if remat else layers)
@@ -79,7 +101,7 @@ def memory(cost: Any, parts: dict[str, float], mesh: dict[str, int], rows: float
     head_weights = 2 * 4 * (parts["table_parameters"] + parts["other_parameters"]) / m
     # The carry's accumulator of the stage's blocks' gradient (under fsdp, with the
     # weights gathered whole: the caller's ``gathered``).
-    block_gradient = 4 * parts["block_parameters"] / (s * m) if mesh.get("fsdp", 1) == 1 \
-        else 0.0
+    block_gradient = (4 * experts.stage_block_values(parts, e) / (s * m)
+                      if mesh.get("fsdp", 1) == 1 else 0.0)
     return {"activations": residuals + head + through,
             "pipeline": head_weights + block_gradient}

@@ -17,6 +17,12 @@ micro-step (``B / g / (d f) x T``) and ``D`` the width:
   (gathered once); the blocks' activations ``/ S``, times ``(R M + S - 1) / (R M)`` (bubble
   iterations keep theirs too); the head's ``/ S`` (or ``/ m``); the schedule's buffers
   (inputs, outputs, circular store) ``~ n D x 4`` each;
+* experts (a MoE model with an ``expert`` axis ``e``, which splits the rows as data
+  does): the routed experts' weights, Adam's state and gradient ``/ (S e f m)``
+  (:func:`kdist.planning.experts.stage_block_values`); the dispatch and combine
+  all-to-alls of one microbatch's buffer at every pass of a MoE layer; the 1F1B
+  schedules' experts' activations: :mod:`kdist.planning.schedule_memory` (GPipe's are
+  not checked, and ``auto`` does not propose GPipe with ``expert``);
 * bytes: one microbatch activation ``n / M x D`` per iteration to the next stage, forward
   and backward (``collective-permute``); the outputs' and the inputs' cotangent summed over
   stages once (``all-reduce``); the stage's weights gathered over fsdp once and their
@@ -37,6 +43,7 @@ from typing import Any
 
 from kdist.parallel.pipeline import interpreter, schedules
 from kdist.parallel.pipeline.settings import bubble_fraction
+from kdist.planning import experts
 
 TIMELINE_TICKS = 48  # the longest schedule `kdist plan` draws
 
@@ -72,7 +79,8 @@ def split(cost: Any, sequence_length: int, value_bytes: int, remat: bool) -> dic
     of the rest (the head's activations are counted with the table)."""
     rest = without_blocks(cost)
     if rest is None:  # no per-layer figures: treat everything as blocks
-        return {"block_parameters": float(cost.parameters), "table_parameters": 0.0,
+        return {"block_parameters": float(cost.parameters), "routed_parameters": 0.0,
+                "table_parameters": 0.0,
                 "other_parameters": 0.0, "block_activations": cost.activation_bytes_per_token(
                     sequence_length, value_bytes, remat), "other_activations": 0.0}
     total = cost.activation_bytes_per_token(sequence_length, value_bytes, remat)
@@ -84,9 +92,15 @@ def split(cost: Any, sequence_length: int, value_bytes: int, remat: bool) -> dic
     table = rows * c.get("hidden_dim", 0) * (1 if c.get("tie_embeddings", True) else 2)
     table = min(table, rest.parameters)
     return {"block_parameters": float(cost.parameters - rest.parameters),
+            "routed_parameters": float(experts.routed_parameters(cost)),
             "table_parameters": float(table),
             "other_parameters": float(rest.parameters - table),
             "block_activations": total - other, "other_activations": other}
+
+
+def _moe_layers(cost: Any) -> int:
+    found = getattr(cost, "experts", None)
+    return found.layers if found else 0
 
 
 def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_length: int,
@@ -100,20 +114,26 @@ def memory(cost: Any, mesh: dict[str, int], global_batch_size: int, sequence_len
     from kdist.planning.traffic import gathered_kv_bytes
 
     d, s, f, m = _sizes(mesh)
-    seq = mesh.get("seq", 1)
+    seq, e = mesh.get("seq", 1), mesh.get("expert", 1)
     dims = dims or {}
     micro = microbatches or s
     parts = split(cost, sequence_length if seq == 1 else 1, value_bytes, remat)
     v = vocab_stages(mesh)
-    weights = 4 * (parts["block_parameters"] / (s * f * m) + parts["table_parameters"]
+    blocks = experts.stage_block_values(parts, e)  # a stage's, whole over fsdp and model
+    weights = 4 * (blocks / (s * f * m) + parts["table_parameters"]
                    / (v * f * m) + parts["other_parameters"] / (f * m))
-    rows = global_batch_size / grad_accum / (d * f)
+    rows = global_batch_size / grad_accum / (d * f * e)  # expert splits the rows as data
     tokens = rows * sequence_length / seq
     stretch = (repeats * micro + s - 1) / (repeats * micro)
-    gathered = 2 * 4 * parts["block_parameters"] / (s * m) if f > 1 else 0.0
+    gathered = 2 * 4 * blocks / (s * m) if f > 1 else 0.0
     if schedule == "gpipe":  # every iteration's activations, kept for the backward scan
         activations = (parts["block_activations"] / s * stretch
                        + parts["other_activations"] / v) * tokens / m
+        # (a MoE model's dispatch buffers and expert rows per iteration: GPipe x expert
+        # is not proposed by the search: the compiled step holds ~2.1 x this estimate)
+        activations += experts.activation_bytes(
+            cost, tokens / micro, value_bytes, remat, e, m,
+            layers=micro * stretch * _moe_layers(cost) / s)
         if seq > 1 and context_parallel == "all_gather":
             layers = 1 if remat else dims["num_layers"] / s * stretch
             activations += gathered_kv_bytes(dims, rows, sequence_length, m, value_bytes,
@@ -162,15 +182,16 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
     from kdist.planning.traffic import Traffic, context_terms, needs_dimensions
 
     d, s, f, m = _sizes(mesh)
-    seq = mesh.get("seq", 1)
+    seq, e = mesh.get("seq", 1), mesh.get("expert", 1)
     hidden_dim, num_layers = dims.get("hidden_dim", 0), dims.get("num_layers", 0)
     micro = microbatches or s
     parts = split(cost, sequence_length, value_bytes, False)
     v = vocab_stages(mesh)
-    pb = parts["block_parameters"]
+    pb = experts.stage_block_values(parts, e)  # a device's experts: 1/e of the routed ones
+    routed = parts["routed_parameters"] / e
     po = parts["other_parameters"] + parts["table_parameters"] / v
     g = gradient_bytes or parameter_bytes
-    rows = micro_batch / (d * f)
+    rows = micro_batch / (d * f * e)  # expert splits the rows as data does
     tokens = rows * sequence_length / seq
     iterations = repeats * micro + s - 1
     per_stage = num_layers // (repeats * s)  # blocks a stage applies per iteration
@@ -183,9 +204,12 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
                                                                          + gpipe * 2 * po / m)),
         Traffic("reduce-scatter", ("fsdp",), _ring(f) * g * (pb / (s * m) + gpipe * po / m)),
         # (the interpreter's head: below)
-        Traffic("all-reduce", ("data", "seq"),
-                2 * _ring(d * seq) * g * (pb / (s * f * m)
-                                          + (po / (f * m) if schedule == "gpipe" else 0))),
+        # (the routed experts' over data x seq, the other weights' over expert too)
+        Traffic("all-reduce", ("data", "seq"), 2 * _ring(d * seq) * g * routed / (s * f * m)),
+        Traffic("all-reduce", ("data", "expert", "seq") if e > 1 else ("data", "seq"),
+                2 * _ring(d * e * seq) * g * (
+                    (pb - routed) / (s * f * m)
+                    + (po / (f * m) if schedule == "gpipe" else 0))),
         # GPipe: the stages' output (and, vocabulary over stages, the embedding's output and
         # the head's input gradient) summed over stages; the interpreter: only the
         # embedding's gradient, from stage 0 (the head runs inside, on the last stage).
@@ -200,8 +224,9 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
         head = parts["other_parameters"] + parts["table_parameters"]
         terms += [Traffic("all-gather", ("stage", "fsdp"),
                           _ring(f * v) * parameter_bytes * head / m),
-                  Traffic("all-reduce", ("stage", "data", "fsdp", "seq"),
-                          2 * _ring(s * d * f * seq) * g * head / m)]
+                  Traffic("all-reduce", ("stage", "data", "fsdp", "seq")
+                          + (("expert",) if e > 1 else ()),
+                          2 * _ring(s * d * f * e * seq) * g * head / m)]
     needs_dimensions(dims, mesh, activations)
     # Layer passes of a stage's blocks: GPipe's scan, a forward and a backward at every
     # iteration (the bubble's too, on zeros); the interpreter, those its tasks run.
@@ -210,6 +235,12 @@ def collective_terms(cost: Any, mesh: dict[str, int], micro_batch: float,
         from kdist.planning.executed import passes
 
         forwards, backwards = passes(schedules.build(schedule, s, micro, repeats))
+    found = getattr(cost, "experts", None)
+    if activations and found and e > 1:  # per pass of a MoE layer: dispatch and combine
+        # (a backward: their transposes), each of one microbatch's (E, C, D) buffer
+        buffer = experts.rows(found, tokens / micro, e) * hidden_dim * value_bytes
+        terms.append(Traffic("all-to-all", ("expert",), 2 * _ring(e) * buffer * (
+            forwards + backwards) * found.layers / (repeats * s)))
     if activations and m > 1:  # tensor parallel inside each stage, as the estimate counts
         terms.append(Traffic("all-reduce", ("model",),
                              2 * 2 * _ring(m) * activation * (forwards + backwards) * per_stage

@@ -337,6 +337,10 @@ TABLE: list[Row] = [
     trains("expert=2,data=4", "gpt", config="moe-bias", gradient_reduction="float32"),
     trains("expert=2,fsdp=4", "llama", config="moe", gradient_reduction="int8",
            tolerance="8bit"),
+    # ... and in a 1F1B pipeline's stages (each stage its layers' statistics, the same on
+    # every device of the rows: typed so when they leave the schedule)
+    trains("expert=2,stage=2,data=2", "gpt", config="moe-pipeline", rows=16,
+           pipeline_schedule="1f1b", gradient_reduction="float32"),
     # --- a variant's own rule: zero-bubble's mixed ticks x ring attention's permutes ----
     refused("stage=2,seq=2,data=2", "zero_bubble x ring",
             "pipeline_schedule='zero_bubble' runs ticks that mix .* Use "

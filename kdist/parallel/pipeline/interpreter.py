@@ -215,7 +215,7 @@ class Carry(NamedTuple):
 
 
 def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, data=None,
-              shared=None, every_stage=False, statistics=None):
+              shared=None, every_stage=False, statistics=None, loss_axes=None):
     """One device's part of ``program`` (inside a ``shard_map`` with ``stage`` manual).
 
     ``stage_fn(chunk_weights, x, data_m, chunk)`` applies this device's layers of model
@@ -238,6 +238,10 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
     device that splits the rows, so counted once) and statistics of those shapes (not
     differentiated), both counted once per microbatch (at its ``B``, or ``I``) — and the
     result gains the statistics' sum over microbatches as a fifth element, this device's.
+    ``loss_axes``: the axes besides ``stage`` over which the caller sums the devices'
+    losses (default: every axis the inputs vary over). A layers' loss the same on several
+    of them is divided among them; over an axis an enclosing region reduces (kdist's
+    per-device loss averages over its batch axes) each device keeps the whole value.
     """
     table = program.table
     S, v = table.stages, table.chunks
@@ -265,7 +269,8 @@ def interpret(program: Program, stage_fn, loss_fn, weights, loss_weights, xm, da
         # The same on every device splitting the rows (and tokens): the step's loss sums
         # over them (schedule_region), so each holds its share; the cotangent 1 each gets
         # is summed back (the typing's transpose) to 1 for the one value.
-        copies = math.prod(jax.lax.axis_size(a) for a in varying - {AXIS}
+        summed = varying if loss_axes is None else set(loss_axes) & varying
+        copies = math.prod(jax.lax.axis_size(a) for a in summed - {AXIS}
                            - set(varying_axes(loss)))
         return y, to_varying(loss.astype(jnp.float32), varying) / copies, stats
 

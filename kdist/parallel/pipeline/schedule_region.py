@@ -80,13 +80,14 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
         weights = [reduction.gather(w, plan) for w, plan in zip(weights, plans)]
         loss, d_w, d_lw, d_xm, *stats = interpret(
             program, stage_fn, loss_fn, weights, loss_weights, xm, data, shared, every_stage,
-            statistics)
+            statistics, loss_axes=partial)
         loss = jax.lax.psum(loss, everything)
         d_w = [reduction.reduce(g, plan) for g, plan in zip(d_w, plans)]
         d_lw = jax.tree.map(lambda g: jax.lax.psum(g, everything), d_lw)
         # Each stage its layers' rows; the same on every device of a stage (the layers sum
-        # their statistics over the rows' devices), hence the max over those: exact.
-        stats = jax.tree.map(lambda a: _same_over(jax.lax.psum(a, AXIS), partial), stats)
+        # their statistics over the rows' devices, also those an enclosing region made
+        # manual: kdist's per-device loss), hence the max over them: exact.
+        stats = jax.tree.map(lambda a: _same_over(jax.lax.psum(a, AXIS)), stats)
         return loss, d_w, d_lw, sum_over_stage(d_xm), *stats
 
     lw_specs = jax.tree.map(lambda _: P(), loss_weights)
@@ -101,10 +102,10 @@ def value_and_grad(table, stage_fn, loss_fn, weights, loss_weights, xm, data=Non
     return (loss, (d_w, d_lw, d_xm), *stats)
 
 
-def _same_over(a, axes):
-    """``a``, equal on every device of ``axes`` but typed as varying over some of them, as
-    typed invariant (their max: exact)."""
-    over = tuple(x for x in axes if x in region.varying_axes(a))
+def _same_over(a):
+    """``a``, equal on every device but typed as varying over some manual axes, as typed
+    invariant (their max: exact)."""
+    over = tuple(sorted(region.varying_axes(a)))
     return jax.lax.pmax(a, over) if over else a
 
 
