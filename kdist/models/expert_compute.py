@@ -49,8 +49,8 @@ def blocked(x, group_sizes, kernels, block: int = 128, precision: str = "bf16"):
     all), each block through its expert's weights gathered for it (batched matmuls). Exact
     (padding rows are dropped); for XLA:CPU, which runs ``ragged_dot`` as a dense matmul
     over every expert with a mask (E x the FLOPs): measured 6.7x faster there, forward and
-    backward, at gpt-nano-moe's shape (A 8192, D 256, F 336, E 8). Under an 8-bit
-    ``precision`` each block's three products are quantized
+    backward, at the first gpt-nano-moe's shape (A 8192, D 256, F 336, E 8). Under an 8-bit
+    ``precision`` each block's products are quantized
     (:func:`kdist.parallel.experts.batched_matmul`): its weight gradient scaled over the
     block's rows."""
     a, d = x.shape

@@ -115,7 +115,7 @@ class GPTCostModel(CostModel):
         return Experts(self._moe_blocks(), moe["num_experts"], moe.get("experts_per_token", 2),
                        d, f, moe.get("capacity_factor"),
                        self._moe_blocks() * self._expert_matrices() * d * f * moe["num_experts"],
-                       self._expert_matrices())
+                       self._expert_matrices(), f * moe.get("shared_experts", 0))
 
     @property
     def active_parameters(self) -> int:
