@@ -14,7 +14,9 @@ class Experts(NamedTuple):
     ``layers`` MoE blocks of ``num_experts`` E experts, ``experts_per_token`` k each token
     goes to, ``hidden_dim`` D and ``expert_dim`` F, the ``capacity_factor`` (None:
     dropless), and ``parameters``: the routed experts' weights in every MoE block (what the
-    ``expert`` mesh axis splits; the router and shared experts are not among them)."""
+    ``expert`` mesh axis splits; the router and shared experts are not among them);
+    ``matrices``: each expert's, 3 (SwiGLU: gate, up, down) or 2 (GELU: up, down);
+    ``shared_dim``: the shared experts' summed width (0: none)."""
 
     layers: int
     num_experts: int
@@ -23,6 +25,8 @@ class Experts(NamedTuple):
     expert_dim: int
     capacity_factor: float | None
     parameters: int
+    matrices: int = 3
+    shared_dim: int = 0
 
 
 class CostModel(abc.ABC):

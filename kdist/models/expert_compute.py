@@ -5,16 +5,18 @@ Shapes: N tokens, D hidden, E experts, k experts per token, F each expert's widt
 N x k assignments, C an expert's capacity. Dropless sorts the assignments by expert and
 runs each expert's contiguous group through its weights: grouped matmuls
 (``jax.lax.ragged_dot``) on accelerators, blocks of one expert's rows on a CPU and for
-8-bit matmuls (:func:`swiglu_blocked`). The capacity path fills a fixed ``(E, C, D)``
+8-bit matmuls (:func:`blocked`). The capacity path fills a fixed ``(E, C, D)``
 buffer, the shape the ``expert`` axis' all-to-all moves (:mod:`kdist.parallel.experts`).
-:class:`kdist.models.moe.MoEFeedForward` chooses between them.
+:class:`kdist.models.moe.MoEFeedForward` chooses between them. ``kernels``: the experts'
+stacked weights, ``(gate, up, down)`` (SwiGLU) or ``(up, down)`` (GELU)
+(:func:`kdist.parallel.experts.expert_mlp`).
 
 Example:
     >>> import numpy as np
     >>> tokens = np.ones((4, 8), "float32")
     >>> experts = np.array([[0, 1], [1, 0], [0, 1], [1, 0]], "int32")
     >>> w = [np.full(s, 0.1, "float32") for s in ((2, 8, 4), (2, 8, 4), (2, 4, 8))]
-    >>> dropless(tokens, experts, expert_counts(experts, 2), *w).shape
+    >>> dropless(tokens, experts, expert_counts(experts, 2), w).shape
     (4, 2, 8)
 """
 
@@ -27,29 +29,28 @@ from kdist.parallel.experts import (
     capacity,
     dispatch_slots,
     expert_counts,  # noqa: F401 (the example's)
+    expert_mlp,
+    experts_batched,
     from_buffer,
-    swiglu_batched,
     to_buffer,
 )
 
 
-def swiglu_grouped(x, group_sizes, gate, up, down):
+def grouped(x, group_sizes, kernels):
     """Each group of rows of ``x (A, D)`` (sorted by expert; ``group_sizes (E,)``) through
-    its expert: ``down_e(silu(x gate_e) * (x up_e))`` -> ``(A, D)``, grouped matmuls."""
-    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes))  # (A, F)
-    h = h * jax.lax.ragged_dot(x, up, group_sizes)
-    return jax.lax.ragged_dot(h, down, group_sizes)  # (A, D)
+    its expert (e.g. ``down_e(silu(x gate_e) * (x up_e))``) -> ``(A, D)``, grouped
+    matmuls."""
+    return expert_mlp(x, kernels, lambda a, w: jax.lax.ragged_dot(a, w, group_sizes))
 
 
-def swiglu_blocked(x, group_sizes, gate, up, down, block: int = 128,
-                   precision: str = "bf16"):
-    """:func:`swiglu_grouped` by blocks of ``block`` rows of one expert each: every group
+def blocked(x, group_sizes, kernels, block: int = 128, precision: str = "bf16"):
+    """:func:`grouped` by blocks of ``block`` rows of one expert each: every group
     padded with zero rows to a multiple of ``block`` (at most ``E x (block - 1)`` rows in
     all), each block through its expert's weights gathered for it (batched matmuls). Exact
     (padding rows are dropped); for XLA:CPU, which runs ``ragged_dot`` as a dense matmul
     over every expert with a mask (E x the FLOPs): measured 6.7x faster there, forward and
-    backward, at gpt-nano-moe's shape (A 8192, D 256, F 336, E 8). Under an 8-bit
-    ``precision`` each block's three products are quantized
+    backward, at the first gpt-nano-moe's shape (A 8192, D 256, F 336, E 8). Under an 8-bit
+    ``precision`` each block's products are quantized
     (:func:`kdist.parallel.experts.batched_matmul`): its weight gradient scaled over the
     block's rows."""
     a, d = x.shape
@@ -67,33 +68,31 @@ def swiglu_blocked(x, group_sizes, gate, up, down, block: int = 128,
     # fails inside a shard_map region (a DiLoCo group's; JAX 0.10).
     owner = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(blocks) * block)[:, None],
                                 axis=1), e - 1)
-    h = swiglu_batched(xb, gate[owner], up[owner], down[owner], precision)  # (blocks, b, D)
+    h = experts_batched(xb, [w[owner] for w in kernels], precision)  # (blocks, b, D)
     return h.reshape(-1, d)[row]  # (A, D)
 
 
-def dropless(tokens, experts, counts, gate, up, down, precision: str = "bf16"):
+def dropless(tokens, experts, counts, kernels, precision: str = "bf16"):
     """``tokens (N, D)``, ``experts (N, k)`` -> every assignment's expert output
     ``(N, k, D)``: assignments sorted by expert, grouped matmuls (``ragged_dot``; blocks on
-    a CPU, :func:`swiglu_blocked`), unsorted."""
+    a CPU, :func:`blocked`), unsorted."""
     n, k = experts.shape
     order = jnp.argsort(experts.reshape(-1), stable=True)  # (A,): grouped by expert
     # Blocks on a CPU, and for 8-bit matmuls (no quantized ragged_dot); not for Keras'
     # symbolic shape inference.
     if isinstance(n, int) and (jax.default_backend() == "cpu" or precision != "bf16"):
-        sorted_out = swiglu_blocked(tokens[order // k], counts, gate, up, down,
-                                    precision=precision)  # (A, D)
+        sorted_out = blocked(tokens[order // k], counts, kernels, precision=precision)  # (A, D)
     else:
-        sorted_out = swiglu_grouped(tokens[order // k], counts, gate, up, down)
+        sorted_out = grouped(tokens[order // k], counts, kernels)
     return sorted_out[jnp.argsort(order)].reshape(n, k, -1)  # back to token order
 
 
-def capacity_limited(tokens, experts, counts, gate, up, down, factor: float,
+def capacity_limited(tokens, experts, counts, kernels, factor: float,
                      precision: str = "bf16"):
     """The capacity path: ``(N, k, D)`` expert outputs (zeros where dropped) and the
     number of dropped assignments."""
     n, k = experts.shape
     slots = capacity(n * k, counts.size, factor)
     slot = dispatch_slots(experts, counts, slots)
-    out = swiglu_batched(to_buffer(tokens, slot, k, counts.size, slots), gate, up, down,
-                         precision)
+    out = experts_batched(to_buffer(tokens, slot, k, counts.size, slots), kernels, precision)
     return from_buffer(out, slot, k), jnp.sum(slot == counts.size * slots)

@@ -84,17 +84,23 @@ class GPTCostModel(CostModel):
         moe = self.config.get("moe")
         return 0 if not moe else self.config["num_layers"] // moe.get("every", 1)
 
+    def _expert_matrices(self) -> int:
+        """Each expert's ``D x F`` matrices: 3 SwiGLU (gate, up, down), 2 GELU (up, down)."""
+        return 2 if self.config["moe"].get("activation") == "gelu" else 3
+
     def _moe_weights(self, experts: int) -> int:
         """A MoE layer's weights with ``experts`` routed experts: the router, the experts'
-        SwiGLU (3 D x F each) and the shared experts' (no biases)."""
+        (3 D x F each SwiGLU, 2 GELU) and the shared experts' (no biases)."""
         d, moe = self.config["hidden_dim"], self.config["moe"]
         f = moe.get("expert_dim") or self.config["intermediate_dim"]
-        return d * moe["num_experts"] + 3 * d * f * (experts + moe.get("shared_experts", 0))
+        return d * moe["num_experts"] + self._expert_matrices() * d * f * (
+            experts + moe.get("shared_experts", 0))
 
     @property
     def experts(self) -> Experts | None:
         """The routed experts (None for a dense model): ``parameters`` is ``3 D F E`` per MoE
-        block (``gate``, ``up`` ``(E, D, F)`` and ``down`` ``(E, F, D)``).
+        block (``gate``, ``up`` ``(E, D, F)`` and ``down`` ``(E, F, D)``; GELU experts
+        ``2 D F E``, no gate).
 
         Example:
             >>> from kdist.models import GPT_PRESETS, GPTBackbone
@@ -108,7 +114,8 @@ class GPTCostModel(CostModel):
         f = moe.get("expert_dim") or self.config["intermediate_dim"]
         return Experts(self._moe_blocks(), moe["num_experts"], moe.get("experts_per_token", 2),
                        d, f, moe.get("capacity_factor"),
-                       self._moe_blocks() * 3 * d * f * moe["num_experts"])
+                       self._moe_blocks() * self._expert_matrices() * d * f * moe["num_experts"],
+                       self._expert_matrices(), f * moe.get("shared_experts", 0))
 
     @property
     def active_parameters(self) -> int:
@@ -130,7 +137,8 @@ class GPTCostModel(CostModel):
 
     def flops_per_token(self, sequence_length: int, causal_half: bool = True):
         """As a dense model's, a MoE block's MLP FLOPs replaced by its active experts'
-        (k routed plus the shared, ``2 x 3 D F`` each) and the router's ``2 D E``."""
+        (k routed plus the shared, ``2 x 3 D F`` each, GELU's ``2 x 2 D F``) and the router's
+        ``2 D E``."""
         c = self.config
         dense = self._dense_flops(sequence_length, causal_half)
         if not self._moe_blocks():

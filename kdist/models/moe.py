@@ -1,4 +1,5 @@
-"""A Mixture-of-Experts feed-forward layer: routed SwiGLU experts, dropless by default.
+"""A Mixture-of-Experts feed-forward layer: routed SwiGLU (or GELU) experts, dropless by
+default.
 
 Shapes: N tokens (B x T flattened), D hidden, E experts, k experts per token, F each
 expert's width, C an expert's capacity (the capacity path), A = N x k assignments.
@@ -44,7 +45,7 @@ from kdist.models.router import ROUTERS, load_balance_loss, route, z_loss
 from kdist.models.scan import LayerStack, in_microbatches, stacking_default
 from kdist.parallel import experts as experts_module
 from kdist.parallel import region
-from kdist.parallel.experts import expert_counts
+from kdist.parallel.experts import expert_counts, expert_mlp
 from kdist.parallel.layout import check_divisible
 from kdist.parallel.mesh import batch_axes
 from kdist.parallel.rules import add_weight
@@ -55,7 +56,8 @@ from kdist.precision.policy import check as check_precision
 MOE_DEFAULTS = dict(num_experts=None, experts_per_token=2, expert_dim=None, every=1,
                     router="softmax", shared_experts=0, capacity_factor=None,
                     aux_loss_weight=0.01, z_loss_weight=0.001, balance_bias_rate=0.0,
-                    renormalize=True, routed_scale=1.0)
+                    renormalize=True, routed_scale=1.0, activation="swiglu")
+EXPERT_ACTIVATIONS = ("swiglu", "gelu")  # kdist.parallel.experts.expert_mlp
 
 
 class MoEStats(NamedTuple):
@@ -102,6 +104,10 @@ def check_moe(moe: dict | None, num_layers: int, intermediate_dim: int,
         raise ValueError(f"moe['experts_per_token']={k!r} must be an int in [1, num_experts="
                          f"{experts}]: a token cannot choose more experts than exist. Lower "
                          f"experts_per_token or raise num_experts.")
+    if moe["activation"] not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"moe['activation']={moe['activation']!r} is unknown; use one of "
+                         f"{EXPERT_ACTIVATIONS} ('swiglu': Mixtral's gated experts; 'gelu': "
+                         f"a GPT MLP's, two matrices).")
     if moe["router"] not in ROUTERS:
         raise ValueError(f"moe['router']={moe['router']!r} is unknown; use one of {ROUTERS}.")
     if not isinstance(moe["renormalize"], bool):
@@ -164,16 +170,16 @@ def _batch_sum():
 
 @keras.saving.register_keras_serializable(package="kdist")
 class MoEFeedForward(layers.Layer):
-    """Routed SwiGLU experts (optionally plus always-on shared experts) in place of a
-    block's MLP.
+    """Routed experts (optionally plus always-on shared experts) in place of a block's
+    MLP: SwiGLU (Mixtral, Qwen, DeepSeek) or GELU (Switch Transformer; a GPT MLP's form).
 
     Args:
         num_experts: E routed experts.
         experts_per_token: k experts each token goes to.
         expert_dim: F, each expert's width.
         router: ``"softmax"`` (Mixtral) or ``"sigmoid"`` (DeepSeek-V3), :mod:`router`.
-        shared_experts: experts every token goes through (DeepSeek, Qwen2-MoE): one SwiGLU
-            of width ``shared_experts x expert_dim`` (weights ``shared_gate``,
+        shared_experts: experts every token goes through (DeepSeek, Qwen2-MoE): one MLP
+            of width ``shared_experts x expert_dim`` (weights ``shared_gate`` (SwiGLU),
             ``shared_up`` ``(D, S)``, ``shared_down`` ``(S, D)``).
         capacity_factor: None (dropless) or the capacity path's factor (module docstring).
         aux_loss_weight: coefficient of the load-balance loss added in training.
@@ -187,15 +193,19 @@ class MoEFeedForward(layers.Layer):
         routed_scale: the routed experts' weighted sum multiplied by this (DeepSeek-V2/V3's
             ``routed_scaling_factor``; shared experts are not scaled). Renormalised top-k
             weights sum to 1, so the k experts' output is their weighted mean: 1/k of a
-            dense SwiGLU of the same active width at uniform weights. Default 1.
+            dense MLP of the same active width at uniform weights. Default 1.
+        activation: ``"swiglu"`` (default; weights ``gate``, ``up``, ``down``) or
+            ``"gelu"`` (``down(gelu(x up))``, GPT-2's tanh form, no biases: the experts of
+            a GPT block's MLP, two matrices each; :func:`kdist.parallel.experts.expert_mlp`).
         matmul_precision: ``"bf16"`` (default), ``"int8"`` or ``"fp8"``: the experts' (and
-            shared experts') three matmuls quantized forward and backward, each expert
+            shared experts') matmuls quantized forward and backward, each expert
             scaled per token and per output channel (:mod:`kdist.precision`); the router
             stays float32.
         initializer_range, output_initializer_range: as :class:`MLP`'s.
 
-    Weights: ``router (D, E)``; ``gate``, ``up`` ``(E, D, F)`` and ``down`` ``(E, F, D)``
-    with the logical axis ``expert`` first (sharded over the ``expert`` mesh axis).
+    Weights: ``router (D, E)``; ``gate`` (SwiGLU), ``up`` ``(E, D, F)`` and ``down``
+    ``(E, F, D)`` with the logical axis ``expert`` first (sharded over the ``expert`` mesh
+    axis); :attr:`kernels` lists them in :func:`~kdist.parallel.experts.expert_mlp`'s order.
 
     Example:
         >>> layer = MoEFeedForward(num_experts=4, experts_per_token=1, expert_dim=8,
@@ -211,13 +221,15 @@ class MoEFeedForward(layers.Layer):
                  z_loss_weight: float = 0.001, initializer_range: float = 0.02,
                  output_initializer_range: float | None = None,
                  balance_bias_rate: float = 0.0, renormalize: bool = True,
-                 matmul_precision: str = "bf16", routed_scale: float = 1.0, **kwargs):
+                 matmul_precision: str = "bf16", routed_scale: float = 1.0,
+                 activation: str = "swiglu", **kwargs):
         super().__init__(**kwargs)
         self.matmul_precision = check_precision(matmul_precision)
         check_moe(dict(num_experts=num_experts, experts_per_token=experts_per_token,
                        router=router, capacity_factor=capacity_factor,
                        balance_bias_rate=balance_bias_rate, renormalize=renormalize,
-                       routed_scale=routed_scale), 1, expert_dim)
+                       routed_scale=routed_scale, activation=activation), 1, expert_dim)
+        self.activation = activation
         self.renormalize = renormalize
         self.routed_scale = routed_scale
         self.num_experts = num_experts
@@ -239,20 +251,22 @@ class MoEFeedForward(layers.Layer):
                                                 or self.initializer_range)
         self.router_kernel = add_weight(self, "router", (d, e), ("embed", None),
                                         initializer=normal(stddev=std))
+        gated = self.activation == "swiglu"
         self.gate = add_weight(self, "gate", (e, d, f), ("expert", "embed", "mlp"),
-                               initializer=normal(stddev=std))
+                               initializer=normal(stddev=std)) if gated else None
         self.up = add_weight(self, "up", (e, d, f), ("expert", "embed", "mlp"),
                              initializer=normal(stddev=std))
         self.down = add_weight(self, "down", (e, f, d), ("expert", "mlp", "embed"),
                                initializer=normal(stddev=out_std))
-        self.shared = None  # DeepSeek's shared experts: one SwiGLU of their summed width
+        self.shared = None  # DeepSeek's shared experts: one MLP of their summed width
         if self.shared_experts:
             s = self.shared_experts * f
             self.shared = [add_weight(self, name, shape, axes, initializer=normal(stddev=sd))
                            for name, shape, axes, sd in (
                                ("shared_gate", (d, s), ("embed", "mlp"), std),
                                ("shared_up", (d, s), ("embed", "mlp"), std),
-                               ("shared_down", (s, d), ("mlp", "embed"), out_std))]
+                               ("shared_down", (s, d), ("mlp", "embed"), out_std))
+                           if gated or name != "shared_gate"]
         # Statistics of the last batch, for logs (not trained, not part of the function).
         self.load = add_weight(self, "expert_load", (e,), ("expert",), initializer="zeros",
                                trainable=False, dtype="float32")
@@ -261,17 +275,20 @@ class MoEFeedForward(layers.Layer):
         # DeepSeek-V3's balance bias: part of the routing (saved, restored), not trained.
         # Replicated: every device chooses with the same bias, updated from the global
         # load. Only when on, so that a model without it keeps its variables unchanged.
-        self.balance_bias = None
-        if self.balance_bias_rate:
-            self.balance_bias = add_weight(self, "balance_bias", (e,), (None,),
-                                           initializer="zeros", trainable=False,
-                                           dtype="float32")
+        self.balance_bias = add_weight(self, "balance_bias", (e,), (None,), initializer="zeros",
+                                       trainable=False, dtype="float32"
+                                       ) if self.balance_bias_rate else None
+
+    @property
+    def kernels(self) -> list:
+        """``[gate, up, down]`` (SwiGLU) or ``[up, down]`` (GELU): ``expert_mlp``'s order."""
+        return [w for w in (self.gate, self.up, self.down) if w is not None]
 
     def forward(self, x):
         """``(..., D) -> ((..., D), MoEStats)``, pure: nothing recorded (see module)."""
         shape = ops.shape(x)
         tokens = ops.reshape(x, (-1, shape[-1]))  # (N, D)
-        kernels = [ops.cast(w, x.dtype) for w in (self.gate, self.up, self.down)]
+        kernels = [ops.cast(w, x.dtype) for w in self.kernels]
         logits = ops.matmul(ops.cast(tokens, "float32"),
                             ops.cast(self.router_kernel, "float32"))  # (N, E) float32
         bias = None if self.balance_bias is None else ops.cast(self.balance_bias, "float32")
@@ -281,21 +298,20 @@ class MoEFeedForward(layers.Layer):
         # over the 'expert' mesh axis (kdist.parallel.experts), in the activations' layout
         parallel = experts_module.dispatch(
             x, ops.reshape(experts, (*shape[:-1], self.experts_per_token)),
-            *self._region_weights(kernels), self.capacity_factor, self.matmul_precision)
+            self._region_weights(kernels), self.capacity_factor, self.matmul_precision)
         if parallel is not None:
             out, dropped = parallel[0].reshape(experts.shape + (shape[-1],)), parallel[1]
         elif self.capacity_factor is None or not isinstance(tokens.shape[0], int):
             # (Keras' symbolic shape inference: no capacity of an unknown batch; same shape)
-            out, dropped = (dropless(tokens, experts, counts, *kernels, self.matmul_precision),
+            out, dropped = (dropless(tokens, experts, counts, kernels, self.matmul_precision),
                             jnp.zeros((), "int32"))
         else:
-            out, dropped = capacity_limited(tokens, experts, counts, *kernels,
+            out, dropped = capacity_limited(tokens, experts, counts, kernels,
                                             self.capacity_factor, self.matmul_precision)
         y = jnp.einsum("nkd,nk->nd", out, (weights * self.routed_scale).astype(out.dtype))
         y = ops.reshape(y, shape)
         if self.shared is not None:  # (..., D) -> (..., S) -> (..., D), every token
-            gate, up, down = (ops.cast(w, x.dtype) for w in self.shared)
-            y = y + self._matmul(ops.silu(self._matmul(x, gate)) * self._matmul(x, up), down)
+            y = y + expert_mlp(x, [ops.cast(w, x.dtype) for w in self.shared], self._matmul)
         # In kdist's per-device loss (gradient_reduction) this device holds its rows only:
         # the batch's counts and sums, so that losses, load and bias are the batch's.
         sums = _batch_sum()  # None where the arrays here are the batch's
@@ -320,7 +336,7 @@ class MoEFeedForward(layers.Layer):
         if jax.default_backend() != "cpu":
             return kernels
         with _keras_compat.no_autocast():
-            return [ops.convert_to_tensor(w) for w in (self.gate, self.up, self.down)]
+            return [ops.convert_to_tensor(w) for w in self.kernels]
 
     def _matmul(self, x, w):
         if self.matmul_precision == "bf16":
@@ -388,7 +404,8 @@ class MoEFeedForward(layers.Layer):
                 "initializer_range": self.initializer_range,
                 "output_initializer_range": self.output_initializer_range,
                 "balance_bias_rate": self.balance_bias_rate, "renormalize": self.renormalize,
-                "matmul_precision": self.matmul_precision, "routed_scale": self.routed_scale}
+                "matmul_precision": self.matmul_precision, "routed_scale": self.routed_scale,
+                "activation": self.activation}
 
 
 def statistics(model) -> list[tuple[str, int, object, object, int | None]]:

@@ -30,15 +30,18 @@ GPT_PRESETS: dict[str, dict] = {
     ),
 }
 
-# Mixture of Experts on gpt-nano's width (kdist.models.moe): 8 SwiGLU experts of width 336,
-# each token through 2: 2 x 3 x 256 x 336 = 516,096 active expert weights per block, about
-# gpt-nano's 524,288 (its 1024-wide GELU MLP, 2 x 256 x 1024); 4x the MLP weights in all.
-# Dropless. routed_scale=4: the two renormalised weights sum to 1, so unscaled the routed
-# output is the two experts' mean, half a dense SwiGLU of the same active width, and under
-# the dense model's Adam steps it learns half as fast (docs/moe.md, "Preset": measured).
+# Mixture of Experts on gpt-nano's width (kdist.models.moe): its 1024-wide GELU MLP (2 x 256
+# x 1024 = 524,288 weights) replaced by experts of the same form (GELU, no biases) and the
+# same active weights: 16 fine-grained routed experts of width 128, each token through 4
+# (4 x 2 x 256 x 128), and one always-on shared expert of 512 (shared_experts=4: 2 x 256 x
+# 512); the routed weights 4x those a token uses. Dropless. routed_scale=4: the four
+# renormalised weights sum to 1, so unscaled the routed part is the experts' mean, a quarter
+# of what it adds as one MLP of their width. Each choice measured against gpt-nano at
+# equal tokens (docs/moe.md, "Preset").
 GPT_PRESETS["gpt-nano-moe"] = dict(
     GPT_PRESETS["gpt-nano"],
-    moe=dict(num_experts=8, experts_per_token=2, expert_dim=336, routed_scale=4.0),
+    moe=dict(num_experts=16, experts_per_token=4, expert_dim=128, shared_experts=4,
+             routed_scale=4.0, activation="gelu"),
 )
 
 # Llama-style decoders: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases.

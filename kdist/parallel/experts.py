@@ -25,7 +25,7 @@ tuned capacity); a ``capacity_factor`` gets ``ceil(factor x n x k / E)`` per sou
 :data:`TRANSFORM` is the axis's entry in the step: it refuses a model without experts.
 
 Example:
-    >>> out, dropped = expert_parallel_outputs(tokens, experts, gate, up, down, mesh,
+    >>> out, dropped = expert_parallel_outputs(tokens, experts, (gate, up, down), mesh,
     ...                                        "expert", slots=16)  # doctest: +SKIP
 """
 
@@ -78,10 +78,30 @@ def batched_matmul(x, w, precision: str = "bf16"):
     return jax.vmap(lambda a, b: quantized.matmul(a, b, 1, precision))(x, w)
 
 
-def swiglu_batched(x, gate, up, down, precision: str = "bf16"):
-    """``x (E, C, D)``: each expert's buffer through its own weights -> ``(E, C, D)``."""
-    h = jax.nn.silu(batched_matmul(x, gate, precision)) * batched_matmul(x, up, precision)
-    return batched_matmul(h, down, precision)
+def expert_mlp(x, kernels, matmul):
+    """The experts' MLP, with ``matmul(x, w)`` the product of each (stacked) kernel:
+    ``(gate, up, down)``: SwiGLU, ``down(silu(x gate) * (x up))`` (Mixtral, Qwen,
+    DeepSeek); ``(up, down)``: GELU, ``down(gelu(x up))`` (GPT-2's tanh form: the
+    Switch Transformer's experts, a GPT block's MLP without biases).
+
+    Example:
+        >>> w = jnp.full((4, 2), 0.5)
+        >>> expert_mlp(jnp.ones((1, 4)), (w, w.T), jnp.matmul).shape  # GELU: (up, down)
+        (1, 4)
+    """
+    if len(kernels) == 3:
+        gate, up, down = kernels
+        h = jax.nn.silu(matmul(x, gate)) * matmul(x, up)
+    else:
+        up, down = kernels
+        h = jax.nn.gelu(matmul(x, up), approximate=True)
+    return matmul(h, down)
+
+
+def experts_batched(x, kernels, precision: str = "bf16"):
+    """``x (E, C, D)``: each expert's buffer through its own weights (``kernels``:
+    :func:`expert_mlp`'s, stacked ``(E, ...)``) -> ``(E, C, D)``."""
+    return expert_mlp(x, kernels, lambda a, w: batched_matmul(a, w, precision))
 
 
 def dispatch_slots(experts, counts, slots: int):
@@ -129,7 +149,7 @@ def _return(outputs, axis: str, devices: int):
     return back.reshape(devices * local, c, d)
 
 
-def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, slots: int,
+def expert_parallel_outputs(tokens, experts, kernels, mesh, axis: str, slots: int,
                             token_axes: tuple[str, ...] | None = None,
                             seq_axis: str | None = None, precision: str = "bf16"):
     """Every assignment's expert output ``(..., k, D)`` and the dropped count, with the
@@ -137,7 +157,8 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
     their experts ``(..., k)`` split over ``token_axes`` along their first axis (default
     ``(axis,)``; the batch's axes, in its layout's order, so that the rows enter as they
     lie) and over ``seq_axis`` along their second (``(B, T, D)`` tokens of sequences split
-    over ``seq``). ``slots``: C per expert and source device.
+    over ``seq``). ``kernels``: the experts' stacked weights (:func:`expert_mlp`'s).
+    ``slots``: C per expert and source device.
 
     The region is manual over ``token_axes`` (and ``seq_axis``), those of them still
     automatic where it is traced (:func:`kdist.parallel.region.shard_map`: in a DiLoCo
@@ -145,7 +166,7 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
     weight's shards over the other batch axes (fsdp's) are gathered on the way in, as XLA
     gathers them for a matmul, and its gradient summed over them on the way out
     (``shard_map``'s transpose)."""
-    devices, num_experts = mesh.shape[axis], gate.shape[0]
+    devices, num_experts = mesh.shape[axis], kernels[0].shape[0]
     # in a pipeline's stage or kdist's per-device loss: this device's experts, in zeros
     whole = axis in region.current().manual
     if num_experts % devices:
@@ -157,31 +178,31 @@ def expert_parallel_outputs(tokens, experts, gate, up, down, mesh, axis: str, sl
     split_tokens = (seq_axis,) if seq_axis in automatic else ()  # the sequence's split
     k = experts.shape[-1]
 
-    def local(tokens, experts, gate, up, down):  # (b[, t], D), (b[, t], k): this device's
+    def local(tokens, experts, kernels):  # (b[, t], D), (b[, t], k): this device's
         # Typed as varying with the rows before the cast: the gradient is summed over the
         # batch's axes (the cast's transpose) in the dtype the weights came in (float32
         # on a CPU: kdist.models.moe), and a quantized matmul's custom VJP gets operands
         # of one type.
         if whole:  # this device's experts, where as_whole put them
             start = jax.lax.axis_index(axis) * (num_experts // devices)
-            gate, up, down = (jax.lax.dynamic_slice_in_dim(w, start, num_experts // devices)
-                              for w in (gate, up, down))
-        gate, up, down = (region.to_varying(w, region.varying_axes(tokens)).astype(tokens.dtype)
-                          for w in (gate, up, down))
+            kernels = [jax.lax.dynamic_slice_in_dim(w, start, num_experts // devices)
+                       for w in kernels]
+        kernels = [region.to_varying(w, region.varying_axes(tokens)).astype(tokens.dtype)
+                   for w in kernels]
         leading = tokens.shape[:-1]
         tokens, experts = tokens.reshape(-1, tokens.shape[-1]), experts.reshape(-1, k)
         slot = dispatch_slots(experts, expert_counts(experts, num_experts), slots)  # (n k,)
         buffer = _exchange(to_buffer(tokens, slot, k, num_experts, slots), axis, devices)
-        outputs = _return(swiglu_batched(buffer, gate, up, down, precision), axis, devices)
+        outputs = _return(experts_batched(buffer, kernels, precision), axis, devices)
         dropped = jax.lax.psum(jnp.sum(slot == num_experts * slots),
                                (*token_axes, *split_tokens))
         return from_buffer(outputs, slot, k).reshape(*leading, k, -1), dropped
 
     rows, split = P(token_axes, *split_tokens), P(None if whole else axis)
     return region.shard_map(local, mesh=mesh, axes={*token_axes, *split_tokens},
-                            in_specs=(rows, rows, split, split, split),
+                            in_specs=(rows, rows, [split] * len(kernels)),
                             out_specs=(rows, P()), batch_axes=token_axes)(
-        tokens, experts, gate, up, down)
+        tokens, experts, list(kernels))
 
 
 def as_whole(value, shape):
@@ -209,7 +230,7 @@ def as_whole(value, shape):
     return jax.lax.dynamic_update_slice_in_dim(jnp.zeros(shape, value.dtype), value, start, d)
 
 
-def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None,
+def dispatch(tokens, experts, kernels, capacity_factor: float | None,
              precision: str = "bf16"):
     """``(..., k, D)`` expert outputs and the dropped count over the active distribution's
     ``expert`` axis, or None when it has none or cannot split the rows over the batch's
@@ -230,9 +251,9 @@ def dispatch(tokens, experts, gate, up, down, capacity_factor: float | None,
     per_device = splits * (sizes[seq] if seq else 1)
     k = experts.shape[-1]
     n = math.prod(experts.shape[:-1]) // per_device  # tokens per device
-    slots = n * k if capacity_factor is None else capacity(n * k, gate.shape[0],
+    slots = n * k if capacity_factor is None else capacity(n * k, kernels[0].shape[0],
                                                             capacity_factor)
-    return expert_parallel_outputs(tokens, experts, gate, up, down,
+    return expert_parallel_outputs(tokens, experts, kernels,
                                    dist.device_mesh.backend_mesh, "expert", slots, token_axes,
                                    seq, precision)
 

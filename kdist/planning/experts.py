@@ -26,7 +26,7 @@ Example:
     >>> from kdist.planning.estimate import cost_model_of
     >>> ex = cost_model_of("gpt-nano-moe").experts
     >>> rows(ex, 128, expert_axis=2), rows(ex, 128, expert_axis=1)  # E n k, n k
-    (2048, 256)
+    (8192, 512)
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def activation_bytes(cost, tokens: float, value_bytes: int, remat,
     """What the MoE layers add to the dense cost model's activations on a device of
     ``tokens`` tokens, in bytes. Per MoE layer kept for the backward pass: the rows
     each expert received ``R x D`` (R: :func:`rows`), its gate and up projections and
-    their SwiGLU product ``R x 3F``, and the ``n k x D`` outputs the router's weights
-    combine; plus, once, what one layer's backward holds beside them: the ``(E, C, D)``
+    their SwiGLU product ``R x 3F`` (GELU experts: ``R x 2F``), the ``n k x D`` outputs the
+    router's weights combine, and the shared experts' as a dense MLP's of their width;
+    plus, once, what one layer's backward holds beside them: the ``(E, C, D)``
     buffers in flight (the one sent and the one received, ``2 R x D``) and the gradients
     of its three ``R x F`` intermediates (``3 R x F``; without them the compiled
     ``expert=2,data=4`` gpt-nano-moe step of 2 layers, batch 16 x 64, was 0.90 of its
@@ -91,15 +92,20 @@ def activation_bytes(cost, tokens: float, value_bytes: int, remat,
     if not experts or not tokens:
         return 0.0
     c = getattr(cost, "config", {})
-    f_mlp = c.get("intermediate_dim", 0)
-    dense_mlp = f_mlp * (2 if c.get("mlp_activation") == "swiglu" else 1)
-    dense_mlp += f_mlp if remat in (False, True, "block") else 0  # cost model's `everything`
+    kept = remat in (False, True, "block")  # the cost model's `everything`: activations too
+
+    def mlp(width, gated):  # a dense MLP's values per token (the cost model's count)
+        return width * (2 if gated else 1) + (width if kept else 0)
+
+    dense_mlp = mlp(c.get("intermediate_dim", 0), c.get("mlp_activation") == "swiglu")
+    shared_mlp = mlp(experts.shared_dim, experts.matrices == 3)
     r, m = rows(experts, tokens, expert_axis), model_axis
-    d, f = experts.hidden_dim, experts.expert_dim
-    per_layer = (r * (d * (1 if m == 1 else 3) + 3 * f / m)
-                 + tokens * experts.experts_per_token * d - tokens * dense_mlp / m)
+    d, f, n = experts.hidden_dim, experts.expert_dim, experts.matrices
+    per_layer = (r * (d * (1 if m == 1 else 3) + n * f / m)
+                 + tokens * experts.experts_per_token * d
+                 + tokens * (shared_mlp - dense_mlp) / m)
     layers = 1 if remat in (True, "block") else experts.layers if layers is None else layers
-    backward = r * (2 * d + 3 * f / m)
+    backward = r * (2 * d + n * f / m)
     return value_bytes * (layers * per_layer + backward)
 
 

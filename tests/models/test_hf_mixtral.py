@@ -112,6 +112,8 @@ def test_config_mapping_and_refusals():
     assert mixtral.matches(shared) == ["moe['shared_experts']=1 (Mixtral: 0)"]
     scaled = {**kdist_config, "moe": {**kdist_config["moe"], "routed_scale": 2.0}}
     assert mixtral.matches(scaled) == ["moe['routed_scale']=2.0 (Mixtral: 1.0)"]
+    gelu = {**kdist_config, "moe": {**kdist_config["moe"], "activation": "gelu"}}
+    assert mixtral.matches(gelu) == ["moe['activation']='gelu' (Mixtral: 'swiglu')"]
     assert "moe=... (Llama: a dense MLP)" in kdist.models.hf.llama.matches(kdist_config)
 
 

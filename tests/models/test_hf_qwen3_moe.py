@@ -123,6 +123,8 @@ def test_config_mapping_and_refusals():
     assert qwen3_moe.matches(shared) == ["moe['shared_experts']=1 (Qwen3-MoE: 0)"]
     scaled = {**full, "moe": {**full["moe"], "routed_scale": 2.0}}
     assert qwen3_moe.matches(scaled) == ["moe['routed_scale']=2.0 (Qwen3-MoE: 1.0)"]
+    gelu = {**full, "moe": {**full["moe"], "activation": "gelu"}}
+    assert qwen3_moe.matches(gelu) == ["moe['activation']='gelu' (Qwen3-MoE: 'swiglu')"]
     not_mixtral = mixtral.matches(full)
     assert {"head_dim=24 (Llama: hidden_dim / num_heads = 16)", "qk_norm=True (Llama: no "
             "query/key norms)", "moe['every']=2 (Mixtral: 1)"} <= set(not_mixtral)

@@ -36,8 +36,9 @@ def dense_reference(params, x, k, router="softmax", shared=None, kept=None, chos
     """Every expert on every token, weighted by the router (zero for unchosen experts) times
     ``scale`` (``routed_scale``; the shared experts unscaled);
     ``kept (N, k)``: which assignments the capacity let through; ``chosen (N, k)``: the
-    experts (when differentiating: the choice is discrete, found on concrete values)."""
-    router_kernel, gate, up, down = params
+    experts (when differentiating: the choice is discrete, found on concrete values).
+    ``params``: the router's kernel and the experts' (gate, up, down), or (up, down): GELU."""
+    router_kernel, *kernels = params
     tokens = x.reshape(-1, x.shape[-1])
     logits = tokens @ router_kernel  # (N, E)
     scores = jax.nn.softmax(logits) if router == "softmax" else jax.nn.sigmoid(logits)
@@ -52,29 +53,41 @@ def dense_reference(params, x, k, router="softmax", shared=None, kept=None, chos
         top = top / top.sum(-1, keepdims=True)
     weights = top * mask * scale
     y = 0
-    for e in range(gate.shape[0]):
-        y = y + weights[:, e:e + 1] * ((_silu(tokens @ gate[e]) * (tokens @ up[e])) @ down[e])
+    for e in range(kernels[0].shape[0]):
+        y = y + weights[:, e:e + 1] * _mlp(tokens, [w[e] for w in kernels])
     if shared is not None:
-        g, u, dn = shared
-        y = y + (_silu(tokens @ g) * (tokens @ u)) @ dn
+        y = y + _mlp(tokens, shared)
     return y.reshape(x.shape), chosen
 
 
+def _mlp(x, kernels):  # SwiGLU's (gate, up, down) or GELU's (up, down), written out
+    if len(kernels) == 3:
+        gate, up, down = kernels
+        return (_silu(x @ gate) * (x @ up)) @ down
+    up, down = kernels
+    h = x @ up
+    return (0.5 * h * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))) @ down
+
+
 def _params(layer):
-    return [jnp.asarray(w) for w in (layer.router_kernel, layer.gate, layer.up, layer.down)]
+    return [jnp.asarray(w) for w in (layer.router_kernel, *layer.kernels)]
 
 
-@pytest.mark.parametrize("router,k,shared,scale", [("softmax", 2, 0, 1.0),
-                                                   ("sigmoid", 3, 1, 2.5)])
-def test_dropless_equals_every_expert_weighted_by_the_router(router, k, shared, scale):
+@pytest.mark.parametrize("router,k,shared,scale,activation", [
+    ("softmax", 2, 0, 1.0, "swiglu"), ("sigmoid", 3, 1, 2.5, "swiglu"),
+    ("softmax", 2, 1, 2.0, "gelu")])
+def test_dropless_equals_every_expert_weighted_by_the_router(router, k, shared, scale,
+                                                             activation):
     layer = _layer(experts_per_token=k, router=router, shared_experts=shared,
-                   routed_scale=scale)
+                   routed_scale=scale, activation=activation)
     x = _x()
     shared_params = None if not shared else [jnp.asarray(w) for w in layer.shared]
     expected, _ = dense_reference(_params(layer), x, k, router, shared_params, scale=scale)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(x)), expected,
                                rtol=1e-5, atol=1e-6)
-    assert MoEFeedForward.from_config(layer.get_config()).routed_scale == scale
+    again = MoEFeedForward.from_config(layer.get_config())
+    assert (again.routed_scale, again.activation) == (scale, activation)
+    assert len(layer.kernels) == (3 if activation == "swiglu" else 2)
 
 
 def test_unrenormalised_weights_are_the_routers_probabilities():
@@ -92,12 +105,14 @@ def test_unrenormalised_weights_are_the_routers_probabilities():
     assert MoEFeedForward.from_config(config).get_config() == config
 
 
-def test_gradients_equal_the_dense_reference():
-    layer = _layer(experts_per_token=2)
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_gradients_equal_the_dense_reference(activation):
+    layer = _layer(experts_per_token=2, activation=activation)
     x, cotangent = _x(seed=1), _x(seed=2)
 
     def moe_loss(params, x):
-        values = dict(zip(("router", "gate", "up", "down"), params))
+        values = dict(zip(["router"] + [w.path.rsplit("/", 1)[-1] for w in layer.kernels],
+                          params))
         trainable = [values[v.path.rsplit("/", 1)[-1]] for v in layer.trainable_variables]
         y, _ = layer.stateless_call(trainable, [v.value for v in
                                                 layer.non_trainable_variables], x)
@@ -112,6 +127,25 @@ def test_gradients_equal_the_dense_reference():
     want = jax.grad(reference_loss, argnums=(0, 1))(_params(layer), x)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.abs(w).max()))
+
+
+def test_one_gelu_expert_is_a_gpt_mlp_without_biases():
+    """GELU experts are a GPT block's MLP: one expert, top-1, equals ``MLP("gelu")`` with
+    the expert's weights (no biases) on every token."""
+    from kdist.models.layers import MLP
+
+    layer = MoEFeedForward(num_experts=1, experts_per_token=1, expert_dim=F,
+                           activation="gelu")
+    layer.build((None, None, D))
+    mlp = MLP(intermediate_dim=F, activation="gelu", use_bias=False)
+    mlp.build((None, None, D))
+    mlp.up.kernel.assign(layer.up[0])
+    mlp.down.kernel.assign(layer.down[0])
+    x = _x()
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(x)),
+                               keras.ops.convert_to_numpy(mlp(x)), rtol=1e-5, atol=1e-6)
+    assert layer.gate is None and [w.path.rsplit("/", 1)[-1] for w in layer.weights] == [
+        "router", "up", "down", "expert_load", "dropped_tokens"]
 
 
 def test_capacity_equals_dropless_when_nothing_overflows():
@@ -195,6 +229,7 @@ def test_config_round_trips_and_places_moe_blocks():
     ({"num_experts": 4, "renormalize": 0}, "renormalize"),
     ({"num_experts": 4, "routed_scale": 0}, "routed_scale"),
     ({"num_experts": 4, "routed_scale": True}, "routed_scale"),
+    ({"num_experts": 4, "activation": "relu"}, "activation"),
 ])
 def test_wrong_moe_configs_are_refused(moe, message):
     with pytest.raises(ValueError, match=message):
@@ -271,12 +306,12 @@ def test_int8_experts_are_quantized_like_projections_each_expert_its_own():
     kernels = [rng.normal(size=s).astype("float32") * 0.3
                for s in ((E, D, F), (E, D, F), (E, F, D))]
     counts = jnp.zeros((E,), jnp.int32).at[experts.reshape(-1)].add(1)
-    blocked = dropless(tokens, experts, counts, *kernels, precision="int8")
-    padded, dropped = capacity_limited(tokens, experts, counts, *kernels, factor=float(E),
+    blocked = dropless(tokens, experts, counts, kernels, precision="int8")
+    padded, dropped = capacity_limited(tokens, experts, counts, kernels, factor=float(E),
                                        precision="int8")
     assert int(dropped) == 0
     np.testing.assert_allclose(blocked, padded, rtol=1e-5, atol=1e-6)
-    unquantized = dropless(tokens, experts, counts, *kernels)
+    unquantized = dropless(tokens, experts, counts, kernels)
     assert 0 < np.abs(blocked - unquantized).max() < 0.05 * np.abs(unquantized).max()
 
 
@@ -308,16 +343,18 @@ def test_a_rematerialised_moe_block_trains_like_one_that_keeps_everything():
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 
 
-def test_blocked_grouped_matmul_equals_ragged_dot_with_an_empty_expert():
-    from kdist.models.expert_compute import swiglu_blocked, swiglu_grouped
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "gelu"])
+def test_blocked_grouped_matmul_equals_ragged_dot_with_an_empty_expert(gated):
+    from kdist.models.expert_compute import blocked, grouped
 
     rng = np.random.default_rng(3)
     x = rng.normal(size=(40, D)).astype("float32")
     weights = [rng.normal(size=s).astype("float32") for s in ((E, D, F), (E, D, F), (E, F, D))]
+    weights = weights if gated else weights[1:]  # (gate, up, down) or GELU's (up, down)
     sizes = jnp.asarray([13, 0, 20, 7], "int32")  # groups of sorted rows; expert 1 empty
-    want = swiglu_grouped(x, sizes, *weights)
+    want = grouped(x, sizes, weights)
     for block in (4, 128):
-        np.testing.assert_allclose(swiglu_blocked(x, sizes, *weights, block=block), want,
+        np.testing.assert_allclose(blocked(x, sizes, weights, block=block), want,
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -335,6 +372,17 @@ def test_cost_model_counts_every_weight_and_the_active_ones():
     # the router (2 D E) in.
     change = 2 * (2 * 3 * d * 24 * 3 + 2 * d * experts - 2 * 2 * d * TINY_GPT["intermediate_dim"])
     assert moe.forward - dense.forward == change
+
+
+def test_the_cost_model_counts_gelu_experts_two_matrices_each():
+    config = dict(TINY_GPT, moe={"num_experts": 4, "expert_dim": 24, "activation": "gelu",
+                                 "shared_experts": 1})
+    cost = GPTCausalLM.cost_model_for(config)
+    assert cost.parameters == sum(int(np.prod(w.shape))
+                                  for w in GPTBackbone(**config).trainable_weights)
+    d, layers = TINY_GPT["hidden_dim"], TINY_GPT["num_layers"]
+    assert cost.experts.parameters == layers * 2 * d * 24 * 4 and cost.experts.matrices == 2
+    assert cost.parameters - cost.active_parameters == layers * 2 * 2 * d * 24  # 2 unchosen
 
 
 def test_the_cost_model_names_the_moe_preset_not_its_dense_twin():

@@ -71,6 +71,9 @@ CONFIGS = {
     "deep-dropout": {**TINY_GPT, "num_layers": 8, "scan_layers": True, "dropout": 0.1},
     # Mixture of Experts (kdist.models.moe): 8 small experts, top-2, dropless, every block.
     "moe": {"moe": {"num_experts": 8, "experts_per_token": 2, "expert_dim": 32}},
+    # ... GELU experts (a GPT MLP's form, two matrices: up, down) and a shared expert
+    "moe-gelu": {"moe": {"num_experts": 8, "experts_per_token": 2, "expert_dim": 32,
+                         "activation": "gelu", "shared_experts": 1}},
     # ... with DeepSeek-V3's balance bias: the same choices on every device (global load).
     "moe-bias": {"moe": {"num_experts": 8, "experts_per_token": 2, "expert_dim": 32,
                          "balance_bias_rate": 0.01}},
@@ -309,7 +312,7 @@ TABLE: list[Row] = [
     trains("expert=2,data=4", "gpt", config="moe-bias"),
     trains("expert=4,fsdp=2", "llama", config="moe", layouts=True),
     trains("data=2,fsdp=2,model=2", "gpt", config="moe", layouts=True),  # no expert axis
-    trains("expert=2,model=2,data=2", "gpt", config="moe", layouts=True),
+    trains("expert=2,model=2,data=2", "gpt", config="moe-gelu", layouts=True),
     trains("expert=4,fsdp=2", "gpt", config="moe-scanned"),
     trains("expert=2,fsdp=4", "llama", config="moe", tolerance="bfloat16"),  # mixed precision
     trains("expert=2,data=4", "gpt", config={**CONFIGS["moe"], "matmul_precision": "int8"},

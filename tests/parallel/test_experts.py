@@ -13,13 +13,14 @@ from kdist.parallel.experts import expert_parallel_outputs
 N, K, E, D, F = 64, 2, 8, 16, 8
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, gated=True):
+    """Tokens, their experts and SwiGLU experts' ``(gate, up, down)`` (GELU's ``(up, down)``)."""
     rng = np.random.default_rng(seed)
     tokens = rng.normal(size=(N, D)).astype("float32")
     experts = np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype("int32")
     weights = [rng.normal(size=s).astype("float32") * 0.3
                for s in ((E, D, F), (E, D, F), (E, F, D))]
-    return tokens, experts, weights
+    return tokens, experts, weights if gated else weights[1:]
 
 
 def _mesh(devices):
@@ -27,12 +28,13 @@ def _mesh(devices):
                          devices=jax.devices()[:devices])
 
 
-def test_all_to_all_dispatch_equals_dropless_when_nothing_overflows(devices=8):
-    tokens, experts, weights = _inputs()
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "gelu"])
+def test_all_to_all_dispatch_equals_dropless_when_nothing_overflows(gated, devices=8):
+    tokens, experts, weights = _inputs(gated=gated)
     slots = N // devices * K  # a device's every assignment could go to one expert
-    out, dropped = expert_parallel_outputs(tokens, experts, *weights, _mesh(devices),
+    out, dropped = expert_parallel_outputs(tokens, experts, weights, _mesh(devices),
                                            "expert", slots)
-    want = dropless(tokens, experts, expert_counts(jnp.asarray(experts), E), *weights)
+    want = dropless(tokens, experts, expert_counts(jnp.asarray(experts), E), weights)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     assert int(dropped) == 0  # (gradients: the harness's expert rows compare Adam's moments)
 
@@ -40,12 +42,12 @@ def test_all_to_all_dispatch_equals_dropless_when_nothing_overflows(devices=8):
 def test_overflow_drops_per_source_device_and_is_counted():
     tokens, experts, weights = _inputs(1)
     devices, slots = 2, 3
-    out, dropped = expert_parallel_outputs(tokens, experts, *weights, _mesh(devices),
+    out, dropped = expert_parallel_outputs(tokens, experts, weights, _mesh(devices),
                                            "expert", slots)
     # Each device's half of the tokens is a capacity-limited layer of its own.
     half, factor = N // devices, slots * E / (N // devices * K)
     parts = [capacity_limited(tokens[i:i + half], experts[i:i + half],
-                              expert_counts(jnp.asarray(experts[i:i + half]), E), *weights,
+                              expert_counts(jnp.asarray(experts[i:i + half]), E), weights,
                               factor) for i in (0, half)]
     np.testing.assert_allclose(out, np.concatenate([p[0] for p in parts]), rtol=1e-5,
                                atol=1e-6)
@@ -55,7 +57,7 @@ def test_overflow_drops_per_source_device_and_is_counted():
 def test_experts_not_divisible_by_the_axis_refused():
     tokens, experts, weights = _inputs()
     with pytest.raises(ValueError, match="divisible"):
-        expert_parallel_outputs(tokens, experts, *[w[:6] for w in weights], _mesh(4),
+        expert_parallel_outputs(tokens, experts, [w[:6] for w in weights], _mesh(4),
                                 "expert", 16)
 
 

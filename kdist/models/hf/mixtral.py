@@ -80,7 +80,8 @@ def matches(config: dict) -> list[str]:
     if not config.get("moe"):
         return wrong + ["moe=None (Mixtral: routed experts)"]
     moe = full_moe(config)
-    want = dict(router="softmax", shared_experts=0, every=1, renormalize=True, routed_scale=1.0)
+    want = dict(router="softmax", shared_experts=0, every=1, renormalize=True, routed_scale=1.0,
+                activation="swiglu")
     return wrong + [f"moe['{k}']={moe[k]!r} (Mixtral: {v!r})" for k, v in want.items()
                     if moe[k] != v]
 

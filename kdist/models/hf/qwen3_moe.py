@@ -112,7 +112,7 @@ def matches(config: dict) -> list[str]:
     if not config.get("moe"):
         return wrong + [f"moe=None ({NAME}: routed experts)"]
     moe = mixtral.full_moe(config)
-    want = dict(router="softmax", shared_experts=0, routed_scale=1.0)
+    want = dict(router="softmax", shared_experts=0, routed_scale=1.0, activation="swiglu")
     return wrong + [f"moe['{k}']={moe[k]!r} ({NAME}: {v!r})" for k, v in want.items()
                     if moe[k] != v]
 
