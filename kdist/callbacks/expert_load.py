@@ -3,7 +3,7 @@
 - ``ExpertLoad``: in the epoch's logs (the progress bar, ``CSVLogger``'s log.csv,
   TensorBoard): over every MoE layer, the smallest and largest expert's share of the last
   training batch's assignments (balanced: both 1/E) and the assignments the capacity
-  dropped (0 when dropless). Per layer: :func:`kdist.models.moe.expert_load`. It reads the
+  dropped (0 when dropless). Per layer: :func:`kdist.models.moe_load.expert_load`. It reads the
   model's variables once per epoch end (a state sync on JAX), never per batch.
 - :class:`IntervalExpertLoad`: per MoE layer, in each interval row of
   :class:`kdist.callbacks.Throughput`'s ``throughput.jsonl``, read from the trainer's live
@@ -24,7 +24,8 @@ import keras
 import numpy as np
 
 from kdist import _keras_compat
-from kdist.models.moe import MoEFeedForward, expert_load, statistics  # noqa: F401 (examples)
+from kdist.models.moe import MoEFeedForward  # noqa: F401 (examples)
+from kdist.models.moe_load import expert_load, statistics
 
 
 class ExpertLoad(keras.callbacks.Callback):

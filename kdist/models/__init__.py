@@ -13,8 +13,9 @@
 ``chunked_attention``           attention over key chunks with an online softmax (plain JAX)
 ``embeddings``, ``rope``        token and position embeddings; rotary positions
 ``losses``                      the fused (chunked) cross-entropy
-``moe``, ``router``             Mixture of Experts: routed SwiGLU experts, routers and
-                                load-balance losses
+``moe``, ``router``             Mixture of Experts: routed SwiGLU or GELU experts, routers
+                                and load-balance losses
+``moe_load``                    where MoE layers keep their last batch's load; reading it
 ``expert_compute``              the experts' compute: dropless (grouped or blocked) or a
                                 capacity buffer
 ``scan``, ``stacking``          ``LayerStack`` (blocks as one scan; a pipeline's stack);

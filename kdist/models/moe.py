@@ -39,10 +39,9 @@ import keras
 from keras import layers, ops
 
 from kdist import _keras_compat
-from kdist.models import stacking
 from kdist.models.expert_compute import capacity_limited, dropless
 from kdist.models.router import ROUTERS, load_balance_loss, route, z_loss
-from kdist.models.scan import LayerStack, in_microbatches, stacking_default
+from kdist.models.scan import in_microbatches, stacking_default
 from kdist.parallel import experts as experts_module
 from kdist.parallel import region
 from kdist.parallel.experts import expert_counts, expert_mlp
@@ -407,53 +406,3 @@ class MoEFeedForward(layers.Layer):
                 "matmul_precision": self.matmul_precision, "routed_scale": self.routed_scale,
                 "activation": self.activation}
 
-
-def statistics(model) -> list[tuple[str, int, object, object, int | None]]:
-    """Where each MoE layer of ``model`` keeps its last batch's load: ``(path, experts,
-    load variable, dropped variable, index)`` — an unstacked layer's own variables
-    (``index`` None), or, for each layer of a scanned stack
-    (:class:`~kdist.models.scan.LayerStack`), the stack's ``(L, ...)`` variables and the
-    layer's row in them (its path as the unstacked layer's, ``block_3/moe``).
-
-    Example:
-        >>> layer = MoEFeedForward(num_experts=2, experts_per_token=1, expert_dim=4,
-        ...                        name="moe")
-        >>> _ = layer(keras.ops.ones((1, 4, 8)))
-        >>> [(path, e, index) for path, e, _, _, index in statistics(layer)]
-        [('moe', 2, None)]
-    """
-    found = []
-    for layer in _keras_compat.all_layers(model):
-        if isinstance(layer, MoEFeedForward) and layer.built:
-            found.append((layer.path, layer.num_experts, layer.load, layer.dropped, None))
-        if not (isinstance(layer, LayerStack) and layer.built):
-            continue
-        for inner in _keras_compat.all_layers(layer.block):  # the stack's template block
-            if isinstance(inner, MoEFeedForward):
-                load, dropped = (layer.stacked_state_of(v) for v in (inner.load, inner.dropped))
-                relative = inner.path.split(f"{layer.block.name}/", 1)[-1]  # moe
-                found += [(stacking.unstacked_key(f"{layer.path}/{relative}", i),
-                           inner.num_experts, load, dropped, i)
-                          for i in range(layer.num_layers)]
-    return found
-
-
-def expert_load(model) -> dict[str, dict[str, float]]:
-    """Per MoE layer of ``model`` (by path), the last batch's load: the smallest and largest
-    expert's share of the assignments (balanced: both ``1/E``) and the dropped count.
-    Reads variables: call it between steps (a callback's epoch end), not every batch.
-
-    Example:
-        >>> layer = MoEFeedForward(num_experts=2, experts_per_token=1, expert_dim=4)
-        >>> _ = layer(keras.ops.ones((1, 4, 8)))
-        >>> expert_load(layer)[layer.path]["dropped_tokens"]
-        0.0
-    """
-    found = {}
-    for path, _, load, dropped, index in statistics(model):
-        load, dropped = (ops.convert_to_numpy(v) for v in (load, dropped))
-        if index is not None:
-            load, dropped = load[index], dropped[index]
-        found[path] = {"min_share": float(load.min()), "max_share": float(load.max()),
-                       "dropped_tokens": float(dropped)}
-    return found

@@ -397,11 +397,9 @@ def choose_mesh(model: Any, num_devices: int, device_memory: int, global_batch_s
     def searched(meshes_of):  # a candidate the distribution refuses is never a row
         configs = (checked(config_of(full_mesh({**m, "replica": r}))) for r in groups
                    for m in meshes_of(num_devices // r, global_batch_size // r))
-        # expert x stage: never GPipe (it trains, but its estimate is 0.47 of the compiled
-        # peak: the scan over iterations keeps more of the experts than stages.memory
-        # counts); a MoE model's stages never under kdist's gradient reduction (they
-        # train, but the estimate is 0.78 of the compiled peak on expert=2,stage=2,data=2
-        # and 0.64 on stage=2,data=4: not modelled); the 1F1B schedules' estimate is checked.
+        # Trained, not proposed: expert x GPipe stages (estimate 0.47 of the compiled peak:
+        # the scan keeps more experts than stages.memory counts) and a MoE model's stages
+        # under kdist's gradient reduction (0.64-0.78: not modelled). 1F1B's is checked.
         return [row(config) for config in configs if config is not None
                 and not (config.mesh["stage"] > 1 and (
                     config.mesh["expert"] > 1 and config.schedule == "gpipe"

@@ -326,7 +326,7 @@ def test_each_steps_own_loss_is_logged_and_a_validation_before_fit(tmp_path):
 def test_a_moe_models_expert_load_is_in_each_interval_row_and_the_report(monkeypatch,
                                                                        scan_layers):
     from kdist.models import GPTBackbone, GPTCausalLM
-    from kdist.models.moe import expert_load
+    from kdist.models.moe_load import expert_load
     from kdist.run_report import summarize
 
     model = GPTCausalLM(GPTBackbone(**dict(TINY_GPT, num_layers=1), scan_layers=scan_layers,

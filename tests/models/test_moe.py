@@ -9,7 +9,8 @@ import pytest
 import kdist
 from kdist.models import GPTBackbone, GPTCausalLM
 from kdist.models.expert_compute import capacity_limited, dropless
-from kdist.models.moe import MoEFeedForward, check_moe, expert_load
+from kdist.models.moe import MoEFeedForward, check_moe
+from kdist.models.moe_load import expert_load
 from kdist.models.router import load_balance_loss, z_loss
 from kdist.models.scan import LayerStack
 from tests.helpers import TINY_GPT
